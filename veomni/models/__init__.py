@@ -1,0 +1,4 @@
+from .auto import build_config, build_foundation_model, build_tokenizer
+from .loader import iter_safetensors, load_weights
+
+__all__ = ["build_config", "build_foundation_model", "build_tokenizer", "iter_safetensors", "load_weights"]

@@ -1,0 +1,72 @@
+"""`build_foundation_model` and `build_tokenizer`: HF-format configs, tokenizers and safetensors weights."""
+
+import os
+from typing import Any, Dict, Optional, Union
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from ..utils.logging import get_logger
+from .loader import init_empty_weights, load_weights
+
+logger = get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def to_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def build_config(config_path: str, **config_kwargs) -> PretrainedConfig:
+    if config_path is None:
+        raise ValueError("build_foundation_model needs config_path or weights_path")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"model config not found: {config_path}")
+    return AutoConfig.from_pretrained(config_path, **config_kwargs)
+
+
+def build_tokenizer(tokenizer_path: str, **kwargs):
+    """An HF fast tokenizer from a local folder (tokenizer.json + tokenizer_config.json)."""
+    if tokenizer_path is None or not os.path.exists(tokenizer_path):
+        raise FileNotFoundError(f"tokenizer not found: {tokenizer_path}")
+    return AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
+
+
+def build_foundation_model(
+    config_path: Optional[str] = None,
+    weights_path: Optional[str] = None,
+    init_device: str = "cpu",
+    torch_dtype: Union[str, torch.dtype] = "bfloat16",
+    attn_implementation: Optional[str] = "sdpa",
+    moe_implementation: Optional[str] = None,
+    config_kwargs: Optional[Dict[str, Any]] = None,
+) -> PreTrainedModel:
+    """Build a causal LM from an HF config, loading `weights_path` unless the model is built on `meta`.
+
+    `init_device="meta"` allocates no parameter memory: `build_parallelize_model` materialises the shards and
+    loads the weights (from rank 0, broadcast) afterwards. Without weights the model is initialised from the
+    current torch seed, identically on every rank.
+    """
+    config = build_config(config_path or weights_path, **(config_kwargs or {}))
+    config.use_cache = False  # with a cache, transformers ignores packed position_ids and attends across documents
+    if moe_implementation is not None:
+        config.moe_implementation = moe_implementation
+    dtype = to_dtype(torch_dtype)
+    kwargs = {"attn_implementation": attn_implementation, "dtype": dtype}
+    if init_device == "meta":
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        with torch.device(init_device):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        if weights_path is not None:
+            load_weights(model, weights_path)
+            logger.info(f"loaded weights from {weights_path}")
+    model._veomni_weights_path = weights_path
+    return model

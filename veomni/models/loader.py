@@ -1,0 +1,97 @@
+"""Reading HF safetensors checkpoints (one file or a sharded index), one tensor at a time."""
+
+import contextlib
+import json
+import os
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(weights_path: str) -> List[str]:
+    """The shard files of a checkpoint folder (or the single file given), in a stable order."""
+    if os.path.isfile(weights_path):
+        return [weights_path]
+    index = os.path.join(weights_path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map: Dict[str, str] = json.load(f)["weight_map"]
+        return [os.path.join(weights_path, name) for name in sorted(set(weight_map.values()))]
+    single = os.path.join(weights_path, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(f for f in os.listdir(weights_path) if f.endswith(".safetensors")) if os.path.isdir(weights_path) else []
+    if found:
+        return [os.path.join(weights_path, f) for f in found]
+    raise FileNotFoundError(f"no safetensors weights in {weights_path} (looked for {INDEX_FILE} and {SINGLE_FILE})")
+
+
+def iter_safetensors(weights_path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` shard by shard, so memory is bounded by one tensor, not the model."""
+    for path in safetensors_files(weights_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def init_empty_weights():
+    """Build parameters on the meta device but keep buffers real (RoPE `inv_freq` stays correct)."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module, name, param):
+        original(module, name, param)
+        if param is not None:
+            kwargs = {"requires_grad": param.requires_grad}
+            module._parameters[name] = nn.Parameter(module._parameters[name].to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def tied_parameter_names(model: nn.Module) -> List[str]:
+    """Names that share storage with an earlier parameter (e.g. a tied lm_head): not loaded separately."""
+    seen, tied = {}, []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.append(name)
+        else:
+            seen[id(param)] = name
+    return tied
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, weights_path: str, strict: bool = True) -> None:
+    """Copy a safetensors checkpoint into a materialised (non-meta, non-sharded) model."""
+    state = model.state_dict()
+    tied = set(tied_parameter_names(model))
+    loaded = set()
+    for name, tensor in iter_safetensors(weights_path):
+        if name not in state:
+            if strict and name not in tied:
+                raise KeyError(f"{weights_path}: checkpoint key '{name}' matches no parameter of {type(model).__name__}")
+            continue
+        target = state[name]
+        if target.shape != tensor.shape:
+            raise ValueError(f"{weights_path}: '{name}' has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}")
+        target.copy_(tensor.to(target.dtype))
+        loaded.add(name)
+    missing = [n for n in state if n not in loaded and n not in tied and n not in _non_persistent(model)]
+    if strict and missing:
+        raise KeyError(f"{weights_path}: missing weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _non_persistent(model: nn.Module) -> set:
+    names = set()
+    for prefix, module in model.named_modules():
+        for b in module._non_persistent_buffers_set:
+            names.add(f"{prefix}.{b}" if prefix else b)
+    return names

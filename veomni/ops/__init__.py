@@ -1,0 +1,3 @@
+from .loss import IGNORE_INDEX, causal_lm_loss_sum, count_loss_tokens
+
+__all__ = ["IGNORE_INDEX", "causal_lm_loss_sum", "count_loss_tokens"]

@@ -1,0 +1,254 @@
+"""The training loop of the seed's "Train Loop", made exact for data parallelism.
+
+One optimizer step:
+    micro_batches = next(loader)                       # dataloader_batch_size packed micro-batches
+    N = all_reduce(loss tokens of this step)           # over data-parallel ranks
+    for mb in micro_batches: (sum CE(mb) * dp / N).backward()   # FSDP/DDP average over dp: net sum / N
+    clip (DTensor-aware) -> optimizer.step -> scheduler.step -> zero_grad
+so every token weighs the same whatever the packing, the micro-batch split or the number of ranks.
+"""
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..arguments import save_args
+from ..distributed import clip_grad_norm, get_parallel_state, init_parallel_state
+from ..distributed.torch_parallelize import build_parallelize_model
+from ..models import build_foundation_model
+from ..ops import causal_lm_loss_sum, count_loss_tokens
+from ..optim import build_lr_scheduler, build_optimizer
+from ..utils.device import get_device, get_device_type, synchronize
+from ..utils.logging import get_logger
+from .callbacks import (
+    Callback,
+    LossPlotCallback,
+    MetricsFileCallback,
+    ProgressCallback,
+    TensorBoardCallback,
+    WandbCallback,
+)
+
+logger = get_logger(__name__)
+
+# Keys the collator adds for attention kernels; everything else in a micro-batch goes to the model as is.
+_NOT_MODEL_INPUTS = ("labels",)
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class BaseTrainer:
+    """Builds everything from `args` and runs `fit()`. Subclasses choose the data (`build_dataset`)."""
+
+    def __init__(self, args):
+        self.args = args
+        train = args.train
+        torch.manual_seed(train.seed)
+        if train.enable_full_determinism:
+            torch.use_deterministic_algorithms(True)
+        acc = train.accelerator
+        self.parallel_state = init_parallel_state(
+            dp_size=acc.dp_size,
+            dp_replicate_size=acc.dp_replicate_size,
+            dp_shard_size=acc.dp_shard_size,
+            tp_size=acc.tp_size,
+            pp_size=acc.pp_size,
+            cp_size=acc.cp_size,
+            ulysses_size=acc.ulysses_size,
+            extra_parallel_sizes=acc.extra_parallel_sizes,
+            extra_parallel_placement_innermost=acc.extra_parallel_placement_innermost,
+            extra_parallel_names=acc.extra_parallel_names,
+            mode=acc.fsdp_config.fsdp_mode,
+            async_enabled=acc.enable_async,
+        )
+        self.is_main = self.parallel_state.is_main_process
+        self.device = get_device()
+        self.output_dir = train.checkpoint.output_dir
+        if self.is_main:
+            save_args(args, self.output_dir)
+        self.global_step = 0
+        self.build_model()
+        self.train_dataset = self.build_dataset()
+        self.compute_train_steps()
+        self.train_dataloader = self.build_dataloader()
+        self.build_optimizer()
+        self.callbacks: List[Callback] = self.build_callbacks()
+
+    # ------------------------------------------------------------------------------------------ building
+    def build_model(self) -> None:
+        args = self.args
+        mp = args.train.accelerator.fsdp_config.mixed_precision
+        model = build_foundation_model(
+            config_path=args.model.config_path,
+            weights_path=args.model.model_path,
+            init_device=args.train.init_device,
+            # mixed precision keeps fp32 master weights; without it, bf16 where there is a GPU, fp32 on CPU
+            torch_dtype="float32" if mp.enable or get_device_type() == "cpu" else "bfloat16",
+            attn_implementation=args.model.ops_implementation.attn_implementation,
+            moe_implementation=args.model.ops_implementation.moe_implementation,
+        )
+        fsdp = args.train.accelerator.fsdp_config
+        self.model = build_parallelize_model(
+            model,
+            init_device=args.train.init_device,
+            weights_path=args.model.model_path,
+            enable_full_shard=fsdp.full_shard,
+            enable_reshard_after_forward=fsdp.reshard_after_forward,
+            mixed_precision=fsdp.mixed_precision,
+            enable_gradient_checkpointing=args.train.gradient_checkpointing.enable,
+            enable_fsdp_offload=fsdp.offload,
+            basic_modules=list(set(getattr(model, "_no_split_modules", None) or []) | set(args.model.basic_modules)),
+            enable_reentrant=args.train.gradient_checkpointing.enable_reentrant,
+            enable_forward_prefetch=fsdp.forward_prefetch,
+            broadcast_model_weights_from_rank0=args.train.broadcast_model_weights_from_rank0,
+            max_load_broadcast_size=fsdp.max_load_broadcast_size,
+        )
+        self.model.train()
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.2f}M parameters")
+
+    def build_dataset(self):
+        raise NotImplementedError
+
+    def compute_train_steps(self) -> None:
+        args, dataset = self.args, self.train_dataset
+        length = len(dataset) if hasattr(dataset, "__len__") else None
+        if length is not None and args.data.datasets_type == "mapping":
+            length = length / args.train.accelerator.dp_size
+        args.compute_train_steps(length)
+        self.total_steps = args.train.train_steps * args.train.num_train_epochs
+        logger.info(f"{args.train.train_steps} steps per epoch, {self.total_steps} in total")
+
+    def build_dataloader(self):
+        raise NotImplementedError
+
+    def build_optimizer(self) -> None:
+        opt = self.args.train.optimizer
+        self.optimizer = build_optimizer(
+            self.model, lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps, optimizer_type=opt.type
+        )
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer,
+            train_steps=self.total_steps,
+            lr=opt.lr,
+            lr_min=opt.lr_min,
+            lr_decay_style=opt.lr_decay_style,
+            lr_decay_ratio=opt.lr_decay_ratio,
+            lr_warmup_ratio=opt.lr_warmup_ratio,
+            lr_start=opt.lr_start,
+        )
+
+    def build_callbacks(self) -> List[Callback]:
+        train, main, out = self.args.train, self.is_main, self.output_dir
+        metrics = MetricsFileCallback(main, os.path.join(out, "metrics.jsonl"))
+        return [
+            metrics,
+            ProgressCallback(main, train.log_steps),
+            LossPlotCallback(main, metrics, os.path.join(out, "loss.png")),
+            WandbCallback(main and train.wandb.enable, train.wandb.project, train.wandb.name, train.wandb.mode,
+                          _plain_config(self.args), out),
+            TensorBoardCallback(main and train.use_tensorboard, os.path.join(out, "tensorboard")),
+        ]
+
+    # -------------------------------------------------------------------------------------------- step
+    def _to_device(self, micro_batch: Dict[str, Any]) -> Dict[str, Any]:
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
+
+    def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
+        """Summed token loss of one micro-batch; override for custom losses."""
+        labels = micro_batch["labels"]
+        inputs = {k: v for k, v in micro_batch.items() if k not in _NOT_MODEL_INPUTS}
+        logits = self.model(**inputs, use_cache=False).logits
+        loss_sum, _ = causal_lm_loss_sum(logits, labels)
+        return loss_sum
+
+    def _step_totals(self, micro_batches: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str, int]]:
+        """Global loss tokens and input tokens of this step; None when any rank has run out of data."""
+        have = micro_batches is not None
+        loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches) if have else 0
+        tokens = sum(mb["input_ids"].numel() for mb in micro_batches) if have else 0
+        stats = torch.tensor([loss_tokens, tokens, int(have)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(stats, group=self.parallel_state.dp_group)
+        if int(stats[2]) < self.parallel_state.dp_size:
+            return None
+        return {"loss_tokens": int(stats[0]), "tokens": int(stats[1])}
+
+    def train_step(self, micro_batches: List[Dict[str, Any]], totals: Dict[str, int]) -> Dict[str, Any]:
+        state = self.parallel_state
+        scale = state.dp_size / max(totals["loss_tokens"], 1)
+        ddp = state.mode == "ddp"
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, micro_batch in enumerate(micro_batches):
+            if ddp:  # all-reduce gradients once per step, on the last micro-batch
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            micro_loss = self.forward_loss_sum(self._to_device(micro_batch))
+            (micro_loss * scale).backward()
+            loss_sum += micro_loss.detach().double()
+        grad_norm = clip_grad_norm(self.model, self.args.train.optimizer.max_grad_norm)
+        dist.all_reduce(loss_sum, group=state.dp_group)
+        loss = (loss_sum / max(totals["loss_tokens"], 1)).item()
+        lr = self.lr_scheduler.get_last_lr()[0]
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            message = f"non-finite loss {loss} or grad norm {grad_norm} at step {self.global_step + 1}"
+            if not self.args.train.skip_nonfinite_steps:
+                raise NonFiniteError(message + " (set train.skip_nonfinite_steps to skip such steps)")
+            logger.warning(message + ": step skipped")
+        else:
+            self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+
+    # --------------------------------------------------------------------------------------------- loop
+    def _fire(self, event: str, *extra) -> None:
+        for callback in self.callbacks:
+            getattr(callback, event)(self, *extra)
+
+    def fit(self) -> None:
+        train = self.args.train
+        self._fire("on_train_begin")
+        start_epoch = self.global_step // max(train.train_steps, 1)
+        done = False
+        for epoch in range(start_epoch, train.num_train_epochs):
+            self.train_dataloader.set_epoch(epoch)
+            data_iterator = iter(self.train_dataloader)
+            for _ in range(train.train_steps):
+                if self.global_step >= self.total_steps:
+                    done = True
+                    break
+                tic = time.perf_counter()
+                micro_batches = next(data_iterator, None)
+                totals = self._step_totals(micro_batches)
+                if totals is None:
+                    logger.info(f"epoch {epoch} ran out of data at step {self.global_step}")
+                    break
+                metrics = self.train_step(micro_batches, totals)
+                synchronize()
+                elapsed = time.perf_counter() - tic
+                self.global_step += 1
+                metrics.update(
+                    step=self.global_step,
+                    epoch=epoch,
+                    tokens=totals["tokens"],
+                    loss_tokens=totals["loss_tokens"],
+                    step_time=elapsed,
+                    tokens_per_sec=totals["tokens"] / elapsed,
+                )
+                self._fire("on_step_end", metrics)
+            if done:
+                break
+        self._fire("on_train_end")
+        dist.barrier()
+
+
+def _plain_config(args) -> Dict[str, Any]:
+    return dataclasses.asdict(args)
+

