@@ -31,15 +31,19 @@ def process_pretrain_example(
 ) -> List[Dict[str, List[int]]]:
     """Tokenise one document; a document longer than `max_seq_len` becomes several samples, none dropped.
 
-    `split_long=False` truncates instead (explicitly asked for, never silently).
+    A record that already holds `input_ids` is taken as pre-tokenised. `split_long=False` truncates instead
+    (explicitly asked for, never silently).
     """
-    ids = tokenizer.encode(_text_of(example, text_keys), add_special_tokens=False)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None and getattr(tokenizer, "add_bos_token", False):
-        ids = [bos] + ids
-    eos: Optional[int] = getattr(tokenizer, "eos_token_id", None)
-    if add_eos and eos is not None:
-        ids = ids + [eos]
+    if "input_ids" in example:
+        ids = list(example["input_ids"])
+    else:
+        ids = tokenizer.encode(_text_of(example, text_keys), add_special_tokens=False)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if bos is not None and getattr(tokenizer, "add_bos_token", False):
+            ids = [bos] + ids
+        eos: Optional[int] = getattr(tokenizer, "eos_token_id", None)
+        if add_eos and eos is not None:
+            ids = ids + [eos]
     if not split_long:
         ids = ids[:max_seq_len]
     pieces = [ids[i : i + max_seq_len] for i in range(0, len(ids), max_seq_len)]

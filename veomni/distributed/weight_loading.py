@@ -52,6 +52,15 @@ def _broadcast_chunks(source: Optional[Iterable[Tuple[str, torch.Tensor]]], max_
             yield name, part.view(dtype).view(shape)
 
 
+def _shared_parameter_slots(model: nn.Module) -> List[List[Tuple[nn.Module, str]]]:
+    slots: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, attr))
+    return [group for group in slots.values() if len(group) > 1]
+
+
 @torch.no_grad()
 def load_full_tensors(
     model: nn.Module,
@@ -102,7 +111,12 @@ def materialize_meta_model(
     full model with `reference_init()` and broadcasts it, so every rank and world size start identically.
     """
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    shared = _shared_parameter_slots(model)
     model.to_empty(device=get_device())
+    for slots in shared:  # to_empty allocates each slot separately: tie them again (e.g. lm_head = embed)
+        first = getattr(slots[0][0], slots[0][1])
+        for module, attr in slots[1:]:
+            setattr(module, attr, first)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name].to(buf.device))

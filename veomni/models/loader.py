@@ -46,7 +46,7 @@ def init_empty_weights():
 
     def register_parameter(module, name, param):
         original(module, name, param)
-        if param is not None:
+        if param is not None and not param.is_meta:  # a meta param re-registered (weight tying) stays the same object
             kwargs = {"requires_grad": param.requires_grad}
             module._parameters[name] = nn.Parameter(module._parameters[name].to("meta"), **kwargs)
 
