@@ -54,12 +54,12 @@ def _describe(tp) -> str:
 _TRUE, _FALSE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}
 
 
-def _coerce(value: Any, tp, where: str) -> Any:
-    """Convert `value` (from YAML or a CLI string) to the annotated type, or raise naming `where`."""
+def _coerce(value: Any, tp, where: str, key: str) -> Any:
+    """Convert `value` (from YAML or a CLI string) to the annotated type, or raise naming `where` and `key`."""
     origin, targs = typing.get_origin(tp), typing.get_args(tp)
 
     def bad():
-        return ConfigError(f"{where}: value {value!r} is not {_describe(tp)}")
+        return ConfigError(f"{where}: key '{key}': value {value!r} is not {_describe(tp)}")
 
     if origin is typing.Union:
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
@@ -67,7 +67,7 @@ def _coerce(value: Any, tp, where: str) -> Any:
                 return None
             raise bad()
         inner = [a for a in targs if a is not type(None)]
-        return _coerce(value, inner[0], where) if len(inner) == 1 else value
+        return _coerce(value, inner[0], where, key) if len(inner) == 1 else value
     if origin is typing.Literal:
         for choice in targs:
             if value == choice or (isinstance(value, str) and str(choice) == value):
@@ -82,7 +82,7 @@ def _coerce(value: Any, tp, where: str) -> Any:
         if not isinstance(value, list):
             raise bad()
         item = targs[0] if targs else Any
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, item, where, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -158,7 +158,7 @@ def _build(cls, values: Dict[str, Any], origins: Dict[str, str], valid: List[str
                 raise ConfigError(f"{where}: '{path}' is a group of keys, not a value (got {value!r})")
             kwargs[key] = _build(tp, value, origins, valid, path + ".")
         else:
-            kwargs[key] = _coerce(value, tp, f"{where}: key '{path}'")
+            kwargs[key] = _coerce(value, tp, where, path)
     return cls(**kwargs)
 
 
