@@ -51,8 +51,17 @@ def main():
     parser.add_argument("--config", default="configs/text/demo.yaml")
     known, rest = parser.parse_known_args()
     ensure_demo_assets(".assets")
-    args = parse_args(VeOmniArguments, [known.config, "--train.max_steps", str(known.steps),
-                                        "--train.checkpoint.output_dir", "outputs/bench_overhead", *rest])
+    args = parse_args(
+        VeOmniArguments,
+        [
+            known.config,
+            "--train.max_steps",
+            str(known.steps),
+            "--train.checkpoint.output_dir",
+            "outputs/bench_overhead",
+            *rest,
+        ],
+    )
     trainer = TextTrainer(args)
     trainer.train_dataloader.set_epoch(0)
     it = iter(trainer.train_dataloader)
@@ -60,17 +69,28 @@ def main():
 
     trainer.callbacks = [c for c in trainer.callbacks if type(c).__name__ == "MetricsFileCallback"]
     records = []
-    trainer.callbacks.append(type("Grab", (), {"on_train_begin": lambda *a: None, "on_train_end": lambda *a: None,
-                                               "on_step_end": lambda self, t, m: records.append(m)})())
+    trainer.callbacks.append(
+        type(
+            "Grab",
+            (),
+            {
+                "on_train_begin": lambda *a: None,
+                "on_train_end": lambda *a: None,
+                "on_step_end": lambda self, t, m: records.append(m),
+            },
+        )()
+    )
     trainer.fit()
-    t_times = [m["step_time"] for m in records[known.warmup:]]
-    t_tokens = [m["tokens"] for m in records[known.warmup:]]
+    t_times = [m["step_time"] for m in records[known.warmup :]]
+    t_tokens = [m["tokens"] for m in records[known.warmup :]]
     b_times, b_tokens = bare_loop(args, batches, known.warmup)
     destroy_parallel_state()
 
     def report(name, times, tokens):
         sps, tps = len(times) / sum(times), sum(tokens) / sum(times)
-        print(f"{name:8s} steps/s {sps:7.3f}   tokens/s {tps:9.0f}   median step {statistics.median(times) * 1e3:7.1f} ms")
+        print(
+            f"{name:8s} steps/s {sps:7.3f}   tokens/s {tps:9.0f}   median step {statistics.median(times) * 1e3:7.1f} ms"
+        )
         return tps
 
     print(f"threads={torch.get_num_threads()} steps timed={len(t_times)} model={trainer.num_params / 1e6:.2f}M params")

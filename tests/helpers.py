@@ -43,11 +43,17 @@ def write_tokenizer(folder: str, vocab_size: int = 300) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     text = ["the quick brown fox jumps over the lazy dog", "to be or not to be, that is the question"] * 20
     tok.train_from_iterator(text, trainer=trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>").save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>").save_pretrained(
+        folder
+    )
     return folder
 
 
@@ -100,12 +106,25 @@ def child_env(threads: int = 1) -> Dict[str, str]:
     return env
 
 
-def torchrun(script: str, args: List[str], nproc: int, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
-           "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", script, *args]
+def torchrun(
+    script: str, args: List[str], nproc: int, timeout: int = 300, check: bool = True
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_port=0",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=127.0.0.1:0",
+        script,
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -115,8 +134,11 @@ def read_metrics(output_dir: str) -> List[dict]:
 
 
 def run_text_task(config: str, nproc: int, out: str, extra: Optional[List[str]] = None) -> List[dict]:
-    torchrun(os.path.join(REPO, "tasks", "train_text.py"),
-             [config, "--train.checkpoint.output_dir", out, *(extra or [])], nproc)
+    torchrun(
+        os.path.join(REPO, "tasks", "train_text.py"),
+        [config, "--train.checkpoint.output_dir", out, *(extra or [])],
+        nproc,
+    )
     return read_metrics(out)
 
 

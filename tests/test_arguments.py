@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import pytest
 import yaml
-
 from helpers import REPO, child_env
+
 from veomni.arguments import ConfigError, TrainingArguments, VeOmniArguments, parse_args, save_args
 
-SEED_ARGUMENTS = '''
+SEED_ARGUMENTS = """
 from dataclasses import dataclass, field
 from veomni.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args, VeOmniArguments
 
@@ -25,9 +25,9 @@ class Arguments(VeOmniArguments):
 if __name__ == "__main__":
     args = parse_args(Arguments)
     print(args.train.optimizer.lr)  # Access default arguments
-'''
+"""
 
-SEED_CUSTOM = '''
+SEED_CUSTOM = """
 from dataclasses import dataclass, field
 from veomni.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args, VeOmniArguments
 
@@ -47,13 +47,15 @@ class Arguments(VeOmniArguments):
 if __name__ == "__main__":
     args = parse_args(Arguments)
     print(args.train.enable_xxx, args.train.optimizer.lr)
-'''
+"""
 
 
 def _run_snippet(tmp_path, code, *argv):
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    return subprocess.run([sys.executable, str(script), *argv], cwd=REPO, env=child_env(), capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, str(script), *argv], cwd=REPO, env=child_env(), capture_output=True, text=True
+    )
 
 
 def test_seed_arguments_snippet_prints_default_lr(tmp_path):
@@ -77,7 +79,9 @@ def _write(tmp_path, text):
 
 
 def test_cli_over_yaml_over_defaults(tmp_path):
-    path = _write(tmp_path, """
+    path = _write(
+        tmp_path,
+        """
         data:
           max_seq_len: 1024
         train:
@@ -89,10 +93,24 @@ def test_cli_over_yaml_over_defaults(tmp_path):
             fsdp_config:
               mixed_precision:
                 enable: true
-    """)
-    args = parse_args(VeOmniArguments, [path, "--train.optimizer.lr=0.5", "--train.accelerator.extra_parallel_sizes", "2",
-                                         "--train.accelerator.extra_parallel_names", "ep", "--train.dyn_bsz", "false",
-                                         "--train.gradient_checkpointing.enable", "--model.model_path", "/m"])
+    """,
+    )
+    args = parse_args(
+        VeOmniArguments,
+        [
+            path,
+            "--train.optimizer.lr=0.5",
+            "--train.accelerator.extra_parallel_sizes",
+            "2",
+            "--train.accelerator.extra_parallel_names",
+            "ep",
+            "--train.dyn_bsz",
+            "false",
+            "--train.gradient_checkpointing.enable",
+            "--model.model_path",
+            "/m",
+        ],
+    )
     assert args.train.optimizer.lr == 0.5  # CLI wins
     assert args.data.max_seq_len == 1024 and args.train.micro_batch_size == 3  # YAML wins over default
     assert args.train.optimizer.betas == [0.8, 0.9]
@@ -105,13 +123,16 @@ def test_cli_over_yaml_over_defaults(tmp_path):
 
 
 def test_unknown_yaml_key_names_file_line_and_suggestion(tmp_path):
-    path = _write(tmp_path, """
+    path = _write(
+        tmp_path,
+        """
         train:
           optimizer:
             lr: 0.1
           gradient_checkpoint:
             enable: true
-    """)
+    """,
+    )
     with pytest.raises(ConfigError) as err:
         parse_args(VeOmniArguments, [path])
     assert f"{path}:5" in str(err.value)
@@ -132,7 +153,10 @@ def test_unknown_cli_key_suggests_closest():
         (["--train.micro_batch_size", "two"], r"key 'train.micro_batch_size': value 'two' is not int"),
         (["--train.dyn_bsz", "maybe"], r"key 'train.dyn_bsz': value 'maybe' is not bool"),
         (["--train.init_device", "tpu"], r"value 'tpu' is not one of 'cpu', 'cuda', 'meta'"),
-        (["--train.accelerator.extra_parallel_sizes", "[2, x]"], r"key 'train.accelerator.extra_parallel_sizes\[1\]': value 'x' is not int"),
+        (
+            ["--train.accelerator.extra_parallel_sizes", "[2, x]"],
+            r"key 'train.accelerator.extra_parallel_sizes\[1\]': value 'x' is not int",
+        ),
     ],
 )
 def test_wrong_cli_types_name_key_value_and_type(argv, pattern):
@@ -162,11 +186,13 @@ def test_compute_train_steps():
     assert args.compute_train_steps(100) == 12 and args.train_steps == 12  # 100 samples / (2 * 4) per step
     args.train.max_steps = 5
     assert args.compute_train_steps(100) == 5
-    args = parse_args(VeOmniArguments, ["--train.global_batch_size", "4", "--data.train_size", "40960",
-                                        "--data.max_seq_len", "1024"])
+    args = parse_args(
+        VeOmniArguments, ["--train.global_batch_size", "4", "--data.train_size", "40960", "--data.max_seq_len", "1024"]
+    )
     assert args.compute_train_steps(None) == 10  # dyn_bsz: tokens / (global_batch * max_seq_len)
-    args = parse_args(VeOmniArguments, ["--train.dyn_bsz", "false", "--train.global_batch_size", "4",
-                                        "--data.train_sample", "100"])
+    args = parse_args(
+        VeOmniArguments, ["--train.dyn_bsz", "false", "--train.global_batch_size", "4", "--data.train_sample", "100"]
+    )
     assert args.compute_train_steps(None) == 25
 
 

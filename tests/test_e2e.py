@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import yaml
-
 from helpers import REPO, child_env, read_metrics, tiny_run_config
 
 
@@ -15,8 +14,9 @@ def _train_sh(task, config, *extra, timeout=600):
     env = child_env()
     env.pop("OMP_NUM_THREADS")
     env["PYTHON"] = sys.executable
-    proc = subprocess.run(["bash", "train.sh", task, config, *extra], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        ["bash", "train.sh", task, config, *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -24,8 +24,16 @@ def _train_sh(task, config, *extra, timeout=600):
 @pytest.mark.slow
 def test_demo_runs_through_train_sh_with_overrides(tmp_path):
     out = str(tmp_path / "demo")
-    _train_sh("tasks/train_text.py", "configs/text/demo.yaml", "--train.max_steps", "4",
-              "--train.checkpoint.output_dir", out, "--train.optimizer.lr", "0.002")
+    _train_sh(
+        "tasks/train_text.py",
+        "configs/text/demo.yaml",
+        "--train.max_steps",
+        "4",
+        "--train.checkpoint.output_dir",
+        out,
+        "--train.optimizer.lr",
+        "0.002",
+    )
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "lr", "tokens", "tokens_per_sec"):

@@ -49,6 +49,7 @@ def test_anyprecision_adamw_equals_torch_adamw_in_fp32():
 
 def test_anyprecision_kahan_keeps_bf16_updates():
     """Tiny updates vanish in plain bf16 params; Kahan summation keeps them."""
+
     def run(kahan):
         p = nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
         opt = AnyPrecisionAdamW([p], lr=1e-4, use_kahan_summation=kahan)

@@ -1,8 +1,8 @@
 """Packed micro-batches equal the same documents run one by one: loss and gradients, fp32, to 1e-5."""
 
 import torch
-
 from helpers import write_model_config
+
 from veomni.data import MainCollator
 from veomni.models import build_foundation_model
 from veomni.ops import IGNORE_INDEX, causal_lm_loss_sum, count_loss_tokens

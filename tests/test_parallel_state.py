@@ -3,8 +3,8 @@
 import os
 
 import pytest
-
 from helpers import REPO, torchrun
+
 from veomni.distributed.parallel_state import _check_sizes
 
 
@@ -14,8 +14,11 @@ def test_meshes_and_groups_on_two_ranks():
 
 
 def test_inconsistent_sizes_show_the_arithmetic():
-    with pytest.raises(ValueError, match=r"dp_size \* ulysses_size \* tp_size \* pp_size \* cp_size = 2 \* 2 \* 1 \* 1 \* 1 = 4, "
-                                         r"but world_size = 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"dp_size \* ulysses_size \* tp_size \* pp_size \* cp_size = 2 \* 2 \* 1 \* 1 \* 1 = 4, "
+        r"but world_size = 2",
+    ):
         _check_sizes(2, 2, -1, -1, 1, 1, 1, 2)
     with pytest.raises(ValueError, match=r"dp_replicate_size \* dp_shard_size = 2 \* 2 = 4, but dp_size = 2"):
         _check_sizes(2, 2, 2, 2, 1, 1, 1, 1)

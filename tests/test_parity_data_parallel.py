@@ -1,7 +1,6 @@
 """Distributed training equals one process: FSDP2 and DDP on 2 gloo ranks vs 1 rank, per step, to 1e-5."""
 
 import pytest
-
 from helpers import assert_close_series, run_text_task, tiny_run_config
 
 RTOL = 1e-5
@@ -35,8 +34,12 @@ def test_fsdp2_without_accumulation_and_no_reshard(reference):
     """micro_batch 4 x 2 ranks = one micro-batch per rank per step; reshard_after_forward off (ZeRO-2)."""
     config, tmp, _ = reference
     single = run_text_task(config, 1, f"{tmp}/single_mb4", ["--train.micro_batch_size", "4"])
-    got = run_text_task(config, 2, f"{tmp}/fsdp_mb4", ["--train.micro_batch_size", "4",
-                                                        "--train.accelerator.fsdp_config.reshard_after_forward", "false"])
+    got = run_text_task(
+        config,
+        2,
+        f"{tmp}/fsdp_mb4",
+        ["--train.micro_batch_size", "4", "--train.accelerator.fsdp_config.reshard_after_forward", "false"],
+    )
     _compare((config, tmp, single), got, "2-rank fsdp2 mb4")
     # packing the same global batch differently (2 vs 4 per micro-batch) changes nothing but float order
     _, _, ref = reference

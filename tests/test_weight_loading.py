@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
+from helpers import REPO, torchrun, write_model_config
 from safetensors.torch import save_file
 
-from helpers import REPO, torchrun, write_model_config
 from veomni.models import build_foundation_model, iter_safetensors
 
 
@@ -20,8 +20,10 @@ def model_dir(tmp_path_factory):
     model = build_foundation_model(folder, init_device="cpu", torch_dtype="float32")
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     names = sorted(state)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     weight_map = {}
     for file, keys in shards.items():
         save_file({k: state[k] for k in keys}, os.path.join(folder, file))

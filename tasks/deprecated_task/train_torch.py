@@ -1,6 +1,6 @@
 """The seed's plain training script: every building block called by hand, no trainer class.
 
-    bash train.sh tasks/deprecated_task/train_torch.py configs/text/demo.yaml
+bash train.sh tasks/deprecated_task/train_torch.py configs/text/demo.yaml
 """
 
 import json
@@ -145,8 +145,13 @@ def main():
             optimizer.zero_grad()
             dist.all_reduce(total, group=dp_group)
             step += 1
-            record = {"step": step, "loss": (total / tokens).item(), "grad_norm": grad_norm,
-                      "lr": lr_scheduler.get_last_lr()[0], "step_time": time.perf_counter() - tic}
+            record = {
+                "step": step,
+                "loss": (total / tokens).item(),
+                "grad_norm": grad_norm,
+                "lr": lr_scheduler.get_last_lr()[0],
+                "step_time": time.perf_counter() - tic,
+            }
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()

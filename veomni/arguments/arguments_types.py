@@ -51,12 +51,16 @@ class DataArguments:
     train_path: Optional[str] = _doc("Training data: a file, a glob, a folder, or a dataset.yaml.", default=None)
     dataset_name: Optional[str] = _doc("Registered dataset builder; None picks from datasets_type.", default=None)
     datasets_type: Literal["mapping", "iterable"] = _doc("Map-style (small data) or streaming.", default="mapping")
-    data_type: Literal["plaintext", "conversation"] = _doc("Pretraining text or chat conversations.", default="plaintext")
+    data_type: Literal["plaintext", "conversation"] = _doc(
+        "Pretraining text or chat conversations.", default="plaintext"
+    )
     text_keys: str = _doc("Key of the text (or messages) in each sample.", default="text")
     max_seq_len: int = _doc("Tokens per sequence; longer documents are split.", default=2048)
     chat_template: str = _doc("Chat template name for conversation data.", default="default")
     train_size: Optional[int] = _doc("Tokens to train on (iterable data with dyn_bsz).", default=None)
     train_sample: Optional[int] = _doc("Samples to train on (iterable data without dyn_bsz).", default=None)
+    shuffle_buffer_size: int = _doc("Records in the shuffle buffer of iterable data.", default=1000)
+    skip_bad_samples: bool = _doc("Skip (and count) malformed or over-long samples instead of failing.", default=False)
     dataloader: DataloaderArguments = field(default_factory=DataloaderArguments)
 
 
@@ -79,7 +83,9 @@ class OptimizerArguments:
     muon_nesterov: bool = _doc("Nesterov momentum for Muon.", default=True)
     muon_weight_decay: float = _doc("Muon decoupled weight decay.", default=0.0)
     muon_ns_steps: int = _doc("Newton-Schulz iterations.", default=5)
-    muon_ns_coefficients: List[float] = _doc("Quintic NS coefficients.", default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    muon_ns_coefficients: List[float] = _doc(
+        "Quintic NS coefficients.", default_factory=lambda: [3.4445, -4.7750, 2.0315]
+    )
     muon_eps: float = _doc("Muon normalisation epsilon.", default=1e-7)
     muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = _doc("Per-matrix lr rule.", default="match_rms_adamw")
     muon_expert_zero_comm: bool = _doc("Shard experts whole per rank for Muon (MoE).", default=False)

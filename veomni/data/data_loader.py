@@ -8,6 +8,7 @@ micro-batches come out nearly full). Its state is a handful of integers plus the
 resumed run reproduces exactly the batches the uninterrupted run would have seen.
 """
 
+import copy
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -15,12 +16,52 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .data_collator import MainCollator
+from .dataset import shuffled_shard_keys
 
-SampleId = Tuple[int, int]  # (record index, piece index within the record's transformed samples)
+
+class _MapStyle:
+    """A user's map-style dataset seen through the resumable protocol (keys are indices)."""
+
+    def __init__(self, dataset, seed: int, shuffle: bool):
+        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
+
+    def iter_keys(self, epoch, shard, num_shards, state):
+        return shuffled_shard_keys(len(self.dataset), self.seed, epoch, self.shuffle, shard, num_shards, state)
+
+    def samples(self, key):
+        return _as_list(self.dataset[key[0]])
+
+
+class _PlainIterable:
+    """A user's iterable dataset without keys: shard by position; resume replays (and drops) consumed items."""
+
+    def __init__(self, dataset):
+        self.dataset, self._items = dataset, {}
+
+    def iter_keys(self, epoch, shard, num_shards, state):
+        state.setdefault("count", 0)
+        for i, item in enumerate(self.dataset):
+            if i < state["count"]:
+                continue
+            state["count"] = i + 1
+            if i % num_shards == shard:
+                self._items[(i,)] = item
+                yield (i,)
+
+    def samples(self, key):
+        return _as_list(self._items.pop(tuple(key)))
+
+
+def as_resumable(dataset, seed: int = 42, shuffle: bool = True):
+    if hasattr(dataset, "iter_keys") and hasattr(dataset, "samples"):
+        return dataset
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return _MapStyle(dataset, seed, shuffle)
+    return _PlainIterable(dataset)
 
 
 class MicroBatchStream(IterableDataset):
-    """Yields collated micro-batches for one data-parallel rank of a map-style dataset."""
+    """Yields collated micro-batches for one shard (data-parallel rank x worker) of a dataset."""
 
     def __init__(
         self,
@@ -38,95 +79,82 @@ class MicroBatchStream(IterableDataset):
         warmup_steps: int = 0,
         warmup_init_tokens: int = 0,
     ):
-        self.dataset, self.collate_fn = dataset, collate_fn
+        self.source = as_resumable(dataset, seed, shuffle)
+        self.collate_fn = collate_fn
         self.micro_batch_size, self.max_seq_len = micro_batch_size, max_seq_len
         self.dataloader_batch_size = dataloader_batch_size
         self.dyn_bsz, self.buffer_size = dyn_bsz, max(buffer_size, micro_batch_size)
-        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.warmup_steps, self.warmup_init_tokens = warmup_steps, warmup_init_tokens
         self.epoch = 0
         self._resume: Optional[Dict[str, Any]] = None
         self._state: Dict[str, Any] = {}
 
-    # ----------------------------------------------------------------------------------------- ordering
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _record_order(self, worker_id: int, num_workers: int) -> List[int]:
-        n = len(self.dataset)
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        # strided, so the first k records of every rank together are the first k * dp_size of the order: a
-        # global batch holds the same samples whatever the data-parallel size (parity with one process)
-        usable = (n // self.dp_size) * self.dp_size
-        mine = order[:usable][self.dp_rank :: self.dp_size]
-        return mine[worker_id::num_workers]
-
-    # ------------------------------------------------------------------------------------------ budget
     def _token_budget(self, step: int) -> int:
         full = self.micro_batch_size * self.max_seq_len
-        if step >= self.warmup_steps or self.warmup_steps == 0:
+        if self.warmup_steps == 0 or step >= self.warmup_steps:
             return full
         start = min(self.warmup_init_tokens, full)
         return int(start + (full - start) * step / self.warmup_steps)
 
     # -------------------------------------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        return dict(self._state)
+        return copy.deepcopy(self._state)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._resume = dict(state)
+        self._resume = copy.deepcopy(state) if state else None
 
     # ---------------------------------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker_id, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        order = self._record_order(worker_id, num_workers)
-        state = {"epoch": self.epoch, "cursor": 0, "buffer": [], "produced": 0}
+        shard, num_shards = worker_id * self.dp_size + self.dp_rank, num_workers * self.dp_size
+        state = {"epoch": self.epoch, "source": {}, "buffer": [], "produced": 0, "skipped": 0}
         if self._resume is not None and self._resume.get("epoch") == self.epoch:
             state.update(self._resume)
         self._resume = None
         self._state = state
-        cache: Dict[int, List[Dict[str, Any]]] = {}
+        source = self.source
+        skipped_before = getattr(source, "skipped", 0) - state["skipped"]
+        keys = source.iter_keys(self.epoch, shard, num_shards, state["source"])
+        cache: Dict[Tuple[int, ...], List[Dict[str, Any]]] = {}
 
-        def sample(sid: SampleId) -> Dict[str, Any]:
-            if sid[0] not in cache:
-                cache[sid[0]] = _as_list(self.dataset[sid[0]])
-            return cache[sid[0]][sid[1]]
+        def pieces(key):
+            if key not in cache:
+                cache[key] = source.samples(key)
+            return cache[key]
 
-        def refill():
-            while len(state["buffer"]) < self.buffer_size and state["cursor"] < len(order):
-                index = order[state["cursor"]]
-                state["cursor"] += 1
-                pieces = _as_list(self.dataset[index])
-                cache[index] = pieces
-                state["buffer"].extend([index, k] for k in range(len(pieces)))
-
+        buffer = state["buffer"]  # entries: [*key, piece index, length]
         while True:
-            refill()
-            if not state["buffer"]:
+            while len(buffer) < self.buffer_size:
+                key = next(keys, None)
+                if key is None:
+                    break
+                buffer.extend([*key, k, len(p["input_ids"])] for k, p in enumerate(pieces(key)))
+            if not buffer:
                 return
             step = (state["produced"] // self.dataloader_batch_size) * num_workers + worker_id
-            chosen = self._choose(state["buffer"], sample, self._token_budget(step))
-            picked = [state["buffer"][i] for i in chosen]
+            chosen = self._choose(buffer, self._token_budget(step))
+            picked = [buffer[i] for i in chosen]
             for i in reversed(chosen):
-                del state["buffer"][i]
-            state["produced"] += 1
-            batch = self.collate_fn([sample(tuple(sid)) for sid in picked])
-            live = {sid[0] for sid in state["buffer"]}
+                del buffer[i]
+            samples = [pieces(tuple(e[:-2]))[e[-2]] for e in picked]
+            live = {tuple(e[:-2]) for e in buffer}
             for key in [k for k in cache if k not in live]:
                 del cache[key]
-            yield batch
+            state["produced"] += 1
+            state["skipped"] = getattr(source, "skipped", 0) - skipped_before
+            yield self.collate_fn(samples)
 
-    def _choose(self, buffer: List[List[int]], sample: Callable, budget: int) -> List[int]:
+    def _choose(self, buffer: List[List[int]], budget: int) -> List[int]:
         if not self.dyn_bsz:
             return list(range(min(self.micro_batch_size, len(buffer))))
-        chosen, used = [], 0
-        for i, sid in enumerate(buffer):
-            n = len(sample(tuple(sid))["input_ids"])
+        chosen, used = [], 0  # first fit: fill the token budget from the buffer in arrival order
+        for i, entry in enumerate(buffer):
+            n = entry[-1]
             if used + n <= budget or not chosen:
                 chosen.append(i)
                 used += n
@@ -141,6 +169,19 @@ def _as_list(item) -> List[Dict[str, Any]]:
 
 def _list_of_micro_batches(micro_batches):
     return list(micro_batches)
+
+
+def skipped_samples(loader) -> int:
+    """Bad samples skipped so far, summed over the loader's workers (read from its state)."""
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "produced" in node and "skipped" in node:
+                return node["skipped"]
+            return sum(walk(v) for v in node.values())
+        return 0
+
+    return walk(loader.state_dict())
 
 
 def build_dataloader(

@@ -48,3 +48,51 @@ def process_pretrain_example(
         ids = ids[:max_seq_len]
     pieces = [ids[i : i + max_seq_len] for i in range(0, len(ids), max_seq_len)]
     return [{"input_ids": p, "attention_mask": [1] * len(p), "labels": list(p)} for p in pieces if len(p) > 1]
+
+
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+}
+
+
+def _messages_of(example: Dict[str, Any], text_keys: Union[str, Sequence[str]]) -> List[Dict[str, str]]:
+    keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
+    keys += [k for k in ("messages", "conversations") if k not in keys]
+    raw = next((example[k] for k in keys if k in example), None)
+    if raw is None:
+        raise DataFormatError(f"no conversation under {keys} in record with keys {sorted(example)}")
+    if not isinstance(raw, list) or not raw:
+        raise DataFormatError("empty conversation")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise DataFormatError(f"message {i} is {type(m).__name__}, expected an object")
+        role = m.get("role", m.get("from"))
+        content = m.get("content", m.get("value"))
+        if role not in _SHAREGPT_ROLES or not isinstance(content, str):
+            raise DataFormatError(f"message {i} needs a known role and string content, got {sorted(m)}")
+        messages.append({"role": _SHAREGPT_ROLES[role], "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataFormatError("conversation has no assistant message: nothing to train on")
+    return messages
+
+
+def process_sft_example(
+    example: Dict[str, Any],
+    chat_template,
+    max_seq_len: int,
+    text_keys: Union[str, Sequence[str]] = "messages",
+    **kwargs,
+) -> List[Dict[str, List[int]]]:
+    """Encode one conversation (OpenAI `role/content` or ShareGPT `from/value`); loss on assistant tokens only.
+
+    A conversation longer than `max_seq_len` is an error (never silently truncated): skip such samples with
+    `data.skip_bad_samples`.
+    """
+    return [chat_template.encode_messages(_messages_of(example, text_keys), max_seq_len=max_seq_len)]

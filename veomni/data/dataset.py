@@ -1,15 +1,30 @@
-"""Datasets: a registry of builders (users add their own) and the local-file readers behind them."""
+"""Datasets: a registry of builders, and three kinds that share one small protocol.
 
-import glob
-import json
+A dataset that the loader can resume exactly offers
+    iter_keys(epoch, shard, num_shards, state)  -> keys of this shard's records, in this epoch's order,
+                                                    advancing the dict `state` so that iteration can restart
+    samples(key)                                -> the transformed samples of one record ([] if skipped)
+Keys are tuples of ints, so the loader's resume state is a few integers per buffered sample.
+
+- MappingDataset: records in memory (small data); a seeded permutation per epoch.
+- StreamingDataset: files read lazily (bounded memory) through a seeded shuffle buffer.
+- InterleavedDataset: several of either, drawn by weight.
+Every shard (data-parallel rank x dataloader worker) sees a disjoint part; together they see each record of an
+epoch exactly once.
+"""
+
 import os
-from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 
-from torch.utils.data import Dataset
+import yaml
+from torch.utils.data import Dataset, IterableDataset
 
+from ..utils.logging import get_logger
 from .data_transform import DataFormatError
+from .readers import RecordFiles, read_all_records, resolve_data_files
 
-SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+logger = get_logger(__name__)
+Key = Tuple[int, ...]
 
 
 class Registry:
@@ -37,89 +52,207 @@ class Registry:
 DATASET_REGISTRY = Registry("dataset")
 
 
-# ------------------------------------------------------------------------------------------- file reading
-def resolve_data_files(train_path: str) -> List[str]:
-    """A file, a glob, or a folder (every supported file below it), sorted for a stable order."""
-    if train_path is None:
-        raise ValueError("data.train_path is not set")
-    if os.path.isdir(train_path):
-        files = [os.path.join(root, f) for root, _, names in os.walk(train_path) for f in names]
-    elif any(c in train_path for c in "*?["):
-        files = glob.glob(train_path, recursive=True)
-    elif os.path.isfile(train_path):
-        return [train_path]
-    else:
-        raise FileNotFoundError(f"data.train_path does not exist: {train_path}")
-    files = sorted(f for f in files if f.endswith(SUPPORTED_SUFFIXES))
-    if not files:
-        raise FileNotFoundError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files under {train_path}")
-    return files
+def mix(*values: int) -> int:
+    """A stateless 64-bit hash (splitmix64 chain): randomness that needs no saved RNG state."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x
 
 
-def iter_records(path: str) -> Iterator[Tuple[Dict[str, Any], str]]:
-    """Yield `(record, location)` where location is `file:line` (jsonl) or `file:row N` (tables)."""
-    if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataFormatError(f"{path}:{lineno}: malformed JSON ({err.msg})") from None
-                if not isinstance(record, dict):
-                    raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-                yield record, f"{path}:{lineno}"
-    elif path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        for i, record in enumerate(data if isinstance(data, list) else [data]):
-            yield record, f"{path}:item {i}"
-    else:
-        yield from _iter_table(path)
+def shuffled_shard_keys(
+    n: int, seed: int, epoch: int, shuffle: bool, shard: int, num_shards: int, state: Dict[str, Any]
+) -> Iterator[Key]:
+    """Indices `0..n-1` in this epoch's seeded order, this shard's share, from `state["cursor"]` on.
+
+    Strided, so the first k records of all shards together are the first k * num_shards of the order: a global
+    batch holds the same records whatever the data-parallel size (parity with one process). The last
+    `n % num_shards` records of the order are left out so that every shard gets the same count.
+    """
+    import torch
+
+    order = (
+        torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist() if shuffle else list(range(n))
+    )
+    mine = order[: n // num_shards * num_shards][shard::num_shards]
+    state.setdefault("cursor", 0)
+    while state["cursor"] < len(mine):
+        state["cursor"] += 1
+        yield (mine[state["cursor"] - 1],)
 
 
-def _iter_table(path: str) -> Iterator[Tuple[Dict[str, Any], str]]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    if path.endswith(".parquet"):
-        batches = pq.ParquetFile(path).iter_batches()
-    else:
-        with pa.memory_map(path) as source:
-            try:
-                batches = pa.ipc.open_file(source).to_batches()
-            except pa.ArrowInvalid:
-                batches = pa.ipc.open_stream(source).read_all().to_batches()
-    row = 0
-    for batch in batches:
-        for record in batch.to_pylist():
-            yield record, f"{path}:row {row}"
-            row += 1
+class _Transforming:
+    """Applies the transform with the bad-data policy: raise naming the record, or skip and count."""
+
+    transform: Optional[Callable]
+    skip_bad_samples: bool
+    skipped: int = 0
+
+    def _apply(self, record: Any, where: str) -> List[Dict[str, Any]]:
+        try:
+            if isinstance(record, DataFormatError):
+                raise record
+            out = self.transform(record) if self.transform is not None else record
+        except DataFormatError as err:
+            message = str(err) if str(err).startswith(where.split(":")[0]) else f"{where}: {err}"
+            if not self.skip_bad_samples:
+                raise DataFormatError(message + " (set data.skip_bad_samples to skip such samples)") from None
+            self.skipped += 1
+            if self.skipped <= 5:
+                logger.warning(f"skipped bad sample: {message}")
+            return []
+        return out if isinstance(out, list) else [out]
 
 
-# ------------------------------------------------------------------------------------------------ datasets
-class MappingDataset(Dataset):
+# ------------------------------------------------------------------------------------------------ mapping
+class MappingDataset(Dataset, _Transforming):
     """All records in memory; `transform` runs on access and may return several samples for one record."""
 
-    def __init__(self, records: List[Dict[str, Any]], locations: List[str], transform: Optional[Callable] = None):
+    def __init__(
+        self,
+        records: List[Dict[str, Any]],
+        locations: List[str],
+        transform: Optional[Callable] = None,
+        seed: int = 42,
+        shuffle: bool = True,
+        skip_bad_samples: bool = False,
+    ):
         self.records, self.locations, self.transform = records, locations, transform
+        self.seed, self.shuffle, self.skip_bad_samples = seed, shuffle, skip_bad_samples
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, index: int):
-        record = self.records[index]
-        if self.transform is None:
-            return record
+        return self._apply(self.records[index], self.locations[index])
+
+    def iter_keys(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> Iterator[Key]:
+        return shuffled_shard_keys(len(self), self.seed, epoch, self.shuffle, shard, num_shards, state)
+
+    def samples(self, key: Key) -> List[Dict[str, Any]]:
+        return self[key[0]]
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+class StreamingDataset(IterableDataset, _Transforming):
+    """Records streamed from files: memory is one shuffle buffer, whatever the data size."""
+
+    def __init__(
+        self,
+        files: List[str],
+        transform: Optional[Callable] = None,
+        seed: int = 42,
+        shuffle_buffer_size: int = 1000,
+        skip_bad_samples: bool = False,
+    ):
+        self.files, self.transform, self.seed = files, transform, seed
+        self.shuffle_buffer_size, self.skip_bad_samples = shuffle_buffer_size, skip_bad_samples
+        self.reader = RecordFiles(files)
+        self._pending: Dict[Key, Tuple[Any, str]] = {}
+
+    def iter_keys(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> Iterator[Key]:
+        state.setdefault("next", [0, 0])  # where the file stream continues
+        state.setdefault("count", 0)  # records read so far (all shards): record i belongs to shard i % num_shards
+        state.setdefault("buffer", [])  # keys waiting in the shuffle buffer
+        state.setdefault("popped", 0)
+        for key in state["buffer"]:  # a resumed buffer: read its records again
+            key = tuple(key)
+            if key not in self._pending:
+                self._pending[key] = (self._fetch(key), f"{self.files[key[0]]}@{key[1]}")
+        stream = self.reader.iter_from(*state["next"])
+        while True:
+            if len(state["buffer"]) < self.shuffle_buffer_size:
+                item = next(stream, None)
+                if item is not None:
+                    key, record, where, next_key = item
+                    mine = state["count"] % num_shards == shard
+                    state["count"] += 1
+                    state["next"] = list(next_key)
+                    if mine:
+                        self._pending[key] = (record, where)
+                        state["buffer"].append(list(key))
+                    continue
+            if not state["buffer"]:
+                return
+            pick = mix(self.seed, epoch, shard, state["popped"]) % len(state["buffer"])
+            state["popped"] += 1
+            state["buffer"][pick], state["buffer"][-1] = state["buffer"][-1], state["buffer"][pick]
+            yield tuple(state["buffer"].pop())
+
+    def _fetch(self, key: Key):
         try:
-            return self.transform(record)
+            return self.reader.fetch(key)
         except DataFormatError as err:
-            raise DataFormatError(f"{self.locations[index]}: {err}") from None
+            return err
+
+    def samples(self, key: Key) -> List[Dict[str, Any]]:
+        record, where = self._pending.pop(key, None) or (self._fetch(key), f"{self.files[key[0]]}@{key[1]}")
+        return self._apply(record, where)
+
+    def __iter__(self):  # plain iteration (one process, one epoch) for users who do not need the loader
+        state: Dict[str, Any] = {}
+        for key in self.iter_keys(0, 0, 1, state):
+            yield from self.samples(key)
 
 
+# --------------------------------------------------------------------------------------------- interleave
+class InterleavedDataset(IterableDataset):
+    """Draws records from several datasets with probabilities proportional to `weights`.
+
+    `stopping_strategy="all_exhausted"` keeps drawing from the sources that still have records;
+    `"first_exhausted"` ends the epoch when any source runs out.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[Any],
+        weights: Sequence[float],
+        seed: int = 42,
+        stopping_strategy: Literal["all_exhausted", "first_exhausted"] = "all_exhausted",
+        names: Optional[Sequence[str]] = None,
+    ):
+        if len(sources) != len(weights) or not sources:
+            raise ValueError("interleave needs one weight per source")
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"interleave weights must be positive, got {list(weights)}")
+        self.sources, self.weights, self.seed = list(sources), list(weights), seed
+        self.stopping_strategy, self.names = stopping_strategy, list(names or range(len(sources)))
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sources)
+
+    def iter_keys(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> Iterator[Key]:
+        state.setdefault("sources", [{} for _ in self.sources])
+        state.setdefault("active", list(range(len(self.sources))))
+        state.setdefault("draws", 0)
+        iters = [s.iter_keys(epoch, shard, num_shards, state["sources"][i]) for i, s in enumerate(self.sources)]
+        while state["active"]:
+            total = sum(self.weights[i] for i in state["active"])
+            point = mix(self.seed, epoch, shard, state["draws"]) / 2**64 * total
+            state["draws"] += 1
+            for i in state["active"]:
+                point -= self.weights[i]
+                if point < 0:
+                    break
+            key = next(iters[i], None)
+            if key is None:
+                if self.stopping_strategy == "first_exhausted":
+                    return
+                state["active"].remove(i)
+                continue
+            yield (i, *key)
+
+    def samples(self, key: Key) -> List[Dict[str, Any]]:
+        return self.sources[key[0]].samples(tuple(key[1:]))
+
+    @property
+    def skipped(self) -> int:
+        return sum(getattr(s, "skipped", 0) for s in self.sources)
+
+
+# ----------------------------------------------------------------------------------------------- builders
 @DATASET_REGISTRY.register("mapping")
 def build_mapping_dataset(
     train_path: str,
@@ -127,16 +260,69 @@ def build_mapping_dataset(
     namespace: Literal["train", "test"] = "train",
     seed: int = 42,
     source_name: Optional[str] = None,
+    skip_bad_samples: bool = False,
     **kwargs,
 ) -> MappingDataset:
-    records, locations = [], []
-    for path in resolve_data_files(train_path):
-        for record, location in iter_records(path):
-            records.append(record)
-            locations.append(location)
+    records, locations = read_all_records(resolve_data_files(train_path), skip_bad=skip_bad_samples)
     if not records:
         raise ValueError(f"no records in {train_path}")
-    return MappingDataset(records, locations, transform)
+    return MappingDataset(records, locations, transform, seed=seed, skip_bad_samples=skip_bad_samples)
+
+
+@DATASET_REGISTRY.register("iterable")
+def build_iterable_dataset(
+    train_path: str,
+    transform: Optional[Callable] = None,
+    namespace: Literal["train", "test"] = "train",
+    seed: int = 42,
+    source_name: Optional[str] = None,
+    skip_bad_samples: bool = False,
+    shuffle_buffer_size: int = 1000,
+    **kwargs,
+) -> StreamingDataset:
+    return StreamingDataset(
+        resolve_data_files(train_path),
+        transform,
+        seed=seed,
+        shuffle_buffer_size=shuffle_buffer_size,
+        skip_bad_samples=skip_bad_samples,
+    )
+
+
+def load_interleave_spec(path: str) -> Dict[str, Any]:
+    """A dataset.yaml: `sources: [{path, weight}]` (paths relative to the yaml), optional `stopping_strategy`."""
+    with open(path) as f:
+        spec = yaml.safe_load(f) or {}
+    sources = spec.get("sources")
+    if not isinstance(sources, list) or not sources:
+        raise ValueError(f"{path}: expected a non-empty list under 'sources'")
+    base = os.path.dirname(os.path.abspath(path))
+    for i, src in enumerate(sources):
+        if not isinstance(src, dict) or "path" not in src:
+            raise ValueError(f"{path}: sources[{i}] needs a 'path'")
+        unknown = set(src) - {"path", "weight", "name"}
+        if unknown:
+            raise ValueError(f"{path}: sources[{i}] has unknown keys {sorted(unknown)}; allowed: path, weight, name")
+        src["path"] = src["path"] if os.path.isabs(src["path"]) else os.path.join(base, src["path"])
+    return spec
+
+
+def build_interleave_dataset(
+    train_path: str, datasets_type: str, transform: Optional[Callable] = None, seed: int = 42, **kwargs
+) -> InterleavedDataset:
+    spec = load_interleave_spec(train_path)
+    builder = DATASET_REGISTRY.get(datasets_type)
+    sources = [
+        builder(train_path=s["path"], transform=transform, seed=seed + i, **kwargs)
+        for i, s in enumerate(spec["sources"])
+    ]
+    return InterleavedDataset(
+        sources,
+        [float(s.get("weight", 1.0)) for s in spec["sources"]],
+        seed=seed,
+        stopping_strategy=spec.get("stopping_strategy", "all_exhausted"),
+        names=[s.get("name", s["path"]) for s in spec["sources"]],
+    )
 
 
 def build_dataset(
@@ -147,6 +333,9 @@ def build_dataset(
     datasets_type: str = "mapping",
     **kwargs,
 ):
-    """Build the registered dataset `dataset_name` (default: the builder for `datasets_type`)."""
+    """Build the registered dataset `dataset_name`, or by `datasets_type`; a `.yaml` train_path interleaves."""
+    kwargs.pop("dataloader", None)
+    if dataset_name is None and train_path is not None and train_path.endswith((".yaml", ".yml")):
+        return build_interleave_dataset(train_path, datasets_type, transform=transform, seed=seed, **kwargs)
     builder = DATASET_REGISTRY.get(dataset_name or datasets_type)
     return builder(train_path=train_path, transform=transform, seed=seed, datasets_type=datasets_type, **kwargs)

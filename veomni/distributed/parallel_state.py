@@ -77,7 +77,11 @@ class ParallelState:
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP2 shards over: 1-D (dp_shard x ulysses), or 2-D with dp_replicate for HSDP."""
         if self.ulysses_size == 1:
-            return self.device_mesh["dp_replicate", "dp_shard"] if self.dp_replicate_size > 1 else self.device_mesh["dp_shard"]
+            return (
+                self.device_mesh["dp_replicate", "dp_shard"]
+                if self.dp_replicate_size > 1
+                else self.device_mesh["dp_shard"]
+            )
         if self.dp_replicate_size == 1:
             return self.flat_meshes["dp_shard_sp"]
         with warnings.catch_warnings():  # HSDP over a flattened dim: torch has no other spelling yet

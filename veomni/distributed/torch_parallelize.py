@@ -123,4 +123,3 @@ def build_parallelize_model(
         f"mixed_precision={mp_policy.param_dtype is not None}, offload={offload is not None}"
     )
     return model
-

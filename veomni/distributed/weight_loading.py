@@ -84,7 +84,9 @@ def load_full_tensors(
             raise KeyError(f"{source_name}: key '{name}' matches no parameter of {type(model).__name__}")
         target = state[name]
         if tuple(full.shape) != tuple(target.shape):
-            raise ValueError(f"{source_name}: '{name}' has shape {tuple(full.shape)}, model expects {tuple(target.shape)}")
+            raise ValueError(
+                f"{source_name}: '{name}' has shape {tuple(full.shape)}, model expects {tuple(target.shape)}"
+            )
         full = full.to(device=target.device, dtype=target.dtype)
         if isinstance(target, DTensor):
             shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)

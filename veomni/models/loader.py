@@ -25,7 +25,9 @@ def safetensors_files(weights_path: str) -> List[str]:
     single = os.path.join(weights_path, SINGLE_FILE)
     if os.path.isfile(single):
         return [single]
-    found = sorted(f for f in os.listdir(weights_path) if f.endswith(".safetensors")) if os.path.isdir(weights_path) else []
+    found = (
+        sorted(f for f in os.listdir(weights_path) if f.endswith(".safetensors")) if os.path.isdir(weights_path) else []
+    )
     if found:
         return [os.path.join(weights_path, f) for f in found]
     raise FileNotFoundError(f"no safetensors weights in {weights_path} (looked for {INDEX_FILE} and {SINGLE_FILE})")
@@ -77,11 +79,15 @@ def load_weights(model: nn.Module, weights_path: str, strict: bool = True) -> No
     for name, tensor in iter_safetensors(weights_path):
         if name not in state:
             if strict and name not in tied:
-                raise KeyError(f"{weights_path}: checkpoint key '{name}' matches no parameter of {type(model).__name__}")
+                raise KeyError(
+                    f"{weights_path}: checkpoint key '{name}' matches no parameter of {type(model).__name__}"
+                )
             continue
         target = state[name]
         if target.shape != tensor.shape:
-            raise ValueError(f"{weights_path}: '{name}' has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}")
+            raise ValueError(
+                f"{weights_path}: '{name}' has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
+            )
         target.copy_(tensor.to(target.dtype))
         loaded.add(name)
     missing = [n for n in state if n not in loaded and n not in tied and n not in _non_persistent(model)]

@@ -6,8 +6,16 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 
-def lr_at(step: int, train_steps: int, lr: float, lr_min: float, lr_start: float, warmup_ratio: float,
-          decay_style: str, decay_ratio: float) -> float:
+def lr_at(
+    step: int,
+    train_steps: int,
+    lr: float,
+    lr_min: float,
+    lr_start: float,
+    warmup_ratio: float,
+    decay_style: str,
+    decay_ratio: float,
+) -> float:
     warmup = int(train_steps * warmup_ratio)
     if step < warmup:  # step 0 already moves: the last warmup step reaches the peak
         return lr_start + (lr - lr_start) * (step + 1) / warmup

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..arguments import save_args
-from ..distributed import clip_grad_norm, get_parallel_state, init_parallel_state
+from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.torch_parallelize import build_parallelize_model
 from ..models import build_foundation_model
 from ..ops import causal_lm_loss_sum, count_loss_tokens
@@ -152,8 +152,14 @@ class BaseTrainer:
             metrics,
             ProgressCallback(main, train.log_steps),
             LossPlotCallback(main, metrics, os.path.join(out, "loss.png")),
-            WandbCallback(main and train.wandb.enable, train.wandb.project, train.wandb.name, train.wandb.mode,
-                          _plain_config(self.args), out),
+            WandbCallback(
+                main and train.wandb.enable,
+                train.wandb.project,
+                train.wandb.name,
+                train.wandb.mode,
+                _plain_config(self.args),
+                out,
+            ),
             TensorBoardCallback(main and train.use_tensorboard, os.path.join(out, "tensorboard")),
         ]
 
@@ -251,4 +257,3 @@ class BaseTrainer:
 
 def _plain_config(args) -> Dict[str, Any]:
     return dataclasses.asdict(args)
-

@@ -33,14 +33,21 @@ class ProgressCallback(Callback):
             from tqdm import tqdm
 
             # in a log file (CI, nohup) a redrawn bar is noise: keep only the periodic metric lines
-            self.bar = tqdm(total=trainer.total_steps, initial=trainer.global_step, desc="train", dynamic_ncols=True,
-                            disable=not sys.stderr.isatty())
+            self.bar = tqdm(
+                total=trainer.total_steps,
+                initial=trainer.global_step,
+                desc="train",
+                dynamic_ncols=True,
+                disable=not sys.stderr.isatty(),
+            )
 
     def on_step_end(self, trainer, metrics):
         if self.bar is None:
             return
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
+        self.bar.set_postfix(
+            loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_sec']:.0f}"
+        )
         if metrics["step"] % self.log_steps == 0 or metrics["step"] == trainer.total_steps:
             self.bar.write(
                 f"step {metrics['step']}: loss {metrics['loss']:.4f} grad_norm {metrics['grad_norm']:.3f} "

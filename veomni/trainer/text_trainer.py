@@ -14,7 +14,10 @@ class TextTrainer(BaseTrainer):
         self.tokenizer = build_tokenizer(self.args.model.tokenizer_path)
         if data.data_type == "plaintext":
             return partial(
-                process_pretrain_example, tokenizer=self.tokenizer, max_seq_len=data.max_seq_len, text_keys=data.text_keys
+                process_pretrain_example,
+                tokenizer=self.tokenizer,
+                max_seq_len=data.max_seq_len,
+                text_keys=data.text_keys,
             )
         raise NotImplementedError(f"data.data_type={data.data_type!r} is not supported yet")
 

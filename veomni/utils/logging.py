@@ -10,7 +10,9 @@ def get_logger(name: str = "veomni") -> logging.Logger:
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stdout)
         rank = os.environ.get("RANK", "0")
-        handler.setFormatter(logging.Formatter(f"[%(asctime)s rank{rank} %(levelname)s %(name)s] %(message)s", "%H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter(f"[%(asctime)s rank{rank} %(levelname)s %(name)s] %(message)s", "%H:%M:%S")
+        )
         logger.addHandler(handler)
         logger.setLevel(logging.INFO if rank == "0" else logging.WARNING)
         logger.propagate = False

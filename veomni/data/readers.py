@@ -1,0 +1,175 @@
+"""Local data files read as records, each with a small key that finds it again (for exact resume).
+
+A key is `(file index, position)`: the byte offset of a jsonl line, or the row / item index of a parquet, arrow
+or json file. `RecordFiles.fetch(key)` re-reads one record; iteration can start at any position.
+"""
+
+import bisect
+import glob
+import json
+import os
+from functools import lru_cache
+from typing import Any, Dict, Iterator, List, Tuple
+
+from .data_transform import DataFormatError
+
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+Key = Tuple[int, int]
+
+
+def resolve_data_files(train_path: str) -> List[str]:
+    """A file, a glob, or a folder (every supported file below it), sorted for a stable order."""
+    if train_path is None:
+        raise ValueError("data.train_path is not set")
+    if os.path.isdir(train_path):
+        files = [os.path.join(root, f) for root, _, names in os.walk(train_path) for f in names]
+    elif any(c in train_path for c in "*?["):
+        files = glob.glob(train_path, recursive=True)
+    elif os.path.isfile(train_path):
+        if not train_path.endswith(SUPPORTED_SUFFIXES):
+            raise ValueError(f"{train_path}: unsupported file type; expected one of {SUPPORTED_SUFFIXES}")
+        return [train_path]
+    else:
+        raise FileNotFoundError(f"data.train_path does not exist: {train_path}")
+    files = sorted(f for f in files if f.endswith(SUPPORTED_SUFFIXES))
+    if not files:
+        raise FileNotFoundError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files under {train_path}")
+    return files
+
+
+def _parse_json_line(line: bytes, where: str) -> Dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataFormatError(f"{where}: malformed JSON ({getattr(err, 'msg', err)})") from None
+    if not isinstance(record, dict):
+        raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+@lru_cache(maxsize=4)
+def _json_items(path: str) -> List[Any]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, list) else [data]
+
+
+def _arrow_table(path: str):
+    import pyarrow as pa
+
+    source = pa.memory_map(path)
+    try:
+        return pa.ipc.open_file(source).read_all()
+    except pa.ArrowInvalid:
+        return pa.ipc.open_stream(pa.memory_map(path)).read_all()
+
+
+class RecordFiles:
+    """Sequential and random access to the records of a list of files."""
+
+    def __init__(self, files: List[str]):
+        self.files = files
+        self._tables: Dict[int, Any] = {}
+
+    # ---------------------------------------------------------------------------------------- iteration
+    def iter_from(self, file_index: int = 0, position: int = 0) -> Iterator[Tuple[Key, Dict[str, Any], str, Key]]:
+        """Yield `(key, record, location, next_key)`; `next_key` is where to restart after this record.
+
+        A malformed record yields a DataFormatError in place of the record, so callers may skip it.
+        """
+        for fi in range(file_index, len(self.files)):
+            start = position if fi == file_index else 0
+            path = self.files[fi]
+            if path.endswith(".jsonl"):
+                yield from self._iter_jsonl(fi, path, start)
+            else:
+                rows = self._rows(fi)
+                for row in range(start, len(rows)):
+                    yield (fi, row), rows[row], f"{path}:row {row}", (fi, row + 1)
+
+    def _iter_jsonl(self, fi: int, path: str, offset: int):
+        with open(path, "rb") as f:
+            f.seek(offset)
+            lineno = None if offset else 0  # line numbers are known when reading from the start
+            while True:
+                line = f.readline()
+                if not line:
+                    return
+                here, offset = offset, offset + len(line)
+                if lineno is not None:
+                    lineno += 1
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}" if lineno is not None else f"{path}@byte {here}"
+                try:
+                    record = _parse_json_line(line, where)
+                except DataFormatError as err:
+                    record = err
+                yield (fi, here), record, where, (fi, offset)
+
+    def _rows(self, fi: int):
+        if fi not in self._tables:
+            path = self.files[fi]
+            if path.endswith(".json"):
+                self._tables[fi] = _json_items(path)
+            elif path.endswith(".parquet"):
+                self._tables[fi] = _ParquetRows(path)
+            else:
+                self._tables[fi] = _ArrowRows(path)
+        return self._tables[fi]
+
+    # ---------------------------------------------------------------------------------------- random access
+    def fetch(self, key: Key) -> Dict[str, Any]:
+        fi, position = key
+        path = self.files[fi]
+        if path.endswith(".jsonl"):
+            with open(path, "rb") as f:
+                f.seek(position)
+                return _parse_json_line(f.readline(), f"{path}@byte {position}")
+        return self._rows(fi)[position]
+
+
+class _ArrowRows:
+    def __init__(self, path: str):
+        self.table = _arrow_table(path)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, row: int) -> Dict[str, Any]:
+        return self.table.slice(row, 1).to_pylist()[0]
+
+
+class _ParquetRows:
+    """Row access by row group: one group decoded at a time, so memory stays at one group."""
+
+    def __init__(self, path: str):
+        import pyarrow.parquet as pq
+
+        self.file = pq.ParquetFile(path)
+        sizes = [self.file.metadata.row_group(i).num_rows for i in range(self.file.num_row_groups)]
+        self.starts = [0]
+        for n in sizes:
+            self.starts.append(self.starts[-1] + n)
+        self._group, self._rows = -1, []
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, row: int) -> Dict[str, Any]:
+        group = bisect.bisect_right(self.starts, row) - 1
+        if group != self._group:
+            self._group, self._rows = group, self.file.read_row_group(group).to_pylist()
+        return self._rows[row - self.starts[group]]
+
+
+def read_all_records(files: List[str], skip_bad: bool = False) -> Tuple[List[Any], List[str]]:
+    """Every record with its location (map-style datasets). A malformed record is an immediate error, or with
+    `skip_bad` is kept as its DataFormatError, to be skipped and counted when accessed."""
+    records, locations = [], []
+    for _, record, where, _ in RecordFiles(files).iter_from():
+        if isinstance(record, DataFormatError) and not skip_bad:
+            raise DataFormatError(f"{record} (set data.skip_bad_samples to skip such samples)")
+        records.append(record)
+        locations.append(where)
+    return records, locations
