@@ -56,3 +56,57 @@ def test_packed_equals_one_by_one_loss_and_grads(tmp_path):
     assert abs(loss.item() - total) <= 1e-5 * abs(total)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_sequence_parallel_slices_reassemble_the_shifted_padded_row():
+    docs = [dict(d, labels=list(d["input_ids"])) for d in _docs()]  # 125 tokens: padded to 126 for sp=2... and 128 for 4
+    full = MainCollator(sp_size=1)(docs)
+    for sp in (2, 4):
+        parts = [MainCollator(sp_size=sp, sp_rank=r)(docs) for r in range(sp)]
+        ids = torch.cat([p["input_ids"] for p in parts], dim=-1)
+        labels = torch.cat([p["labels"] for p in parts], dim=-1)
+        total = 125 + (-125 % sp)
+        assert ids.shape[-1] == total and all(p["input_ids"].shape[-1] == total // sp for p in parts)
+        assert torch.equal(ids[0, :125], full["input_ids"][0])
+        # labels arrive shifted: position i holds the target of position i (HF would shift i+1 -> i)
+        assert torch.equal(labels[0, :124], full["labels"][0, 1:])
+        assert (labels[0, 124:] == IGNORE_INDEX).all()
+        assert parts[0]["cu_seq_lens_q"].tolist()[-1] == total  # attention metadata spans the full row
+
+
+def test_real_text_packed_batch_equals_documents_one_by_one(tmp_path):
+    """Shakespeare documents through the repo-built tokenizer, packed by the real loader, vs one by one."""
+    from functools import partial
+
+    from helpers import REPO
+    from veomni.data import build_dataloader, build_dataset
+    from veomni.data.data_transform import process_pretrain_example
+    from veomni.models import build_tokenizer
+    from veomni.utils.demo_assets import ensure_demo_assets
+
+    root = ensure_demo_assets(f"{REPO}/.assets", quiet=True)
+    tokenizer = build_tokenizer(f"{root}/tokenizer")
+    transform = partial(process_pretrain_example, tokenizer=tokenizer, max_seq_len=256)
+    dataset = build_dataset(train_path=f"{root}/shakespeare/valid.jsonl", transform=transform)
+    loader = build_dataloader(dataset=dataset, micro_batch_size=2, max_seq_len=256, dyn_bsz=True, dp_rank=0, dp_size=1)
+    loader.set_epoch(0)
+    batch = next(iter(loader))[0]
+    starts = torch.nonzero(batch["position_ids"][0] == 0).flatten().tolist() + [batch["input_ids"].shape[-1]]
+    assert len(starts) >= 3  # a real multi-document micro-batch
+
+    torch.manual_seed(0)
+    model = build_foundation_model(write_model_config(str(tmp_path), vocab_size=4096), torch_dtype="float32")
+    total = 0.0
+    for a, b in zip(starts, starts[1:]):
+        ids = batch["input_ids"][:, a:b]
+        loss, _ = causal_lm_loss_sum(model(input_ids=ids).logits, ids)
+        loss.backward()
+        total += loss.item()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    labels = batch.pop("labels")
+    loss, _ = causal_lm_loss_sum(model(**batch, use_cache=False).logits, labels)
+    loss.backward()
+    assert abs(loss.item() - total) <= 1e-5 * total
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -38,11 +38,22 @@ class MainCollator:
     pad_to_length: bool = False
     max_seq_len: Optional[int] = None
     pad_token_id: int = 0
+    sp_size: Optional[int] = None  # None: from the parallel state (1 when it is not initialised)
+    sp_rank: Optional[int] = None
 
     def __post_init__(self):
         merged = default_collate_infos()
         merged.update(self.collate_infos or {})
         self.collate_infos = merged
+        if self.sp_size is None:
+            try:
+                from ..distributed.parallel_state import get_parallel_state
+
+                state = get_parallel_state()
+                self.sp_size, self.sp_rank = state.sp_size, state.sp_rank
+            except RuntimeError:
+                self.sp_size, self.sp_rank = 1, 0
+        self.sp_rank = self.sp_rank or 0
 
     def __call__(self, samples: Sequence[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
         if not samples:
@@ -65,10 +76,45 @@ class MainCollator:
             batch["labels"][0, starts[1:]] = IGNORE_INDEX
         if self.pad_to_length and self.max_seq_len is not None:
             self._pad(batch, lengths)
+        if self.sp_size > 1:
+            self._pad_for_sp(batch, lengths)
         cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
         batch["max_length_q"] = batch["max_length_k"] = max(lengths)
+        if self.sp_size > 1:
+            self._slice_for_sp(batch)
         return batch
+
+    def _pad_for_sp(self, batch: Dict[str, torch.Tensor], lengths: List[int]) -> None:
+        """Shift labels now (each rank's slice must hold its own targets), then pad to a multiple of sp_size."""
+        if "labels" in batch and not self.seq_classification:
+            labels = batch["labels"]
+            shifted = torch.full_like(labels, IGNORE_INDEX)
+            shifted[..., :-1] = labels[..., 1:]
+            batch["labels"] = shifted
+        total = sum(lengths)
+        pad = -total % self.sp_size
+        if pad == 0:
+            return
+        for key, info in self.collate_infos.items():
+            if key not in batch or info.sp_pad_value is None:
+                continue
+            value = batch[key]
+            width = pad * info.sp_pad_scale
+            if key == "position_ids":
+                filler = torch.arange(width).unsqueeze(0)
+            else:
+                shape = list(value.shape)
+                shape[-1 if info.pack_dim == -1 else info.pack_dim] = width
+                filler = torch.full(shape, info.sp_pad_value, dtype=value.dtype)
+            batch[key] = torch.cat([value, filler], dim=-1 if info.pack_dim == -1 else info.pack_dim)
+        lengths.append(pad)
+
+    def _slice_for_sp(self, batch: Dict[str, torch.Tensor]) -> None:
+        for key, info in self.collate_infos.items():
+            if key in batch and info.sp_slice:
+                dim = -1 if info.pack_dim == -1 else info.pack_dim
+                batch[key] = batch[key].chunk(self.sp_size, dim=dim)[self.sp_rank].contiguous()
 
     def _pad(self, batch: Dict[str, torch.Tensor], lengths: List[int]) -> None:
         """Pad the packed row to `max_seq_len` as one extra document that carries no loss."""

@@ -78,8 +78,10 @@ class MicroBatchStream(IterableDataset):
         shuffle: bool = True,
         warmup_steps: int = 0,
         warmup_init_tokens: int = 0,
+        drop_last: bool = False,
     ):
         self.source = as_resumable(dataset, seed, shuffle)
+        self.drop_last = drop_last
         self.collate_fn = collate_fn
         self.micro_batch_size, self.max_seq_len = micro_batch_size, max_seq_len
         self.dataloader_batch_size = dataloader_batch_size
@@ -129,12 +131,14 @@ class MicroBatchStream(IterableDataset):
 
         buffer = state["buffer"]  # entries: [*key, piece index, length]
         while True:
+            exhausted = False
             while len(buffer) < self.buffer_size:
                 key = next(keys, None)
                 if key is None:
+                    exhausted = True
                     break
                 buffer.extend([*key, k, len(p["input_ids"])] for k, p in enumerate(pieces(key)))
-            if not buffer:
+            if not buffer or (exhausted and self.drop_last and not self.dyn_bsz and len(buffer) < self.micro_batch_size):
                 return
             step = (state["produced"] // self.dataloader_batch_size) * num_workers + worker_id
             chosen = self._choose(buffer, self._token_budget(step))
@@ -234,6 +238,7 @@ def build_dataloader(
         shuffle=shuffle,
         warmup_steps=int(train_steps * bsz_warmup_ratio),
         warmup_init_tokens=bsz_warmup_init_mbtoken,
+        drop_last=drop_last,
     )
     extra = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor else {}
     loader = StatefulDataLoader(

@@ -135,6 +135,12 @@ class MappingDataset(Dataset, _Transforming):
         return self[key[0]]
 
 
+def _iterate_samples(self):
+    """Plain iteration (one process, epoch 0) for users who read a dataset without the loader."""
+    for key in self.iter_keys(0, 0, 1, {}):
+        yield from self.samples(key)
+
+
 # ---------------------------------------------------------------------------------------------- streaming
 class StreamingDataset(IterableDataset, _Transforming):
     """Records streamed from files: memory is one shuffle buffer, whatever the data size."""
@@ -191,10 +197,7 @@ class StreamingDataset(IterableDataset, _Transforming):
         record, where = self._pending.pop(key, None) or (self._fetch(key), f"{self.files[key[0]]}@{key[1]}")
         return self._apply(record, where)
 
-    def __iter__(self):  # plain iteration (one process, one epoch) for users who do not need the loader
-        state: Dict[str, Any] = {}
-        for key in self.iter_keys(0, 0, 1, state):
-            yield from self.samples(key)
+    __iter__ = _iterate_samples
 
 
 # --------------------------------------------------------------------------------------------- interleave
@@ -220,8 +223,10 @@ class InterleavedDataset(IterableDataset):
         self.sources, self.weights, self.seed = list(sources), list(weights), seed
         self.stopping_strategy, self.names = stopping_strategy, list(names or range(len(sources)))
 
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # TypeError (as for any unsized dataset) when a source is streamed
         return sum(len(s) for s in self.sources)
+
+    __iter__ = _iterate_samples
 
     def iter_keys(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> Iterator[Key]:
         state.setdefault("sources", [{} for _ in self.sources])

@@ -82,6 +82,11 @@ def build_parallelize_model(
     the checkpoint (rank 0 with `broadcast_model_weights_from_rank0`).
     """
     state = get_parallel_state()
+    if state.sp_enabled:
+        raise NotImplementedError(
+            f"ulysses_size={state.ulysses_size}: sequence-parallel attention is not implemented yet (the collator "
+            "already slices batches for it); set train.accelerator.ulysses_size to 1"
+        )
     if enable_gradient_checkpointing:
         _enable_gradient_checkpointing(model, enable_reentrant)
     on_meta = init_device == "meta" or any(p.is_meta for p in model.parameters())

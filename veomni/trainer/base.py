@@ -119,7 +119,10 @@ class BaseTrainer:
 
     def compute_train_steps(self) -> None:
         args, dataset = self.args, self.train_dataset
-        length = len(dataset) if hasattr(dataset, "__len__") else None
+        try:
+            length = len(dataset)
+        except TypeError:  # streamed data has no length: steps come from data.train_size / train_sample
+            length = None
         if length is not None and args.data.datasets_type == "mapping":
             length = length / args.train.accelerator.dp_size
         args.compute_train_steps(length)
@@ -251,8 +254,12 @@ class BaseTrainer:
                 self._fire("on_step_end", metrics)
             if done:
                 break
+        self.on_train_end()
         self._fire("on_train_end")
         dist.barrier()
+
+    def on_train_end(self) -> None:
+        """Hook for subclasses, called on every rank before the callbacks' on_train_end."""
 
 
 def _plain_config(args) -> Dict[str, Any]:

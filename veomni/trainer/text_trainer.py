@@ -1,11 +1,16 @@
-"""TextTrainer: pretraining on plain text (and, with data_type=conversation, SFT on chats)."""
+"""TextTrainer: pretraining on plain text, or SFT on conversations (`data.data_type: conversation`)."""
 
 from functools import partial
 
 from ..data import build_dataloader, build_dataset
-from ..data.data_transform import process_pretrain_example
+from ..data.chat_template import build_chat_template
+from ..data.data_loader import skipped_samples
+from ..data.data_transform import process_pretrain_example, process_sft_example
 from ..models import build_tokenizer
+from ..utils.logging import get_logger
 from .base import BaseTrainer
+
+logger = get_logger(__name__)
 
 
 class TextTrainer(BaseTrainer):
@@ -14,17 +19,31 @@ class TextTrainer(BaseTrainer):
         self.tokenizer = build_tokenizer(self.args.model.tokenizer_path)
         if data.data_type == "plaintext":
             return partial(
-                process_pretrain_example,
-                tokenizer=self.tokenizer,
-                max_seq_len=data.max_seq_len,
-                text_keys=data.text_keys,
+                process_pretrain_example, tokenizer=self.tokenizer, max_seq_len=data.max_seq_len, text_keys=data.text_keys
             )
-        raise NotImplementedError(f"data.data_type={data.data_type!r} is not supported yet")
+        chat_template = build_chat_template(data.chat_template, self.tokenizer)
+        text_keys = "messages" if data.text_keys == "text" else data.text_keys
+        return partial(process_sft_example, chat_template=chat_template, max_seq_len=data.max_seq_len, text_keys=text_keys)
 
     def build_dataset(self):
         args = self.args
         data_kwargs = {k: v for k, v in vars(args.data).items() if k != "dataloader"}
         return build_dataset(transform=self.build_transform(), seed=args.train.seed, **data_kwargs)
+
+    def compute_train_steps(self) -> None:
+        args = self.args
+        if args.train.dyn_bsz and not args.data.train_size and args.data.datasets_type == "mapping":
+            args.data.train_size = self._estimate_tokens()
+            logger.info(f"data.train_size estimated at {args.data.train_size} tokens (set it to be exact)")
+        super().compute_train_steps()
+
+    def _estimate_tokens(self, probe: int = 256) -> int:
+        """Tokens in the mapping dataset, from the transformed length of an evenly spaced sample of records."""
+        dataset = self.train_dataset
+        n = len(dataset)
+        picks = range(0, n, max(n // probe, 1))
+        tokens = sum(len(s["input_ids"]) for i in picks for s in dataset[i])
+        return int(tokens * n / len(picks))
 
     def build_dataloader(self):
         args = self.args
@@ -48,3 +67,8 @@ class TextTrainer(BaseTrainer):
             seed=args.train.seed,
             collate_fn_kwargs={"pad_token_id": self.tokenizer.pad_token_id or 0},
         )
+
+    def on_train_end(self) -> None:
+        skipped = skipped_samples(self.train_dataloader)
+        if skipped:
+            logger.warning(f"skipped {skipped} bad samples on this rank (data.skip_bad_samples)")
