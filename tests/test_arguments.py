@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import yaml
-from helpers import REPO, child_env
 
+from helpers import REPO, child_env
 from veomni.arguments import ConfigError, TrainingArguments, VeOmniArguments, parse_args, save_args
 
 SEED_ARGUMENTS = """

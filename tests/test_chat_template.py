@@ -1,8 +1,8 @@
 """Chat templates and SFT encoding: token-identical to apply_chat_template; loss on assistant tokens only."""
 
 import pytest
-from helpers import write_tokenizer
 
+from helpers import write_tokenizer
 from veomni.data.chat_template import CHAT_TEMPLATE_REGISTRY, ChatTemplate, build_chat_template
 from veomni.data.data_transform import IGNORE_INDEX, DataFormatError, process_sft_example
 from veomni.models import build_tokenizer

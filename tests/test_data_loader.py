@@ -26,8 +26,10 @@ def _write(path, ids_list):
 def _records(start, n, seed=0):
     """Record r is [1000 + r, ...] so every packed document tells which record it came from."""
     g = torch.Generator().manual_seed(seed + start)
-    return [[1000 + r] + torch.randint(3, 500, (int(torch.randint(3, 60, (1,), generator=g)),), generator=g).tolist()
-            for r in range(start, start + n)]
+    return [
+        [1000 + r] + torch.randint(3, 500, (int(torch.randint(3, 60, (1,), generator=g)),), generator=g).tolist()
+        for r in range(start, start + n)
+    ]
 
 
 @pytest.fixture()
@@ -41,9 +43,20 @@ def files(tmp_path):
 
 
 def _loader(dataset, rank=0, dp=1, workers=0, dyn=True, micro=2, dlbs=2, drop_last=False, buffer=8, **kw):
-    return build_dataloader(dataset=dataset, micro_batch_size=micro, dataloader_batch_size=dlbs, max_seq_len=MAX_LEN,
-                            dyn_bsz=dyn, num_workers=workers, drop_last=drop_last, seed=7, dp_rank=rank, dp_size=dp,
-                            dyn_bsz_buffer_size=buffer, **kw)
+    return build_dataloader(
+        dataset=dataset,
+        micro_batch_size=micro,
+        dataloader_batch_size=dlbs,
+        max_seq_len=MAX_LEN,
+        dyn_bsz=dyn,
+        num_workers=workers,
+        drop_last=drop_last,
+        seed=7,
+        dp_rank=rank,
+        dp_size=dp,
+        dyn_bsz_buffer_size=buffer,
+        **kw,
+    )
 
 
 def _dataset(path, kind="iterable", **kw):
@@ -136,8 +149,7 @@ def test_interleave_by_weight_sees_all_records(tmp_path):
     a = _write(str(tmp_path / "a.jsonl"), _records(0, 120))
     b = _write(str(tmp_path / "b.jsonl"), _records(500, 40))
     spec = tmp_path / "mix.yaml"
-    spec.write_text(yaml.safe_dump({"sources": [{"path": os.path.basename(a), "weight": 3},
-                                                {"path": b, "weight": 1}]}))
+    spec.write_text(yaml.safe_dump({"sources": [{"path": os.path.basename(a), "weight": 3}, {"path": b, "weight": 1}]}))
     for kind in ("mapping", "iterable"):
         ds = _dataset(str(spec), kind)
         seen = _all_ids(_loader(ds, micro=1, dyn=False, dlbs=1))
@@ -156,7 +168,12 @@ def test_interleave_spec_errors(tmp_path):
 
 def test_bad_data_is_named_or_skipped_and_counted(tmp_path):
     path = tmp_path / "bad.jsonl"
-    lines = [json.dumps({"text": "good one"}), "{not json", json.dumps({"body": "no text key"}), json.dumps({"text": "ok"})]
+    lines = [
+        json.dumps({"text": "good one"}),
+        "{not json",
+        json.dumps({"body": "no text key"}),
+        json.dumps({"text": "ok"}),
+    ]
     path.write_text("\n".join(lines) + "\n")
 
     class Tok:
@@ -194,7 +211,10 @@ def test_registry_custom_dataset(tmp_path):
     def build_custom_dataset(train_path, transform=None, namespace="train", seed=42, source_name=None, **kwargs):
         return [transform({"input_ids": [5, 6, 7, i + 1000]}) for i in range(10)]
 
-    ds = build_dataset(dataset_name="custom_test", transform=partial(process_pretrain_example, tokenizer=None,
-                                                                     max_seq_len=MAX_LEN), train_path="unused")
+    ds = build_dataset(
+        dataset_name="custom_test",
+        transform=partial(process_pretrain_example, tokenizer=None, max_seq_len=MAX_LEN),
+        train_path="unused",
+    )
     micro = _flatten(list(_loader(ds, micro=1, dyn=False, dlbs=1)))
     assert len(micro) == 10

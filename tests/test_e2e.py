@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import yaml
+
 from helpers import REPO, child_env, read_metrics, tiny_run_config
 
 

@@ -1,8 +1,8 @@
 """Packed micro-batches equal the same documents run one by one: loss and gradients, fp32, to 1e-5."""
 
 import torch
-from helpers import write_model_config
 
+from helpers import write_model_config
 from veomni.data import MainCollator
 from veomni.models import build_foundation_model
 from veomni.ops import IGNORE_INDEX, causal_lm_loss_sum, count_loss_tokens
@@ -59,7 +59,9 @@ def test_packed_equals_one_by_one_loss_and_grads(tmp_path):
 
 
 def test_sequence_parallel_slices_reassemble_the_shifted_padded_row():
-    docs = [dict(d, labels=list(d["input_ids"])) for d in _docs()]  # 125 tokens: padded to 126 for sp=2... and 128 for 4
+    docs = [
+        dict(d, labels=list(d["input_ids"])) for d in _docs()
+    ]  # 125 tokens: padded to 126 for sp=2... and 128 for 4
     full = MainCollator(sp_size=1)(docs)
     for sp in (2, 4):
         parts = [MainCollator(sp_size=sp, sp_rank=r)(docs) for r in range(sp)]

@@ -3,8 +3,8 @@
 import os
 
 import pytest
-from helpers import REPO, torchrun
 
+from helpers import REPO, torchrun
 from veomni.distributed.parallel_state import _check_sizes
 
 

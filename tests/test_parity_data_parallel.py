@@ -1,6 +1,7 @@
 """Distributed training equals one process: FSDP2 and DDP on 2 gloo ranks vs 1 rank, per step, to 1e-5."""
 
 import pytest
+
 from helpers import assert_close_series, run_text_task, tiny_run_config
 
 RTOL = 1e-5

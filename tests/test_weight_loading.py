@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
-from helpers import REPO, torchrun, write_model_config
 from safetensors.torch import save_file
 
+from helpers import REPO, torchrun, write_model_config
 from veomni.models import build_foundation_model, iter_safetensors
 
 

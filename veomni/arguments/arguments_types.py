@@ -49,8 +49,11 @@ class DataloaderArguments:
 @dataclass
 class DataArguments:
     train_path: Optional[str] = _doc("Training data: a file, a glob, a folder, or a dataset.yaml.", default=None)
-    dataset_name: Optional[str] = _doc("Registered dataset builder; None picks from datasets_type.", default=None)
-    datasets_type: Literal["mapping", "iterable"] = _doc("Map-style (small data) or streaming.", default="mapping")
+    datasets_type: str = _doc(
+        "Registered dataset builder: `mapping` (small data, in memory), `iterable` (streaming), or your own "
+        "`@DATASET_REGISTRY.register` name. A dataset.yaml train_path interleaves sources of this type.",
+        default="mapping",
+    )
     data_type: Literal["plaintext", "conversation"] = _doc(
         "Pretraining text or chat conversations.", default="plaintext"
     )
@@ -62,6 +65,11 @@ class DataArguments:
     shuffle_buffer_size: int = _doc("Records in the shuffle buffer of iterable data.", default=1000)
     skip_bad_samples: bool = _doc("Skip (and count) malformed or over-long samples instead of failing.", default=False)
     dataloader: DataloaderArguments = field(default_factory=DataloaderArguments)
+
+    @property
+    def dataset_name(self) -> str:
+        """The builder `build_dataset` uses. A property, not a key: the seed passes it beside `**asdict(data)`."""
+        return self.datasets_type
 
 
 # ----------------------------------------------------------------------------------------------- training

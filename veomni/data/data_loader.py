@@ -138,7 +138,9 @@ class MicroBatchStream(IterableDataset):
                     exhausted = True
                     break
                 buffer.extend([*key, k, len(p["input_ids"])] for k, p in enumerate(pieces(key)))
-            if not buffer or (exhausted and self.drop_last and not self.dyn_bsz and len(buffer) < self.micro_batch_size):
+            if not buffer or (
+                exhausted and self.drop_last and not self.dyn_bsz and len(buffer) < self.micro_batch_size
+            ):
                 return
             step = (state["produced"] // self.dataloader_batch_size) * num_workers + worker_id
             chosen = self._choose(buffer, self._token_budget(step))

@@ -338,9 +338,11 @@ def build_dataset(
     datasets_type: str = "mapping",
     **kwargs,
 ):
-    """Build the registered dataset `dataset_name`, or by `datasets_type`; a `.yaml` train_path interleaves."""
+    """Build the registered dataset `dataset_name` (default: `datasets_type`); a `.yaml` train_path interleaves
+    sources of that type."""
     kwargs.pop("dataloader", None)
-    if dataset_name is None and train_path is not None and train_path.endswith((".yaml", ".yml")):
-        return build_interleave_dataset(train_path, datasets_type, transform=transform, seed=seed, **kwargs)
-    builder = DATASET_REGISTRY.get(dataset_name or datasets_type)
+    name = dataset_name or datasets_type
+    if name in ("mapping", "iterable") and train_path is not None and train_path.endswith((".yaml", ".yml")):
+        return build_interleave_dataset(train_path, name, transform=transform, seed=seed, **kwargs)
+    builder = DATASET_REGISTRY.get(name)
     return builder(train_path=train_path, transform=transform, seed=seed, datasets_type=datasets_type, **kwargs)

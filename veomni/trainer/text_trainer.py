@@ -19,16 +19,23 @@ class TextTrainer(BaseTrainer):
         self.tokenizer = build_tokenizer(self.args.model.tokenizer_path)
         if data.data_type == "plaintext":
             return partial(
-                process_pretrain_example, tokenizer=self.tokenizer, max_seq_len=data.max_seq_len, text_keys=data.text_keys
+                process_pretrain_example,
+                tokenizer=self.tokenizer,
+                max_seq_len=data.max_seq_len,
+                text_keys=data.text_keys,
             )
         chat_template = build_chat_template(data.chat_template, self.tokenizer)
         text_keys = "messages" if data.text_keys == "text" else data.text_keys
-        return partial(process_sft_example, chat_template=chat_template, max_seq_len=data.max_seq_len, text_keys=text_keys)
+        return partial(
+            process_sft_example, chat_template=chat_template, max_seq_len=data.max_seq_len, text_keys=text_keys
+        )
 
     def build_dataset(self):
         args = self.args
         data_kwargs = {k: v for k, v in vars(args.data).items() if k != "dataloader"}
-        return build_dataset(transform=self.build_transform(), seed=args.train.seed, **data_kwargs)
+        return build_dataset(
+            dataset_name=args.data.dataset_name, transform=self.build_transform(), seed=args.train.seed, **data_kwargs
+        )
 
     def compute_train_steps(self) -> None:
         args = self.args
