@@ -9,6 +9,7 @@ resumed run reproduces exactly the batches the uninterrupted run would have seen
 """
 
 import copy
+import itertools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -16,7 +17,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .data_collator import MainCollator
-from .dataset import shuffled_shard_keys
+from .dataset import samples_many, shuffled_shard_keys
 
 
 class _MapStyle:
@@ -82,6 +83,7 @@ class MicroBatchStream(IterableDataset):
     ):
         self.source = as_resumable(dataset, seed, shuffle)
         self.drop_last = drop_last
+        self.read_ahead = 64
         self.collate_fn = collate_fn
         self.micro_batch_size, self.max_seq_len = micro_batch_size, max_seq_len
         self.dataloader_batch_size = dataloader_batch_size
@@ -132,12 +134,12 @@ class MicroBatchStream(IterableDataset):
         buffer = state["buffer"]  # entries: [*key, piece index, length]
         while True:
             exhausted = False
-            while len(buffer) < self.buffer_size:
-                key = next(keys, None)
-                if key is None:
-                    exhausted = True
-                    break
-                buffer.extend([*key, k, len(p["input_ids"])] for k, p in enumerate(pieces(key)))
+            while len(buffer) < self.buffer_size and not exhausted:
+                chunk = list(itertools.islice(keys, self.read_ahead))  # many records per (batched) transform
+                exhausted = len(chunk) < self.read_ahead
+                for key, samples in zip(chunk, samples_many(source, chunk)):
+                    cache[key] = samples
+                    buffer.extend([*key, k, len(p["input_ids"])] for k, p in enumerate(samples))
             if not buffer or (
                 exhausted and self.drop_last and not self.dyn_bsz and len(buffer) < self.micro_batch_size
             ):

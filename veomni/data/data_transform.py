@@ -35,19 +35,64 @@ def process_pretrain_example(
     (explicitly asked for, never silently).
     """
     if "input_ids" in example:
-        ids = list(example["input_ids"])
-    else:
-        ids = tokenizer.encode(_text_of(example, text_keys), add_special_tokens=False)
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if bos is not None and getattr(tokenizer, "add_bos_token", False):
-            ids = [bos] + ids
-        eos: Optional[int] = getattr(tokenizer, "eos_token_id", None)
-        if add_eos and eos is not None:
-            ids = ids + [eos]
+        return _pieces(list(example["input_ids"]), max_seq_len, split_long)
+    ids = tokenizer.encode(_text_of(example, text_keys), add_special_tokens=False)
+    return _pieces(_with_specials(ids, tokenizer, add_eos), max_seq_len, split_long)
+
+
+def _with_specials(ids: List[int], tokenizer, add_eos: bool) -> List[int]:
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and getattr(tokenizer, "add_bos_token", False):
+        ids = [bos] + ids
+    eos: Optional[int] = getattr(tokenizer, "eos_token_id", None)
+    if add_eos and eos is not None:
+        ids = ids + [eos]
+    return ids
+
+
+def _pieces(ids: List[int], max_seq_len: int, split_long: bool) -> List[Dict[str, List[int]]]:
     if not split_long:
         ids = ids[:max_seq_len]
     pieces = [ids[i : i + max_seq_len] for i in range(0, len(ids), max_seq_len)]
-    return [{"input_ids": p, "attention_mask": [1] * len(p), "labels": list(p)} for p in pieces if len(p) > 1]
+    return [{"input_ids": p, "attention_mask": [1] * len(p), "labels": p} for p in pieces if len(p) > 1]
+
+
+def process_pretrain_batch(
+    examples: List[Dict[str, Any]],
+    tokenizer,
+    max_seq_len: int,
+    text_keys: Union[str, Sequence[str]] = "text",
+    add_eos: bool = True,
+    split_long: bool = True,
+    **kwargs,
+) -> List[Union[List[Dict[str, List[int]]], DataFormatError]]:
+    """`process_pretrain_example` over many records with one (multi-threaded) tokenizer call.
+
+    Returns one entry per record: its samples, or the DataFormatError that record raised.
+    """
+    out: List[Any] = [None] * len(examples)
+    texts, where = [], []
+    for i, example in enumerate(examples):
+        if "input_ids" in example:
+            out[i] = _pieces(list(example["input_ids"]), max_seq_len, split_long)
+            continue
+        try:
+            texts.append(_text_of(example, text_keys))
+            where.append(i)
+        except DataFormatError as err:
+            out[i] = err
+    if texts:
+        if callable(tokenizer):  # HF tokenizers encode a batch in parallel threads
+            encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        else:
+            encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        for i, ids in zip(where, encoded):
+            out[i] = _pieces(_with_specials(ids, tokenizer, add_eos), max_seq_len, split_long)
+    return out
+
+
+# A transform may offer `.batched`: the same function over a list of records, called with the same keywords.
+process_pretrain_example.batched = process_pretrain_batch
 
 
 _SHAREGPT_ROLES = {

@@ -14,6 +14,7 @@ epoch exactly once.
 """
 
 import os
+from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 
 import yaml
@@ -105,6 +106,27 @@ class _Transforming:
             return []
         return out if isinstance(out, list) else [out]
 
+    def _apply_many(self, records: List[Any], wheres: List[str]) -> List[List[Dict[str, Any]]]:
+        """`_apply` over many records, through the transform's batched form when it has one."""
+        batched = _batched_form(self.transform)
+        if batched is None:
+            return [self._apply(r, w) for r, w in zip(records, wheres)]
+        ok = [i for i, r in enumerate(records) if not isinstance(r, DataFormatError)]
+        results: List[Any] = list(records)
+        for i, res in zip(ok, batched([records[i] for i in ok])):
+            results[i] = res
+        return [self._apply(res, w) if isinstance(res, DataFormatError) else res for res, w in zip(results, wheres)]
+
+
+def _batched_form(transform: Optional[Callable]) -> Optional[Callable]:
+    """The batched version of a transform (`fn.batched`, also through functools.partial), or None."""
+    if transform is None:
+        return None
+    if isinstance(transform, partial):
+        inner = getattr(transform.func, "batched", None)
+        return partial(inner, *transform.args, **transform.keywords) if inner else None
+    return getattr(transform, "batched", None)
+
 
 # ------------------------------------------------------------------------------------------------ mapping
 class MappingDataset(Dataset, _Transforming):
@@ -133,6 +155,9 @@ class MappingDataset(Dataset, _Transforming):
 
     def samples(self, key: Key) -> List[Dict[str, Any]]:
         return self[key[0]]
+
+    def samples_many(self, keys: List[Key]) -> List[List[Dict[str, Any]]]:
+        return self._apply_many([self.records[k[0]] for k in keys], [self.locations[k[0]] for k in keys])
 
 
 def _iterate_samples(self):
@@ -197,6 +222,10 @@ class StreamingDataset(IterableDataset, _Transforming):
         record, where = self._pending.pop(key, None) or (self._fetch(key), f"{self.files[key[0]]}@{key[1]}")
         return self._apply(record, where)
 
+    def samples_many(self, keys: List[Key]) -> List[List[Dict[str, Any]]]:
+        items = [self._pending.pop(k, None) or (self._fetch(k), f"{self.files[k[0]]}@{k[1]}") for k in keys]
+        return self._apply_many([r for r, _ in items], [w for _, w in items])
+
     __iter__ = _iterate_samples
 
 
@@ -252,9 +281,25 @@ class InterleavedDataset(IterableDataset):
     def samples(self, key: Key) -> List[Dict[str, Any]]:
         return self.sources[key[0]].samples(tuple(key[1:]))
 
+    def samples_many(self, keys: List[Key]) -> List[List[Dict[str, Any]]]:
+        out: List[Any] = [None] * len(keys)
+        for s, source in enumerate(self.sources):
+            idx = [i for i, k in enumerate(keys) if k[0] == s]
+            if idx:
+                for i, res in zip(idx, samples_many(source, [tuple(keys[i][1:]) for i in idx])):
+                    out[i] = res
+        return out
+
     @property
     def skipped(self) -> int:
         return sum(getattr(s, "skipped", 0) for s in self.sources)
+
+
+def samples_many(source, keys: List[Key]) -> List[List[Dict[str, Any]]]:
+    """Samples of many records at once (batched transforms), for any source of the protocol."""
+    if hasattr(source, "samples_many"):
+        return source.samples_many(keys)
+    return [source.samples(k) for k in keys]
 
 
 # ----------------------------------------------------------------------------------------------- builders
