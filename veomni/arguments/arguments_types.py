@@ -141,7 +141,8 @@ class CheckpointArguments:
     save_steps: int = _doc("Save every N optimizer steps; 0 saves only at the end.", default=0)
     save_total_limit: int = _doc("Keep the newest N checkpoints; 0 keeps all.", default=0)
     load_path: Optional[str] = _doc("Checkpoint to resume from, or `auto` for the newest.", default=None)
-    save_hf_weights: bool = _doc("Export an HF-format model at the end of training.", default=False)
+    save_hf_weights: bool = _doc("Export an HF-format model to output_dir/hf at the end of training.", default=False)
+    async_save: bool = _doc("Write checkpoints in the background (published when complete).", default=False)
 
 
 @dataclass

@@ -16,8 +16,11 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from ..utils.logging import get_logger
 from .data_collator import MainCollator
 from .dataset import samples_many, shuffled_shard_keys
+
+logger = get_logger(__name__)
 
 
 class _MapStyle:
@@ -177,6 +180,30 @@ def _as_list(item) -> List[Dict[str, Any]]:
 
 def _list_of_micro_batches(micro_batches):
     return list(micro_batches)
+
+
+def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: int, produced: int) -> Dict[str, Any]:
+    """Loader states saved by the ranks of another data-parallel size -> the state for `dp_rank` of `dp_size`.
+
+    Exact for map-style data without workers: records are dealt out strided, so what all old ranks consumed is
+    a prefix of the epoch's order, which the new ranks continue from (buffered, unconsumed records are re-read).
+    """
+    datasets = [s.get("dataset_state") for s in states]
+    if any(not d or "cursor" not in d.get("source", {}) for d in datasets):
+        raise NotImplementedError("the data position can only be resharded for map-style data without workers")
+    consumed = min(d["source"]["cursor"] - len({tuple(e[:-2]) for e in d["buffer"]}) for d in datasets)
+    prefix = consumed * len(states)
+    if prefix % dp_size:
+        logger.warning(f"{prefix} consumed records do not split evenly over {dp_size} ranks: a few repeat")
+    new = copy.deepcopy(states[0])
+    new["dataset_state"] = {
+        "epoch": datasets[0]["epoch"],
+        "source": {"cursor": prefix // dp_size},
+        "buffer": [],
+        "produced": produced,
+        "skipped": 0,
+    }
+    return new
 
 
 def skipped_samples(loader) -> int:

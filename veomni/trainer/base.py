@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ..arguments import save_args
+from ..checkpoint import Checkpointer, resolve_checkpoint, rng_state, save_hf_model, set_rng_state
+from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
+from ..data.data_loader import reshard_loader_state
 from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.torch_parallelize import build_parallelize_model
 from ..models import build_foundation_model
@@ -79,6 +82,11 @@ class BaseTrainer:
         self.compute_train_steps()
         self.train_dataloader = self.build_dataloader()
         self.build_optimizer()
+        self.epoch = self.epoch_step = self.consumed_tokens = 0
+        self._last_saved_step = -1
+        ckpt = train.checkpoint
+        self.checkpointer = Checkpointer(self.output_dir, ckpt.save_total_limit, ckpt.async_save)
+        self.maybe_resume()
         self.callbacks: List[Callback] = self.build_callbacks()
 
     # ------------------------------------------------------------------------------------------ building
@@ -224,15 +232,11 @@ class BaseTrainer:
     def fit(self) -> None:
         train = self.args.train
         self._fire("on_train_begin")
-        start_epoch = self.global_step // max(train.train_steps, 1)
-        done = False
-        for epoch in range(start_epoch, train.num_train_epochs):
+        for epoch in range(self.epoch, train.num_train_epochs):
+            self.epoch = epoch
             self.train_dataloader.set_epoch(epoch)
-            data_iterator = iter(self.train_dataloader)
-            for _ in range(train.train_steps):
-                if self.global_step >= self.total_steps:
-                    done = True
-                    break
+            data_iterator = iter(self.train_dataloader)  # continues mid-epoch after a resume
+            while self.epoch_step < train.train_steps and self.global_step < self.total_steps:
                 tic = time.perf_counter()
                 micro_batches = next(data_iterator, None)
                 totals = self._step_totals(micro_batches)
@@ -243,23 +247,94 @@ class BaseTrainer:
                 synchronize()
                 elapsed = time.perf_counter() - tic
                 self.global_step += 1
+                self.epoch_step += 1
+                self.consumed_tokens += totals["tokens"]
                 metrics.update(
                     step=self.global_step,
                     epoch=epoch,
                     tokens=totals["tokens"],
                     loss_tokens=totals["loss_tokens"],
+                    consumed_tokens=self.consumed_tokens,
                     step_time=elapsed,
                     tokens_per_sec=totals["tokens"] / elapsed,
                 )
                 self._fire("on_step_end", metrics)
-            if done:
+                save_steps = train.checkpoint.save_steps
+                if save_steps > 0 and self.global_step % save_steps == 0:
+                    self.save_checkpoint()
+            if self.global_step >= self.total_steps:
                 break
+            self.epoch_step = 0
+        if self._last_saved_step != self.global_step:
+            self.save_checkpoint()
+        self.checkpointer.wait()
+        if train.checkpoint.save_hf_weights:
+            save_hf_model(self.model, os.path.join(self.output_dir, "hf"), self.args.model.tokenizer_path)
         self.on_train_end()
         self._fire("on_train_end")
         dist.barrier()
 
     def on_train_end(self) -> None:
         """Hook for subclasses, called on every rank before the callbacks' on_train_end."""
+
+    # -------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> None:
+        extra = {
+            "trainer": {
+                "global_step": self.global_step,
+                "epoch": self.epoch,
+                "epoch_step": self.epoch_step,
+                "consumed_tokens": self.consumed_tokens,
+            },
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "dataloader": self.train_dataloader.state_dict(),
+            "rng": rng_state(),
+            "dp_rank": self.parallel_state.dp_rank,
+        }
+        meta = {"dp_size": self.parallel_state.dp_size, "epoch": self.epoch}
+
+        def attach_hf_config(folder: str) -> None:  # the checkpoint carries what an HF export needs
+            export_config(self.model.config, os.path.join(folder, "hf_config"), architecture_of(self.model))
+            copy_tokenizer(self.args.model.tokenizer_path, os.path.join(folder, "hf_config"))
+
+        self.checkpointer.save(self.global_step, self.model, self.optimizer, extra, meta, attach=attach_hf_config)
+        self._last_saved_step = self.global_step
+
+    def maybe_resume(self) -> None:
+        ckpt = self.args.train.checkpoint
+        path = resolve_checkpoint(ckpt.load_path, self.output_dir)
+        if path is None:
+            if ckpt.load_path == "auto":
+                logger.info("train.checkpoint.load_path=auto: no checkpoint yet, starting fresh")
+            return
+        loaded = self.checkpointer.load(path, self.model, self.optimizer)
+        meta, extras = loaded["meta"], loaded["extra_states"]
+        rank, state = dist.get_rank(), self.parallel_state
+        mine = extras[rank] if meta["world_size"] == dist.get_world_size() else extras[0]
+        trainer = mine["trainer"]
+        self.global_step, self.epoch = trainer["global_step"], trainer["epoch"]
+        self.epoch_step, self.consumed_tokens = trainer["epoch_step"], trainer["consumed_tokens"]
+        self._last_saved_step = self.global_step
+        self.lr_scheduler.load_state_dict(mine["lr_scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+            group["lr"] = lr  # the scheduler's state does not carry into the optimizer by itself
+        if meta["dp_size"] == state.dp_size and meta["world_size"] == dist.get_world_size():
+            self.train_dataloader.load_state_dict(mine["dataloader"])
+            set_rng_state(mine["rng"])
+            return
+        by_dp_rank = {e["dp_rank"]: e["dataloader"] for e in extras}
+        try:
+            self.train_dataloader.load_state_dict(
+                reshard_loader_state(
+                    [by_dp_rank[r] for r in range(meta["dp_size"])],
+                    state.dp_rank,
+                    state.dp_size,
+                    produced=self.epoch_step * self.args.train.dataloader_batch_size,
+                )
+            )
+        except NotImplementedError as err:
+            logger.warning(f"{err}: epoch {self.epoch} starts its data again")
+        set_rng_state(extras[0]["rng"])
 
 
 def _plain_config(args) -> Dict[str, Any]:

@@ -1,0 +1,211 @@
+"""Checkpoints that never lose a run: DCP for model and optimizer tensors, plain files for the rest, published
+atomically.
+
+Layout under `<output_dir>/checkpoints/`:
+    global_step_N/model_optimizer/     DCP shards (tensors only: any world size can load them)
+    global_step_N/extra_state/rank_R.pt  scheduler, dataloader, RNG, trainer state (torch.load weights_only)
+    global_step_N/meta.json            step, world and data-parallel sizes; written last inside the folder
+    latest                             name of the newest complete checkpoint, replaced atomically
+A save is written to `global_step_N.tmp` and renamed only when every rank has finished, so a crash mid-save
+leaves the previous checkpoint as the newest complete one.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ..utils.logging import get_logger
+from .safe_reader import SafeFileSystemReader
+
+logger = get_logger(__name__)
+
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def named_optimizers(optimizer) -> Dict[str, torch.optim.Optimizer]:
+    """Each inner optimizer of a multi-optimizer (`.optimizers_dict`), or the optimizer itself."""
+    inner = getattr(optimizer, "optimizers_dict", None)
+    return dict(inner) if inner else {"optimizer": optimizer}
+
+
+# ----------------------------------------------------------------------------------------------- RNG state
+def rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+
+
+# ----------------------------------------------------------------------------------------------- discovery
+def list_checkpoints(root: str) -> List[int]:
+    """Steps of the complete checkpoints under `root` (a folder with meta.json), ascending."""
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(root, name, "meta.json")):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def resolve_checkpoint(load_path: Optional[str], output_dir: str) -> Optional[str]:
+    """`auto`: the newest complete checkpoint of this run (None if there is none); a path: that checkpoint."""
+    if not load_path:
+        return None
+    if load_path != "auto":
+        if not os.path.isfile(os.path.join(load_path, "meta.json")):
+            raise FileNotFoundError(
+                f"train.checkpoint.load_path={load_path} is not a complete checkpoint (no meta.json)"
+            )
+        return load_path
+    root = os.path.join(output_dir, "checkpoints")
+    latest = os.path.join(root, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            candidate = os.path.join(root, f.read().strip())
+        if os.path.isfile(os.path.join(candidate, "meta.json")):
+            return candidate
+    steps = list_checkpoints(root)
+    return os.path.join(root, f"global_step_{steps[-1]}") if steps else None
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.part"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    """Saves and loads training state; every method is called on every rank."""
+
+    def __init__(self, output_dir: str, save_total_limit: int = 0, async_save: bool = False):
+        self.root = os.path.join(output_dir, "checkpoints")
+        self.save_total_limit, self.async_save = save_total_limit, async_save
+        self._pending = None  # (future, tmp, final, meta) of an async save not yet published
+        self._async_group = None
+
+    # ------------------------------------------------------------------------------------------ save
+    def save(
+        self,
+        step: int,
+        model,
+        optimizer,
+        extra_state: Dict[str, Any],
+        meta: Dict[str, Any],
+        attach: Optional[Callable[[str], None]] = None,
+    ) -> str:
+        """`attach(folder)` runs on rank 0 before publishing, to add files (e.g. the HF config) to the checkpoint."""
+        self.wait()
+        rank = dist.get_rank()
+        final = os.path.join(self.root, f"global_step_{step}")
+        tmp = final + ".tmp"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save
+            os.makedirs(os.path.join(tmp, "extra_state"))
+            if attach is not None:
+                attach(tmp)
+        dist.barrier()
+        state = {"model": get_model_state_dict(model)}
+        for name, opt in named_optimizers(optimizer).items():
+            state[f"optim.{name}"] = get_optimizer_state_dict(model, opt)["state"]
+        torch.save(extra_state, os.path.join(tmp, "extra_state", f"rank_{rank}.pt"))
+        meta = dict(meta, step=step, world_size=dist.get_world_size())
+        if self.async_save:
+            if self._async_group is None:  # DCP's async save must not share the training collectives
+                self._async_group = dist.new_group(backend="gloo")
+            future = dcp.async_save(
+                state, checkpoint_id=os.path.join(tmp, "model_optimizer"), process_group=self._async_group
+            )
+            self._pending = (future, tmp, final, meta)
+        else:
+            dcp.save(state, checkpoint_id=os.path.join(tmp, "model_optimizer"))
+            self._publish(tmp, final, meta)
+        return final
+
+    def wait(self) -> None:
+        """Finish and publish an async save still in flight."""
+        if self._pending is None:
+            return
+        future, tmp, final, meta = self._pending
+        self._pending = None
+        future.result()
+        self._publish(tmp, final, meta)
+
+    def _publish(self, tmp: str, final: str, meta: Dict[str, Any]) -> None:
+        dist.barrier()  # every rank's shards and extra state are on disk
+        if dist.get_rank() == 0:
+            _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+            if os.path.isdir(final):  # re-saving a step (after a resume): the new one wins
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomic(os.path.join(self.root, "latest"), os.path.basename(final))
+            self._retire_old()
+            logger.info(f"saved checkpoint {final}")
+        dist.barrier()
+
+    def _retire_old(self) -> None:
+        if self.save_total_limit <= 0:
+            return
+        for step in list_checkpoints(self.root)[: -self.save_total_limit]:
+            shutil.rmtree(os.path.join(self.root, f"global_step_{step}"), ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------ load
+    def load(self, path: str, model, optimizer) -> Dict[str, Any]:
+        """Restore model and optimizer in place (any world size); return meta and every rank's extra state."""
+        state = {"model": get_model_state_dict(model)}
+        param_groups = {}
+        for name, opt in named_optimizers(optimizer).items():
+            full = get_optimizer_state_dict(model, opt)  # also materialises empty Adam state to load into
+            state[f"optim.{name}"], param_groups[name] = full["state"], full["param_groups"]
+        dcp.load(
+            state,
+            checkpoint_id=os.path.join(path, "model_optimizer"),
+            storage_reader=SafeFileSystemReader(os.path.join(path, "model_optimizer")),
+        )
+        set_model_state_dict(model, state["model"])
+        for name, opt in named_optimizers(optimizer).items():
+            set_optimizer_state_dict(model, opt, {"state": state[f"optim.{name}"], "param_groups": param_groups[name]})
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        extra = [
+            torch.load(os.path.join(path, "extra_state", f"rank_{r}.pt"), weights_only=True)
+            for r in range(meta["world_size"])
+        ]
+        logger.info(f"resumed from {path} (saved at step {meta['step']} by {meta['world_size']} ranks)")
+        return {"meta": meta, "extra_states": extra}
