@@ -146,3 +146,33 @@ def assert_close_series(a: List[float], b: List[float], rtol: float, what: str) 
     assert len(a) == len(b) and len(a) > 0, f"{what}: {len(a)} vs {len(b)} steps"
     for i, (x, y) in enumerate(zip(a, b)):
         assert abs(x - y) <= rtol * max(abs(x), abs(y), 1e-12), f"{what} differs at step {i + 1}: {x!r} vs {y!r}"
+
+
+def descendants(pid: int) -> List[int]:
+    """Every process below `pid` (torchrun's workers run in sessions of their own)."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and all its descendants at once, as a node failure would."""
+    import signal
+
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

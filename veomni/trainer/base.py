@@ -212,7 +212,8 @@ class BaseTrainer:
         dist.all_reduce(loss_sum, group=state.dp_group)
         loss = (loss_sum / max(totals["loss_tokens"], 1)).item()
         lr = self.lr_scheduler.get_last_lr()[0]
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if skipped:
             self.optimizer.zero_grad(set_to_none=True)
             message = f"non-finite loss {loss} or grad norm {grad_norm} at step {self.global_step + 1}"
             if not self.args.train.skip_nonfinite_steps:
@@ -222,7 +223,7 @@ class BaseTrainer:
             self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
 
     # --------------------------------------------------------------------------------------------- loop
     def _fire(self, event: str, *extra) -> None:

@@ -1,0 +1,221 @@
+"""Checkpoints: exact resume after SIGKILL, crash during save, resharded resume, HF export, offload, NaN guard."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import (
+    REPO,
+    child_env,
+    descendants,
+    kill_tree,
+    read_metrics,
+    run_text_task,
+    tiny_run_config,
+    torchrun,
+    write_model_config,
+    write_token_data,
+)
+from veomni.checkpoint import list_checkpoints
+
+SCENARIOS = os.path.join(REPO, "tests", "dist", "trainer_scenarios.py")
+
+
+def _ckpts(out):
+    return list_checkpoints(os.path.join(out, "checkpoints"))
+
+
+def test_exact_resume_after_sigkill_with_packing_dyn_bsz_and_workers(tmp_path):
+    """20 steps uninterrupted vs killed (SIGKILL to launcher and workers) after step 10's checkpoint and
+    resumed: steps 11-20 have bit-identical loss and grad norm. 2 ranks, dyn_bsz packing, 2 loader workers."""
+    tmp = str(tmp_path)
+    # a model big enough that 10 steps take a few seconds: room to kill between the two checkpoints
+    write_token_data(f"{tmp}/data.jsonl", n=1500)
+    config = tiny_run_config(tmp)
+    write_model_config(f"{tmp}/model", hidden_size=384, intermediate_size=1024, num_hidden_layers=6)
+    flags = [
+        "--train.max_steps",
+        "20",
+        "--train.dyn_bsz",
+        "true",
+        "--data.dataloader.num_workers",
+        "2",
+        "--train.checkpoint.save_steps",
+        "10",
+        "--train.micro_batch_size",
+        "2",
+    ]
+    ref = run_text_task(config, 2, f"{tmp}/ref", flags)
+    assert [m["step"] for m in ref] == list(range(1, 21))
+
+    out = f"{tmp}/killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=127.0.0.1:0",
+        os.path.join(REPO, "tasks", "train_text.py"),
+        config,
+        "--train.checkpoint.output_dir",
+        out,
+        *flags,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    latest = os.path.join(out, "checkpoints", "latest")
+    deadline = time.time() + 240
+    while time.time() < deadline and not (os.path.isfile(latest) and open(latest).read() == "global_step_10"):
+        assert proc.poll() is None, "the run ended before its step-10 checkpoint"
+        time.sleep(0.02)
+    workers = descendants(proc.pid)
+    kill_tree(proc.pid)
+    proc.wait()
+    for pid in workers:  # all gone before the resume starts
+        while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+            time.sleep(0.01)
+    assert _ckpts(out) == [10]
+    steps_before = len(read_metrics(out))
+    assert 10 <= steps_before < 20, steps_before
+
+    resumed = run_text_task(config, 2, out, flags + ["--train.checkpoint.load_path", "auto"])
+    assert [m["step"] for m in resumed] == list(range(1, 21))  # metrics.jsonl continued, nothing duplicated
+    for a, b in zip(ref[10:], resumed[10:]):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
+    assert _ckpts(out) == [10, 20]
+
+
+def test_crash_during_save_leaves_previous_checkpoint(tmp_path):
+    tmp = str(tmp_path)
+    write_token_data(f"{tmp}/data.jsonl", n=400)
+    config = tiny_run_config(tmp)
+    out = f"{tmp}/out"
+    flags = ["--train.max_steps", "20", "--train.checkpoint.save_steps", "10", "--train.checkpoint.output_dir", out]
+    proc = torchrun(SCENARIOS, ["crash_in_save", config, *flags], 2, check=False)
+    assert proc.returncode != 0
+    assert _ckpts(out) == [10]
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == "global_step_10"
+    assert os.path.isdir(os.path.join(out, "checkpoints", "global_step_20.tmp"))  # the half-written save
+    before = read_metrics(out)
+    assert len(before) == 20  # step 20 ran; only its checkpoint was lost
+
+    resumed = run_text_task(config, 2, out, flags + ["--train.checkpoint.load_path", "auto"])
+    for a, b in zip(before[10:], resumed[10:]):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    assert _ckpts(out) == [10, 20] and not os.path.exists(os.path.join(out, "checkpoints", "global_step_20.tmp"))
+
+
+@pytest.mark.parametrize("save_ranks,resume_ranks", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size(tmp_path, save_ranks, resume_ranks):
+    tmp = str(tmp_path)
+    config = tiny_run_config(tmp)
+    const = ["--train.optimizer.lr_decay_style", "constant", "--train.optimizer.lr_warmup_ratio", "0"]
+    ref = run_text_task(config, 2, f"{tmp}/ref", const + ["--train.max_steps", "6"])
+    out = f"{tmp}/out"
+    run_text_task(config, save_ranks, out, const + ["--train.max_steps", "5"])
+    assert _ckpts(out) == [5]
+    resumed = run_text_task(
+        config, resume_ranks, out, const + ["--train.max_steps", "6", "--train.checkpoint.load_path", "auto"]
+    )
+    assert resumed[-1]["step"] == 6
+    for key in ("loss", "grad_norm"):
+        assert abs(resumed[-1][key] - ref[-1][key]) <= 1e-6 * abs(ref[-1][key]), (key, resumed[-1], ref[-1])
+
+
+def test_hf_export_round_trip(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = str(tmp_path)
+    config = tiny_run_config(tmp)
+    out = f"{tmp}/out"
+    run_text_task(config, 2, out, ["--train.max_steps", "3", "--train.checkpoint.save_hf_weights", "true"])
+    merged = f"{tmp}/merged"
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts", "merge_dcp_to_hf.py"),
+            "--checkpoint",
+            os.path.join(out, "checkpoints", "global_step_3"),
+            "--output",
+            merged,
+        ],
+        check=True,
+        cwd=REPO,
+        env=child_env(),
+    )
+    ids = torch.randint(3, 500, (2, 40))
+    logits = []
+    for folder in (os.path.join(out, "hf"), merged):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        assert type(model).__name__ == "Qwen2ForCausalLM"
+        AutoTokenizer.from_pretrained(folder)  # tokenizer files travel with the weights
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    assert torch.equal(logits[0], logits[1])
+    # the export holds the trained weights: they differ from the initialisation the run started from
+    init = AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(merged).config)
+    assert not torch.equal(init.model.norm.weight, AutoModelForCausalLM.from_pretrained(merged).model.norm.weight)
+
+
+def test_offload_onload_then_continue_matches(tmp_path):
+    tmp = str(tmp_path)
+    config = tiny_run_config(tmp)
+    ref = run_text_task(config, 2, f"{tmp}/ref", ["--train.max_steps", "6"])
+    proc = torchrun(
+        SCENARIOS, ["offload", config, "--train.max_steps", "6", "--train.checkpoint.output_dir", f"{tmp}/off"], 2
+    )
+    got = read_metrics(f"{tmp}/off")
+    assert [m["loss"] for m in got] == [m["loss"] for m in ref]
+    assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in ref]
+    report = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"offload')]
+    assert len(report) == 2 and all(r["offload_bytes_on_host"] > 0 for r in report)
+
+
+def test_nonfinite_loss_stops_and_saves_nothing_poisoned(tmp_path):
+    tmp = str(tmp_path)
+    config = tiny_run_config(tmp)
+    out = f"{tmp}/out"
+    proc = torchrun(
+        SCENARIOS,
+        [
+            "nan_at_3",
+            config,
+            "--train.max_steps",
+            "5",
+            "--train.checkpoint.save_steps",
+            "1",
+            "--train.checkpoint.output_dir",
+            out,
+        ],
+        2,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "non-finite loss nan or grad norm nan at step 3" in proc.stderr + proc.stdout
+    assert _ckpts(out) == [1, 2]
+
+    skip = f"{tmp}/skip"
+    torchrun(
+        SCENARIOS,
+        [
+            "nan_at_3",
+            config,
+            "--train.max_steps",
+            "5",
+            "--train.skip_nonfinite_steps",
+            "true",
+            "--train.checkpoint.output_dir",
+            skip,
+        ],
+        2,
+    )
+    metrics = read_metrics(skip)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert metrics[2]["skipped"] is True and all(m["loss"] == m["loss"] for m in metrics[3:])  # finite again
