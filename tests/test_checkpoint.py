@@ -219,3 +219,41 @@ def test_nonfinite_loss_stops_and_saves_nothing_poisoned(tmp_path):
     metrics = read_metrics(skip)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     assert metrics[2]["skipped"] is True and all(m["loss"] == m["loss"] for m in metrics[3:])  # finite again
+
+
+def test_multi_optimizer_checkpoint_and_offload(tmp_path):
+    model_dir = write_model_config(str(tmp_path / "model"))
+    proc = torchrun(os.path.join(REPO, "tests", "dist", "check_multi_optimizer.py"), [model_dir, str(tmp_path)], 2)
+    assert proc.stdout.count("MULTI_OPTIMIZER_OK") == 2
+
+
+def test_async_save_retention_and_explicit_path(tmp_path):
+    tmp = str(tmp_path)
+    config = tiny_run_config(tmp)
+    out = f"{tmp}/out"
+    flags = [
+        "--train.max_steps",
+        "9",
+        "--train.checkpoint.save_steps",
+        "3",
+        "--train.checkpoint.async_save",
+        "true",
+        "--train.checkpoint.save_total_limit",
+        "2",
+    ]
+    ref = run_text_task(config, 2, out, flags)
+    assert _ckpts(out) == [6, 9]  # step 3 retired
+    again = f"{tmp}/again"
+    resumed = run_text_task(
+        config, 2, again, flags + ["--train.checkpoint.load_path", os.path.join(out, "checkpoints", "global_step_6")]
+    )
+    assert [m["step"] for m in resumed] == [7, 8, 9]
+    for a, b in zip(ref[6:], resumed):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    proc = torchrun(
+        os.path.join(REPO, "tasks", "train_text.py"),
+        [config, "--train.checkpoint.load_path", f"{tmp}/nowhere"],
+        1,
+        check=False,
+    )
+    assert proc.returncode != 0 and "is not a complete checkpoint" in proc.stderr
