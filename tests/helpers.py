@@ -29,6 +29,37 @@ TINY_QWEN2 = {
 }
 
 
+TINY_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "use_cache": False,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.01,
+}
+
+
+def write_moe_config(folder: str, **overrides) -> str:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**TINY_QWEN3_MOE, **overrides}, f)
+    return folder
+
+
 def write_model_config(folder: str, **overrides) -> str:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:

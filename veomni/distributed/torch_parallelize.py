@@ -11,6 +11,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from ..models.auto import to_dtype
 from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
+from .parallel_plan import apply_expert_parallel, expert_shard_placement
 from .parallel_state import get_parallel_state
 from .weight_loading import materialize_meta_model
 
@@ -95,6 +96,8 @@ def build_parallelize_model(
     if state.mode == "ddp":
         if enable_fsdp_offload or _mixed_precision_policy(mixed_precision) is not None:
             raise ValueError("fsdp_config.offload and mixed_precision need fsdp_mode=fsdp2, not ddp")
+        if state.ep_enabled:
+            raise ValueError("expert parallel needs fsdp_mode=fsdp2, not ddp")
         if on_meta:
             materialize_meta_model(
                 model, weights_path, broadcast_model_weights_from_rank0, max_load_broadcast_size, reference_init
@@ -111,6 +114,10 @@ def build_parallelize_model(
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard, "mp_policy": mp_policy}
     if offload is not None:
         kwargs["offload_policy"] = offload
+    if state.ep_enabled:  # experts first: sharded over ep by the plan, then FSDP over ep_fsdp
+        ep_fsdp = state.extra_mesh("ep")["ep_fsdp"]
+        for experts in apply_expert_parallel(model, state):
+            fully_shard(experts, **dict(kwargs, mesh=ep_fsdp), shard_placement_fn=expert_shard_placement)
     units = _basic_module_instances(model, basic_modules or [])
     for unit in units:
         fully_shard(unit, **kwargs)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..models.loader import iter_safetensors, tied_parameter_names
+from ..models.loader import iter_model_weights, tied_parameter_names
 from ..utils.device import get_device
 from ..utils.logging import get_logger
 
@@ -124,7 +124,7 @@ def materialize_meta_model(
             buf.copy_(buffers[name].to(buf.device))
     reading = dist.get_rank() == 0 or not broadcast_from_rank0
     if weights_path is not None:
-        source = iter_safetensors(weights_path) if reading else None
+        source = iter_model_weights(weights_path, getattr(model, "config", None)) if reading else None
         name = weights_path
     else:
         source = reference_init().state_dict().items() if reading else None

@@ -6,8 +6,9 @@ from typing import Any, Dict, Optional, Union
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from ..ops.moe import experts_implementation
 from ..utils.logging import get_logger
-from .loader import init_empty_weights, load_weights
+from .loader import init_empty_weights, load_weights, num_experts_of
 
 logger = get_logger(__name__)
 
@@ -61,8 +62,8 @@ def build_foundation_model(
     """
     config = build_config(config_path or weights_path, **(config_kwargs or {}))
     config.use_cache = False  # with a cache, transformers ignores packed position_ids and attends across documents
-    if moe_implementation is not None:
-        config.moe_implementation = moe_implementation
+    if num_experts_of(config):
+        config._experts_implementation = experts_implementation(moe_implementation)
     dtype = to_dtype(torch_dtype)
     kwargs = {"attn_implementation": attn_implementation, "dtype": dtype}
     if init_device == "meta":

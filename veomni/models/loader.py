@@ -3,7 +3,8 @@
 import contextlib
 import json
 import os
-from typing import Dict, Iterator, List, Tuple
+import re
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -76,7 +77,7 @@ def load_weights(model: nn.Module, weights_path: str, strict: bool = True) -> No
     state = model.state_dict()
     tied = set(tied_parameter_names(model))
     loaded = set()
-    for name, tensor in iter_safetensors(weights_path):
+    for name, tensor in iter_model_weights(weights_path, getattr(model, "config", None)):
         if name not in state:
             if strict and name not in tied:
                 raise KeyError(
@@ -101,3 +102,53 @@ def _non_persistent(model: nn.Module) -> set:
         for b in module._non_persistent_buffers_set:
             names.add(f"{prefix}.{b}" if prefix else b)
     return names
+
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_proj|up_proj)$")
+
+
+def num_experts_of(config) -> Optional[int]:
+    for source in (config, getattr(config, "text_config", None), getattr(config, "thinker_config", None)):
+        for name in ("num_experts", "n_routed_experts", "num_local_experts"):
+            value = getattr(source, name, None) if source is not None else None
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def fuse_experts(tensors: Iterable[Tuple[str, torch.Tensor]], num_experts: Optional[int]):
+    """Per-expert HF keys (`experts.{e}.gate_proj.weight` ...) and stacked `experts.gate_proj`/`up_proj` become the
+    fused `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]; everything else passes through.
+    A layer's experts are held only until its last one arrives, so memory stays about one layer."""
+    pending: Dict[str, Dict[Tuple[int, str], torch.Tensor]] = {}
+    stacked: Dict[str, Dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        match = _PER_EXPERT.match(name)
+        if match and num_experts:
+            layer = pending.setdefault(match["prefix"], {})
+            layer[(int(match["expert"]), match["proj"])] = tensor
+            if len(layer) == 3 * num_experts:
+                del pending[match["prefix"]]
+                gate_up = [torch.cat([layer[(e, "gate_proj")], layer[(e, "up_proj")]]) for e in range(num_experts)]
+                yield f"{match['prefix']}.gate_up_proj", torch.stack(gate_up)
+                yield f"{match['prefix']}.down_proj", torch.stack([layer[(e, "down_proj")] for e in range(num_experts)])
+            continue
+        match = _STACKED.match(name)
+        if match:
+            pair = stacked.setdefault(match["prefix"], {})
+            pair[match["proj"]] = tensor
+            if len(pair) == 2:
+                del stacked[match["prefix"]]
+                yield f"{match['prefix']}.gate_up_proj", torch.cat([pair["gate_proj"], pair["up_proj"]], dim=1)
+            continue
+        yield name, tensor
+    incomplete = sorted(pending) + sorted(stacked)
+    if incomplete:
+        raise KeyError(f"checkpoint has incomplete experts for {incomplete[:4]} (expected {num_experts} per layer)")
+
+
+def iter_model_weights(weights_path: str, config=None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors under the model's own names (experts fused on the fly)."""
+    tensors = iter_safetensors(weights_path)
+    return fuse_experts(tensors, num_experts_of(config)) if config is not None else tensors

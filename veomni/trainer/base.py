@@ -182,8 +182,11 @@ class BaseTrainer:
         """Summed token loss of one micro-batch; override for custom losses."""
         labels = micro_batch["labels"]
         inputs = {k: v for k, v in micro_batch.items() if k not in _NOT_MODEL_INPUTS}
-        logits = self.model(**inputs, use_cache=False).logits
-        loss_sum, _ = causal_lm_loss_sum(logits, labels)
+        outputs = self.model(**inputs, use_cache=False)
+        loss_sum, tokens = causal_lm_loss_sum(outputs.logits, labels)
+        aux = getattr(outputs, "aux_loss", None)
+        if aux is not None:  # MoE load balancing (output_router_logits), weighted like this micro-batch's tokens
+            loss_sum = loss_sum + self.model.config.router_aux_loss_coef * aux * tokens
         return loss_sum
 
     def _step_totals(self, micro_batches: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str, int]]:

@@ -1,0 +1,120 @@
+"""Mixture-of-experts compute: a fused (sorted-token, grouped) experts forward, and expert parallelism.
+
+transformers 5 stores experts fused (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) and dispatches the
+experts forward through `ExpertsInterface` by `config._experts_implementation`. We register `veomni_fused`:
+
+    sort the (token, k) assignments by expert -> one contiguous block per expert -> one matmul pair per expert
+    (torch._grouped_mm on CUDA when available) -> weight by the router -> scatter-add back to tokens
+
+With expert parallelism (`self._veomni_ep` set by build_parallelize_model) each rank holds E/ep experts; the
+sorted tokens travel to the rank owning their expert by all-to-all (per-expert counts exchanged first, so the
+splits may be uneven or zero), are computed there, and come back the same way. Both all-to-alls carry autograd.
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor
+from transformers.integrations.moe import ExpertsInterface
+
+FUSED = "veomni_fused"
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; gradient times `scale` (expert weights are averaged over fewer ranks than the rest)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _grouped_mlp(
+    x: torch.Tensor, counts: List[int], gate_up: torch.Tensor, down: torch.Tensor, apply_gate: Callable
+) -> torch.Tensor:
+    """Rows of `x` are grouped by expert (`counts[e]` rows for expert e); each group through its expert's MLP."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, down.shape[1])
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        hidden = apply_gate(torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets))
+        return torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
+    outputs = []
+    for expert, rows in zip(range(len(counts)), x.split(counts)):
+        if rows.shape[0]:
+            outputs.append(
+                torch.nn.functional.linear(apply_gate(torch.nn.functional.linear(rows, gate_up[expert])), down[expert])
+            )
+    return torch.cat(outputs)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def fused_experts_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    num_experts = self.num_experts
+    top_k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat, minlength=num_experts)
+    x = hidden_states[token_of]
+    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    ep = getattr(self, "_veomni_ep", None)
+    if ep is None:
+        y = _grouped_mlp(x, counts.tolist(), gate_up, down, self._apply_gate)
+    else:
+        y = _expert_parallel_mlp(x, counts, gate_up, down, self._apply_gate, ep)
+    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+    out = torch.zeros_like(hidden_states)
+    return out.index_add_(0, token_of, y.to(out.dtype))
+
+
+class ExpertParallel:
+    """What an experts module needs to dispatch: its ep group, size and rank, and the gradient scale."""
+
+    def __init__(self, group, size: int, rank: int, grad_scale: float):
+        self.group, self.size, self.rank, self.grad_scale = group, size, rank, grad_scale
+
+
+def _expert_parallel_mlp(x, counts, gate_up, down, apply_gate, ep: ExpertParallel) -> torch.Tensor:
+    local_experts = gate_up.shape[0]
+    # 1. how many rows each rank sends to each expert of each other rank
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=ep.group)
+    send_splits = counts.view(ep.size, local_experts).sum(1).tolist()
+    by_source = recv_counts.view(ep.size, local_experts)  # [source rank, local expert]
+    recv_splits = by_source.sum(1).tolist()
+    # 2. rows go to the owner of their expert
+    received = all_to_all_single_autograd(x, recv_splits, send_splits, ep.group)
+    # 3. received rows are source-major; regroup them expert-major for the grouped matmul
+    sizes = by_source.reshape(-1).tolist()
+    blocks = list(torch.arange(received.shape[0], device=x.device).split(sizes))
+    perm = torch.cat([blocks[s * local_experts + e] for e in range(local_experts) for s in range(ep.size)])
+    gate_up = _ScaleGrad.apply(gate_up, ep.grad_scale)
+    down = _ScaleGrad.apply(down, ep.grad_scale)
+    y = _grouped_mlp(received[perm], by_source.sum(0).tolist(), gate_up, down, apply_gate)
+    y = torch.empty_like(y).index_copy_(0, perm, y) if y.shape[0] else y  # back to source-major order
+    # 4. results return to the ranks the rows came from
+    return all_to_all_single_autograd(y, send_splits, recv_splits, ep.group)
+
+
+ExpertsInterface.register(FUSED, fused_experts_forward)
+
+
+def experts_implementation(moe_implementation: Optional[str]) -> Optional[str]:
+    """Our config name -> transformers' `_experts_implementation`."""
+    if moe_implementation in (None, "eager"):
+        return "eager"
+    if moe_implementation == "fused":
+        return FUSED
+    raise ValueError(f"unknown moe_implementation {moe_implementation!r}; choose eager or fused")
