@@ -1,0 +1,162 @@
+"""Mixture-of-experts: fused vs eager, parity with transformers, expert parallel, moe_merge / moe_split."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from helpers import (
+    REPO,
+    TINY_QWEN3_MOE,
+    assert_close_series,
+    child_env,
+    run_text_task,
+    tiny_run_config,
+    torchrun,
+    write_moe_config,
+)
+from veomni.models import build_foundation_model
+
+QWEN2_MOE = dict(
+    TINY_QWEN3_MOE,
+    architectures=["Qwen2MoeForCausalLM"],
+    model_type="qwen2_moe",
+    shared_expert_intermediate_size=48,
+    qkv_bias=True,
+)
+
+
+def _hf_checkpoint(folder, config, shard="200KB"):
+    """A transformers-saved checkpoint (per-expert keys on disk), several shards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    write_moe_config(folder, **config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    model.save_pretrained(folder, max_shard_size=shard)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def checkpoint(request, tmp_path_factory):
+    config = TINY_QWEN3_MOE if request.param == "qwen3_moe" else QWEN2_MOE
+    return _hf_checkpoint(str(tmp_path_factory.mktemp(request.param)), config)
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_fused_equals_eager_loss_and_grads(checkpoint):
+    ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(1))
+    results = []
+    for impl in ("eager", "fused"):
+        model = build_foundation_model(checkpoint, checkpoint, torch_dtype="float32", moe_implementation=impl)
+        assert model.config._experts_implementation == ("eager" if impl == "eager" else "veomni_fused")
+        results.append(_loss_and_grads(model, ids))
+    (loss_e, grads_e), (loss_f, grads_f) = results
+    assert abs(loss_e - loss_f) <= 1e-5 * loss_e
+    assert grads_e.keys() == grads_f.keys()
+    for name in grads_e:
+        torch.testing.assert_close(grads_f[name], grads_e[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_matches_transformers_on_the_same_weights(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, experts_implementation="eager")
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        for impl in ("eager", "fused"):
+            ours = build_foundation_model(checkpoint, checkpoint, torch_dtype="float32", moe_implementation=impl)
+            torch.testing.assert_close(ours(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_parallel_dispatch_is_exact_with_an_empty_expert(tmp_path):
+    folder = write_moe_config(str(tmp_path))
+    proc = torchrun(os.path.join(REPO, "tests", "dist", "check_expert_parallel.py"), [folder], 2)
+    assert proc.stdout.count("EXPERT_PARALLEL_OK") == 2
+
+
+def test_ep2_training_matches_ep1(tmp_path):
+    tmp = str(tmp_path)
+    config = tiny_run_config(tmp)
+    write_moe_config(f"{tmp}/model")
+    fused = ["--model.ops_implementation.moe_implementation", "fused"]
+    ep1 = run_text_task(config, 2, f"{tmp}/ep1", fused)
+    ep2 = run_text_task(
+        config,
+        2,
+        f"{tmp}/ep2",
+        fused + ["--train.accelerator.extra_parallel_sizes", "2", "--train.accelerator.extra_parallel_names", "ep"],
+    )
+    assert len(ep1) == 10
+    assert_close_series([m["loss"] for m in ep1], [m["loss"] for m in ep2], 1e-5, "loss")
+    assert_close_series([m["grad_norm"] for m in ep1], [m["grad_norm"] for m in ep2], 1e-5, "grad_norm")
+
+
+def _tensors(folder):
+    out = {}
+    for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(folder, file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def _script(name, *args):
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", name), *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("layout", ["fused", "stacked"])
+def test_moe_merge_then_split_round_trips_bytes(checkpoint, tmp_path, layout):
+    merged, split = str(tmp_path / "merged"), str(tmp_path / "split")
+    proc = _script("moe_merge.py", "--raw_hf_path", checkpoint, "--merge_hf_path", merged, "--layout", layout)
+    assert proc.returncode == 0, proc.stderr
+    assert "merged 2 MoE layers" in proc.stdout
+    merged_keys = set(_tensors(merged))
+    assert not any(".experts.0." in k for k in merged_keys)
+    expected = {"fused": "gate_up_proj", "stacked": "gate_proj"}[layout]
+    assert any(k.endswith(f"experts.{expected}") for k in merged_keys)
+    proc = _script("moe_split.py", "--merge_hf_path", merged, "--split_hf_path", split)
+    assert proc.returncode == 0, proc.stderr
+    original, back = _tensors(checkpoint), _tensors(split)
+    assert original.keys() == back.keys()
+    for key, tensor in original.items():
+        assert back[key].dtype == tensor.dtype and back[key].shape == tensor.shape, key
+        assert back[key].contiguous().view(torch.uint8).equal(tensor.contiguous().view(torch.uint8)), key
+    index = json.load(open(os.path.join(merged, "model.safetensors.index.json")))
+    assert set(index["weight_map"]) == merged_keys and len(set(index["weight_map"].values())) > 1
+
+    # the merged checkpoint loads into our model and gives the per-expert checkpoint's logits
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a = build_foundation_model(checkpoint, checkpoint, torch_dtype="float32")(input_ids=ids).logits
+        b = build_foundation_model(merged, merged, torch_dtype="float32")(input_ids=ids).logits
+    assert torch.equal(a, b)
+
+
+def test_merge_refuses_a_dense_checkpoint(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from helpers import write_model_config
+
+    folder = write_model_config(str(tmp_path / "dense"))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    proc = _script("moe_merge.py", "--raw_hf_path", folder, "--merge_hf_path", str(tmp_path / "out"))
+    assert proc.returncode != 0 and "not an HF per-expert MoE checkpoint" in proc.stderr
+    proc = _script("moe_split.py", "--merge_hf_path", folder, "--split_hf_path", str(tmp_path / "out2"))
+    assert proc.returncode != 0 and "nothing to split" in proc.stderr
