@@ -160,3 +160,32 @@ def test_merge_refuses_a_dense_checkpoint(tmp_path):
     assert proc.returncode != 0 and "not an HF per-expert MoE checkpoint" in proc.stderr
     proc = _script("moe_split.py", "--merge_hf_path", folder, "--split_hf_path", str(tmp_path / "out2"))
     assert proc.returncode != 0 and "nothing to split" in proc.stderr
+
+
+@pytest.mark.parametrize("counts", [[5, 7, 6, 6], [0, 9, 9, 6], [24, 0, 0, 0]])
+def test_padded_batched_path_equals_per_expert_loop(counts):
+    from veomni.ops.moe import _grouped_mlp, _padded_bmm_mlp
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), 16, generator=g, requires_grad=True)
+    gate_up = torch.randn(4, 2 * 8, 16, generator=g, requires_grad=True)
+    down = torch.randn(4, 16, 8, generator=g, requires_grad=True)
+
+    def act(h):
+        a, b = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(a) * b
+
+    loop = torch.cat(
+        [
+            torch.nn.functional.linear(act(torch.nn.functional.linear(r, gate_up[e])), down[e])
+            for e, r in enumerate(x.split(counts))
+            if r.shape[0]
+        ]
+    )
+    grads_loop = torch.autograd.grad(loop.pow(2).sum(), (x, gate_up, down))
+    padded = _padded_bmm_mlp(x, counts, gate_up, down, act)
+    grads_padded = torch.autograd.grad(padded.pow(2).sum(), (x, gate_up, down))
+    torch.testing.assert_close(padded, loop, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_padded, grads_loop):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(_grouped_mlp(x, counts, gate_up, down, act), loop, rtol=1e-5, atol=1e-5)

@@ -132,6 +132,7 @@ def build_parallelize_model(
         )
     logger.info(
         f"FSDP2 over mesh {tuple(mesh.shape)} with {len(units)} units; reshard_after_forward={reshard}, "
-        f"mixed_precision={mp_policy.param_dtype is not None}, offload={offload is not None}"
+        f"mixed_precision={mp_policy.param_dtype is not None}, offload={offload is not None}, "
+        f"expert_parallel={state.ep_size if state.ep_enabled else 1}"
     )
     return model

@@ -103,22 +103,21 @@ def merge_moe_checkpoint(src: str, dst: str, layout: str = "fused") -> Dict[str,
     if configured is not None and configured not in counts:  # omni models may mix counts (thinker / talker)
         raise ValueError(f"{src}: layers have {sorted(counts)} experts but config.json says {configured}")
     _copy_side_files(src, dst)
-    pending: Dict[str, Dict[Tuple[int, str], torch.Tensor]] = defaultdict(dict)
+    pending: Dict[str, _MergedLayer] = {}
     written, layers = [], 0
     for file, keys in shards:
         out: Dict[str, torch.Tensor] = {}
         with safe_open(os.path.join(src, file), "pt") as f:
             for key in keys:
-                tensor = f.get_tensor(key)
                 m = PER_EXPERT.match(key)
                 if not m:
-                    out[key] = tensor
+                    out[key] = f.get_tensor(key)
                     continue
-                layer = pending[m["prefix"]]
-                layer[(int(m["expert"]), m["proj"])] = tensor
-                n = len(expected[m["prefix"]])
-                if len(layer) == 3 * n:
-                    out.update(_merge_layer(m["prefix"], pending.pop(m["prefix"]), n, layout))
+                prefix = m["prefix"]
+                layer = pending.get(prefix) or pending.setdefault(prefix, _MergedLayer(len(expected[prefix]), layout))
+                if layer.add(int(m["expert"]), m["proj"], f.get_tensor(key)):
+                    out.update(layer.tensors(prefix))
+                    del pending[prefix]
                     layers += 1
         written.append((file, _save_shard(dst, file, out)))
         del out
@@ -128,20 +127,31 @@ def merge_moe_checkpoint(src: str, dst: str, layout: str = "fused") -> Dict[str,
     return {"layers": layers, "shards": len(shards)}
 
 
-def _merge_layer(prefix: str, layer, n: int, layout: str) -> Dict[str, torch.Tensor]:
-    gate = [layer[(e, "gate_proj")] for e in range(n)]
-    up = [layer[(e, "up_proj")] for e in range(n)]
-    down = torch.stack([layer[(e, "down_proj")] for e in range(n)])
-    if layout == "stacked":
-        return {
-            f"{prefix}.gate_proj": torch.stack(gate),
-            f"{prefix}.up_proj": torch.stack(up),
-            f"{prefix}.down_proj": down,
-        }
-    return {
-        f"{prefix}.gate_up_proj": torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)]),
-        f"{prefix}.down_proj": down,
-    }
+class _MergedLayer:
+    """One layer's merged expert tensors, filled in place as each expert's weight arrives (then freed), so a
+    layer never exists twice in memory."""
+
+    def __init__(self, num_experts: int, layout: str):
+        self.n, self.layout, self.seen = num_experts, layout, 0
+        self.buffers: Dict[str, torch.Tensor] = {}
+
+    def add(self, expert: int, proj: str, tensor: torch.Tensor) -> bool:
+        if self.layout == "fused" and proj in ("gate_proj", "up_proj"):
+            rows = tensor.shape[0]
+            buffer = self._buffer("gate_up_proj", (self.n, 2 * rows, tensor.shape[1]), tensor.dtype)
+            buffer[expert, (0 if proj == "gate_proj" else rows) : (rows if proj == "gate_proj" else 2 * rows)] = tensor
+        else:
+            self._buffer(proj, (self.n, *tensor.shape), tensor.dtype)[expert] = tensor
+        self.seen += 1
+        return self.seen == 3 * self.n
+
+    def _buffer(self, name, shape, dtype) -> torch.Tensor:
+        if name not in self.buffers:
+            self.buffers[name] = torch.empty(shape, dtype=dtype)
+        return self.buffers[name]
+
+    def tensors(self, prefix: str) -> Dict[str, torch.Tensor]:
+        return {f"{prefix}.{name}": t for name, t in self.buffers.items()}
 
 
 def split_moe_checkpoint(src: str, dst: str) -> Dict[str, int]:
