@@ -45,3 +45,26 @@ def test_fsdp2_without_accumulation_and_no_reshard(reference):
     # packing the same global batch differently (2 vs 4 per micro-batch) changes nothing but float order
     _, _, ref = reference
     assert_close_series([m["loss"] for m in ref], [m["loss"] for m in single], RTOL, "micro-batch split loss")
+
+
+def test_hsdp_two_by_two_matches_one_process(reference):
+    """4 gloo ranks as HSDP: 2 replicas x 2 shards, global batch 8 = 2 per rank."""
+    config, tmp, _ = reference
+    single = run_text_task(config, 1, f"{tmp}/single_mb1", ["--train.micro_batch_size", "1", "--train.max_steps", "4"])
+    got = run_text_task(
+        config,
+        4,
+        f"{tmp}/hsdp",
+        [
+            "--train.micro_batch_size",
+            "1",
+            "--train.max_steps",
+            "4",
+            "--train.accelerator.dp_replicate_size",
+            "2",
+            "--train.accelerator.dp_shard_size",
+            "2",
+        ],
+    )
+    assert_close_series([m["loss"] for m in single], [m["loss"] for m in got], RTOL, "hsdp loss")
+    assert_close_series([m["grad_norm"] for m in single], [m["grad_norm"] for m in got], RTOL, "hsdp grad_norm")

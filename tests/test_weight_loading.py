@@ -72,3 +72,26 @@ def test_meta_init_then_rank0_broadcast_equals_plain_load(model_dir, mode, broad
     folder, _ = model_dir
     proc = torchrun(os.path.join(REPO, "tests", "dist", "check_meta_broadcast.py"), [folder, mode, broadcast], 2)
     assert proc.stdout.count("META_BROADCAST_OK") == 2
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+        {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16},
+        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
+    ],
+)
+def test_families_load_like_transformers(tmp_path, family):
+    """Llama, Qwen3 and Qwen2 checkpoints saved by transformers load into our builder with identical logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = write_model_config(str(tmp_path), **family)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    reference.save_pretrained(folder)
+    ours = build_foundation_model(folder, folder, torch_dtype="float32")
+    assert type(ours).__name__ == family["architectures"][0]
+    ids = torch.randint(3, 500, (1, 30))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, reference(input_ids=ids).logits)
