@@ -218,3 +218,11 @@ def test_registry_custom_dataset(tmp_path):
     )
     micro = _flatten(list(_loader(ds, micro=1, dyn=False, dlbs=1)))
     assert len(micro) == 10
+
+
+def test_exactly_once_on_two_real_ranks(files):
+    from helpers import REPO, torchrun
+
+    folder, n = files
+    proc = torchrun(os.path.join(REPO, "tests", "dist", "check_exactly_once.py"), [folder, str(n)], 2)
+    assert proc.stdout.count("EXACTLY_ONCE_OK") == 2
