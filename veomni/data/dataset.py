@@ -93,11 +93,11 @@ class _Transforming:
 
     def _apply(self, record: Any, where: str) -> List[Dict[str, Any]]:
         try:
-            if isinstance(record, DataFormatError):
+            if isinstance(record, DataFormatError):  # the reader's error, already naming file and line
                 raise record
             out = self.transform(record) if self.transform is not None else record
         except DataFormatError as err:
-            message = str(err) if str(err).startswith(where.split(":")[0]) else f"{where}: {err}"
+            message = str(err) if err is record else f"{where}: {err}"
             if not self.skip_bad_samples:
                 raise DataFormatError(message + " (set data.skip_bad_samples to skip such samples)") from None
             self.skipped += 1
@@ -113,8 +113,8 @@ class _Transforming:
             return [self._apply(r, w) for r, w in zip(records, wheres)]
         ok = [i for i, r in enumerate(records) if not isinstance(r, DataFormatError)]
         results: List[Any] = list(records)
-        for i, res in zip(ok, batched([records[i] for i in ok])):
-            results[i] = res
+        for i, res in zip(ok, batched([records[i] for i in ok])):  # a transform's error gets its record's location
+            results[i] = DataFormatError(f"{wheres[i]}: {res}") if isinstance(res, DataFormatError) else res
         return [self._apply(res, w) if isinstance(res, DataFormatError) else res for res, w in zip(results, wheres)]
 
 
@@ -191,7 +191,7 @@ class StreamingDataset(IterableDataset, _Transforming):
         for key in state["buffer"]:  # a resumed buffer: read its records again
             key = tuple(key)
             if key not in self._pending:
-                self._pending[key] = (self._fetch(key), f"{self.files[key[0]]}@{key[1]}")
+                self._pending[key] = (self._fetch(key), self.reader.location(key))
         stream = self.reader.iter_from(*state["next"])
         while True:
             if len(state["buffer"]) < self.shuffle_buffer_size:
@@ -219,11 +219,11 @@ class StreamingDataset(IterableDataset, _Transforming):
             return err
 
     def samples(self, key: Key) -> List[Dict[str, Any]]:
-        record, where = self._pending.pop(key, None) or (self._fetch(key), f"{self.files[key[0]]}@{key[1]}")
+        record, where = self._pending.pop(key, None) or (self._fetch(key), self.reader.location(key))
         return self._apply(record, where)
 
     def samples_many(self, keys: List[Key]) -> List[List[Dict[str, Any]]]:
-        items = [self._pending.pop(k, None) or (self._fetch(k), f"{self.files[k[0]]}@{k[1]}") for k in keys]
+        items = [self._pending.pop(k, None) or (self._fetch(k), self.reader.location(k)) for k in keys]
         return self._apply_many([r for r, _ in items], [w for _, w in items])
 
     __iter__ = _iterate_samples

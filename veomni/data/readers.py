@@ -100,7 +100,7 @@ class RecordFiles:
                     lineno += 1
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}" if lineno is not None else f"{path}@byte {here}"
+                where = f"{path}:{lineno}" if lineno is not None else self.location((fi, here))
                 try:
                     record = _parse_json_line(line, where)
                 except DataFormatError as err:
@@ -119,13 +119,18 @@ class RecordFiles:
         return self._tables[fi]
 
     # ---------------------------------------------------------------------------------------- random access
+    def location(self, key: Key) -> str:
+        """Where a record lives, for messages (line numbers are only known when reading from the start)."""
+        path = self.files[key[0]]
+        return f"{path}@byte {key[1]}" if path.endswith(".jsonl") else f"{path}:row {key[1]}"
+
     def fetch(self, key: Key) -> Dict[str, Any]:
         fi, position = key
         path = self.files[fi]
         if path.endswith(".jsonl"):
             with open(path, "rb") as f:
                 f.seek(position)
-                return _parse_json_line(f.readline(), f"{path}@byte {position}")
+                return _parse_json_line(f.readline(), self.location(key))
         return self._rows(fi)[position]
 
 

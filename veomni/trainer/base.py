@@ -39,7 +39,7 @@ from .callbacks import (
 
 logger = get_logger(__name__)
 
-# Keys the collator adds for attention kernels; everything else in a micro-batch goes to the model as is.
+# Micro-batch keys the trainer consumes itself (the loss); everything else goes to the model as is.
 _NOT_MODEL_INPUTS = ("labels",)
 
 
