@@ -30,7 +30,7 @@ def main(folder, n):
     assert len(seen) == len(set(seen)) == int(n), (len(seen), len(set(seen)))
     assert set(seen) == set(range(int(n)))
     assert all(len(part) > 0 for part in everyone)
-    print("EXACTLY_ONCE_OK", dist.get_rank(), len(mine))
+    print(f"EXACTLY_ONCE_OK {dist.get_rank()} {len(mine)}", flush=True)
     destroy_parallel_state()
 
 

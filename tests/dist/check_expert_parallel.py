@@ -64,7 +64,7 @@ def main(model_dir):
         got = got.to_local() * 2  # the 1/ep scale, undone: FSDP over ep_fsdp would average the rest
         torch.testing.assert_close(got, ref[local], rtol=1e-5, atol=1e-6)
     assert ref_grads[0][3].abs().sum() == 0  # expert 3 got no tokens anywhere
-    print("EXPERT_PARALLEL_OK", rank)
+    print(f"EXPERT_PARALLEL_OK {rank}", flush=True)
     destroy_parallel_state()
 
 

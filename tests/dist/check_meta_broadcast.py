@@ -30,7 +30,7 @@ def main(model_dir: str, mode: str, broadcast: str):
     ids = torch.arange(3, 40).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(plain(input_ids=ids).logits, meta(input_ids=ids).logits), "logits differ"
-    print("META_BROADCAST_OK", len(want))
+    print(f"META_BROADCAST_OK {len(want)}", flush=True)
     destroy_parallel_state()
 
 

@@ -49,7 +49,7 @@ def main(model_dir, out):
     got = [step(model2, opt2, s) for s in range(3, 6)]
     assert got == expected, (got, expected)
     assert len(opt2.optimizers_dict["vectors"].state) > 0
-    print("MULTI_OPTIMIZER_OK", expected)
+    print(f"MULTI_OPTIMIZER_OK {expected}", flush=True)
     destroy_parallel_state()
 
 

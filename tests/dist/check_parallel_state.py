@@ -12,5 +12,5 @@ assert ps.sp_rank == 0 and dist.get_world_size(ps.sp_group) == 1 and not ps.sp_e
 assert ps.tp_mesh.size() == 1 and dist.get_world_size(ps.tp_group) == 1
 assert ps.fsdp_mesh.size() == 2 and ps.ep_size == 2 and ps.ep_rank == rank and ps.ep_enabled
 assert ps.extra_mesh("ep")["ep_fsdp"].size() == 1
-print("PARALLEL_STATE_OK", rank)
+print(f"PARALLEL_STATE_OK {rank}", flush=True)
 destroy_parallel_state()

@@ -160,4 +160,5 @@ if __name__ == "__main__":
             optimizer.zero_grad()
             losses.append(round(loss.item() * len(micro_batches), 4))
 
-    print("SEED_WALKTHROUGH_OK", parallel_state.dp_size, train_steps, losses)
+    # one write per line (unbuffered print writes each argument separately, and ranks share stdout)
+    print(f"SEED_WALKTHROUGH_OK {parallel_state.dp_size} {train_steps} {losses}", flush=True)
