@@ -2,17 +2,63 @@
 
 Gradients are grouped by (mesh, placements) so each group's norm is reduced over its own mesh exactly once
 (FSDP shards, expert-parallel shards and replicated tensors each count once), then combined.
+
+Every norm is accumulated in float64. torch's fp32 `vector_norm` on CPU sums without cascading: on the demo
+model's tied embedding gradient (1M values, a few large rows) it is off by 2.3e-4 relative, and by a different
+amount on each FSDP shard than on the full tensor, so FSDP2 and one process reported grad norms 3.5e-5 apart from
+bit-identical gradients, and the clip coefficient carried that difference into every later step.
 """
 
+import math
 from collections import defaultdict
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+# float64 copies are made this many values at a time, so the extra memory stays small for any tensor size
+_CHUNK = 1 << 24
+
+
+def _local_norm64(t: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The norm of one local tensor, accumulated in float64 chunk by chunk."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:  # an FSDP shard can be empty when a dimension is smaller than the mesh
+        return torch.zeros((), dtype=torch.float64, device=t.device)
+    if flat.numel() <= _CHUNK:
+        return torch.linalg.vector_norm(flat, norm_type, dtype=torch.float64)
+    parts = [torch.linalg.vector_norm(c, norm_type, dtype=torch.float64) for c in flat.split(_CHUNK)]
+    return torch.linalg.vector_norm(torch.stack(parts), norm_type)
+
+
+def _group_norm(grads, norm_type: float) -> torch.Tensor:
+    """Norm of gradients that share one (mesh, placements): local float64 norms, then one reduction over each
+    mesh dimension the gradients are sharded on (a replicated dimension holds copies: it is not summed)."""
+    local = torch.stack([_local_norm64(g.to_local() if isinstance(g, DTensor) else g, norm_type) for g in grads])
+    norm = torch.linalg.vector_norm(local, norm_type)
+    first = grads[0]
+    if not isinstance(first, DTensor):
+        return norm
+    if any(p.is_partial() for p in first.placements):
+        raise ValueError(f"gradient with partial placement {first.placements}: reduce it before taking its norm")
+    # the local norm of a sharded gradient is a partial norm: combine it over exactly the sharded mesh dimensions
+    inf = math.isinf(norm_type)
+    value = norm if inf else norm**norm_type
+    for dim, placement in enumerate(first.placements):
+        if placement.is_shard():
+            dist.all_reduce(
+                value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=first.device_mesh.get_group(dim)
+            )
+    return value if inf else value ** (1.0 / norm_type)
 
 
 @torch.no_grad()
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients together, as a float64 scalar tensor (the same value on every rank)."""
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
     groups = defaultdict(list)
     for p in parameters:
         if p.grad is None:
@@ -20,12 +66,9 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
         g = p.grad
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else ("local", g.device)
         groups[key].append(g)
-    norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    norms = [_group_norm(grads, norm_type) for grads in groups.values()]
     if not norms:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0, dtype=torch.float64)
     device = norms[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
 
