@@ -3,6 +3,8 @@
 offload        offload + onload model and optimizer after step 3, then continue (prints bytes moved)
 nan_at_3       the loss of step 3 becomes NaN
 crash_in_save  SIGKILL this process in the middle of writing the step-20 checkpoint (after some shards)
+same_batches   every world size trains on one process's global batches (rank r takes micro-batches r, r+dp, ...);
+               `same_batches:fsdp2,ddp` trains once per mode in this launch, into <output_dir>/<mode>
 """
 
 import json
@@ -13,6 +15,7 @@ import sys
 import torch
 
 import veomni.checkpoint.checkpointer as checkpointer_module
+import veomni.trainer.text_trainer as text_trainer_module
 from veomni.arguments import VeOmniArguments, parse_args
 from veomni.distributed import destroy_parallel_state
 from veomni.distributed.offload import (
@@ -52,6 +55,44 @@ class NanAtStep3(TextTrainer):
         return loss * float("nan") if self.global_step == 2 else loss
 
 
+class RankShare:
+    """A one-process loader seen by one data-parallel rank: its share of each global batch's micro-batches."""
+
+    def __init__(self, loader, dp_rank: int, dp_size: int):
+        self.loader, self.dp_rank, self.dp_size = loader, dp_rank, dp_size
+
+    def __iter__(self):
+        for micro_batches in self.loader:
+            yield micro_batches[self.dp_rank :: self.dp_size]
+
+    def set_epoch(self, epoch):
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
+
+
+class SameGlobalBatches(TextTrainer):
+    """Identical global batches whatever the number of ranks, so parity with one process tests the parallelism
+    alone (how the real loader deals data out over ranks is tested in test_data_loader.py)."""
+
+    def build_dataloader(self):
+        real, dp = text_trainer_module.build_dataloader, self.parallel_state.dp_size
+
+        def one_process_loader(**kwargs):
+            kwargs.update(dataloader_batch_size=kwargs["dataloader_batch_size"] * dp, dp_rank=0, dp_size=1)
+            return real(**kwargs)
+
+        text_trainer_module.build_dataloader = one_process_loader
+        try:
+            return RankShare(super().build_dataloader(), self.parallel_state.dp_rank, dp)
+        finally:
+            text_trainer_module.build_dataloader = real
+
+
 def crash_in_the_middle_of_step_20():
     real_save = checkpointer_module.dcp.save
 
@@ -66,10 +107,24 @@ def crash_in_the_middle_of_step_20():
     checkpointer_module.dcp.save = save
 
 
+def train_once_per_mode(modes, argv):
+    """One trainer after another in this process (the process group stays; each builds its own meshes)."""
+    try:
+        root = parse_args(VeOmniArguments, argv).train.checkpoint.output_dir
+        for mode in modes:
+            mode_flags = ["--train.accelerator.fsdp_config.fsdp_mode", mode]
+            out_flags = ["--train.checkpoint.output_dir", os.path.join(root, mode)]
+            SameGlobalBatches(parse_args(VeOmniArguments, argv + mode_flags + out_flags)).fit()
+    finally:
+        destroy_parallel_state()
+
+
 def main():
     scenario, argv = sys.argv[1], sys.argv[2:]
+    if scenario.startswith("same_batches:"):
+        return train_once_per_mode(scenario.split(":", 1)[1].split(","), argv)
     args = parse_args(VeOmniArguments, argv)
-    trainer_class = NanAtStep3 if scenario == "nan_at_3" else TextTrainer
+    trainer_class = {"nan_at_3": NanAtStep3, "same_batches": SameGlobalBatches}.get(scenario, TextTrainer)
     if scenario == "crash_in_save":
         crash_in_the_middle_of_step_20()
     trainer = trainer_class(args)
