@@ -13,6 +13,7 @@ import signal
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import veomni.checkpoint.checkpointer as checkpointer_module
 import veomni.trainer.text_trainer as text_trainer_module
@@ -30,6 +31,43 @@ from veomni.trainer import TextTrainer
 from veomni.utils import get_device
 
 
+class MoveSpy:
+    """Counts the bytes of every `Tensor.to(device)` call made inside the block, by target device type. On a CPU-only
+    machine the offload moves are no-ops by design (host and "device" are one), so what shows that offload really
+    asks for each parameter, gradient, buffer and optimizer state to go to the host and back is the requests."""
+
+    def __enter__(self):
+        self.bytes = {}
+        self.real = torch.Tensor.to
+        spy = self
+
+        def to(tensor, *args, **kwargs):
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            if device is not None:
+                local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+                spy.bytes[device.type] = spy.bytes.get(device.type, 0) + local.numel() * local.element_size()
+            return spy.real(tensor, *args, **kwargs)
+
+        torch.Tensor.to = to
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.to = self.real
+
+
+def _state_bytes(trainer, device) -> int:
+    """Model parameters and buffers plus optimizer state tensors on `device` (0-dim step counters left out: a
+    non-fused AdamW keeps them on the host)."""
+    model = model_device_bytes(trainer.model, device)
+    opt = sum(
+        v.numel() * v.element_size()
+        for state in trainer.optimizer.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.dim() > 0 and v.device == device
+    )
+    return model + opt
+
+
 class OffloadAfterStep3:
     def on_train_begin(self, trainer): ...
 
@@ -38,15 +76,27 @@ class OffloadAfterStep3:
     def on_step_end(self, trainer, metrics):
         if metrics["step"] != 3:
             return
-        device = get_device()
+        device, cpu = get_device(), torch.device("cpu")
         before = model_device_bytes(trainer.model, device) + optimizer_device_bytes(trainer.optimizer, device)
-        offload_veomni_model_to_cpu(trainer.model)
-        offload_veomni_optimizer(trainer.optimizer)
-        cpu = torch.device("cpu")
+        resident = _state_bytes(trainer, device)
+        with MoveSpy() as to_host:
+            offload_veomni_model_to_cpu(trainer.model)
+            offload_veomni_optimizer(trainer.optimizer)
         moved = model_device_bytes(trainer.model, cpu) + optimizer_device_bytes(trainer.optimizer, cpu)
-        load_veomni_model_to_gpu(trainer.model)
-        load_veomni_optimizer(trainer.optimizer)
-        print(json.dumps({"offload_bytes_before": before, "offload_bytes_on_host": moved}), flush=True)
+        left_on_device = 0 if device.type == "cpu" else _state_bytes(trainer, device)
+        with MoveSpy() as to_device:
+            load_veomni_model_to_gpu(trainer.model)
+            load_veomni_optimizer(trainer.optimizer)
+        report = {
+            "offload_bytes_before": before,
+            "offload_bytes_on_host": moved,
+            "resident_bytes": resident,
+            "asked_to_host": to_host.bytes.get("cpu", 0),
+            "asked_to_device": to_device.bytes.get(device.type, 0),
+            "left_on_device": left_on_device,
+            "back_on_device": _state_bytes(trainer, device),
+        }
+        sys.stdout.write(json.dumps(report) + "\n")  # one write: the ranks share stdout, unbuffered
 
 
 class NanAtStep3(TextTrainer):

@@ -239,7 +239,9 @@ class BaseTrainer:
         for epoch in range(self.epoch, train.num_train_epochs):
             self.epoch = epoch
             self.train_dataloader.set_epoch(epoch)
+            rng = torch.get_rng_state()  # a new loader iterator draws its worker seed from the global generator:
             data_iterator = iter(self.train_dataloader)  # continues mid-epoch after a resume
+            torch.set_rng_state(rng)  # keep that draw out of the training stream, so a resume replays dropout exactly
             while self.epoch_step < train.train_steps and self.global_step < self.total_steps:
                 tic = time.perf_counter()
                 micro_batches = next(data_iterator, None)
