@@ -59,12 +59,9 @@ def _state_bytes(trainer, device) -> int:
     """Model parameters and buffers plus optimizer state tensors on `device` (0-dim step counters left out: a
     non-fused AdamW keeps them on the host)."""
     model = model_device_bytes(trainer.model, device)
-    opt = sum(
-        v.numel() * v.element_size()
-        for state in trainer.optimizer.state.values()
-        for v in state.values()
-        if torch.is_tensor(v) and v.dim() > 0 and v.device == device
-    )
+    tensors = [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    local = [v._local_tensor if isinstance(v, DTensor) else v for v in tensors if v.dim() > 0]
+    opt = sum(v.numel() * v.element_size() for v in local if v.device == device)
     return model + opt
 
 
