@@ -29,6 +29,11 @@ class ModelArguments:
     model_path: Optional[str] = _doc("Folder of HF weights (safetensors). None trains from scratch.", default=None)
     tokenizer_path: Optional[str] = _doc("Tokenizer folder; defaults to model_path, then config_path.", default=None)
     basic_modules: List[str] = _doc("Extra module class names to wrap as FSDP units.", default_factory=list)
+    trust_remote_code: bool = _doc(
+        "Let a model or tokenizer folder whose config names custom Python (`auto_map`) run that code. Off: such "
+        "folders are refused; turn on only for folders you trust.",
+        default=False,
+    )
     ops_implementation: OpsImplementation = field(default_factory=OpsImplementation)
 
     def __post_init__(self):

@@ -101,6 +101,7 @@ class BaseTrainer:
             torch_dtype="float32" if mp.enable or get_device_type() == "cpu" else "bfloat16",
             attn_implementation=args.model.ops_implementation.attn_implementation,
             moe_implementation=args.model.ops_implementation.moe_implementation,
+            trust_remote_code=args.model.trust_remote_code,
         )
         fsdp = args.train.accelerator.fsdp_config
         self.model = build_parallelize_model(
