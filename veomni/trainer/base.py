@@ -270,6 +270,11 @@ class BaseTrainer:
             if self.global_step >= self.total_steps:
                 break
             self.epoch_step = 0
+        if self.global_step == 0:  # the same on every rank: all raise together, and nothing is saved
+            raise RuntimeError(
+                f"no training step ran: data.train_path={self.args.data.train_path} did not fill one optimizer step "
+                f"of train.global_batch_size={train.global_batch_size}; use more data or smaller batches"
+            )
         if self._last_saved_step != self.global_step:
             self.save_checkpoint()
         self.checkpointer.wait()
