@@ -106,8 +106,17 @@ class OptimizerArguments:
 
 @dataclass
 class MixedPrecisionArguments:
-    enable: bool = _doc("Compute in param_dtype with fp32 master weights.", default=False)
-    param_dtype: Literal["bfloat16", "float16", "float32"] = _doc("Compute dtype.", default="bfloat16")
+    """Resolved per device by `veomni.distributed.mixed_precision.resolve_precision`."""
+
+    enable: bool = _doc(
+        "fp32 master weights and optimizer state, compute in param_dtype (FSDP2 MixedPrecisionPolicy). Off: "
+        "parameters and optimizer state are kept in param_dtype itself; with a 16-bit param_dtype that is pure "
+        "bf16/fp16 training, which loses small updates (a warning says so).",
+        default=True,
+    )
+    param_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = _doc(
+        "Compute dtype. null: bfloat16 on CUDA with fsdp2; float32 on CPU and with ddp.", default=None
+    )
     reduce_dtype: Literal["bfloat16", "float32"] = _doc("Gradient reduction dtype.", default="float32")
 
 
