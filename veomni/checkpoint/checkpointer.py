@@ -160,6 +160,7 @@ class Checkpointer:
         self._pending = None  # (future, tmp, final, meta) of an async save not yet published
         self._async_group = None
         self._storage_checked = False  # every rank sees rank 0's files (checked collectively at the first save)
+        self.storage_patience_s = 10.0  # how long a network filesystem may take to show rank 0's probe file
 
     # ------------------------------------------------------------------------------------------ save
     def save(
@@ -183,7 +184,7 @@ class Checkpointer:
                 attach(tmp)
         dist.barrier()
         if not self._storage_checked:
-            check_shared_storage(tmp)
+            check_shared_storage(tmp, self.storage_patience_s)
             self._storage_checked = True
         os.makedirs(os.path.join(tmp, "extra_state"), exist_ok=True)  # never rely on another rank's mkdir
         state = {"model": get_model_state_dict(model)}
