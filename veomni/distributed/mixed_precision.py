@@ -39,7 +39,7 @@ def _warn_pure(dtype: str) -> None:
         logger.warning(
             f"pure {dtype} training: parameters and optimizer state are {dtype}, so updates smaller than about "
             f"1/256 of a weight are lost. Set train.accelerator.fsdp_config.mixed_precision.enable true for fp32 "
-            "master weights (or use train.optimizer.type anyprecision_adamw with Kahan summation)."
+            "master weights."
         )
 
 
