@@ -159,14 +159,15 @@ def test_shipped_configs_pass(config):
 
 
 def test_run_that_trains_nothing_is_an_error(tmp_path):
-    """Valid numbers, too little data for one step: the run fails (non-zero exit, the reason printed) and saves
-    no `global_step_0` checkpoint, instead of "training" 0 steps and exiting 0."""
+    """Valid numbers, too little streamed data for one step (its length is unknown up front, so only the loop can
+    tell): the run fails (non-zero exit, the reason printed) and saves no `global_step_0` checkpoint, instead of
+    "training" 0 steps and exiting 0."""
     tmp = str(tmp_path)
     write_token_data(f"{tmp}/data.jsonl", n=2)
     config = tiny_run_config(tmp)
     out = f"{tmp}/out"
     task = os.path.join(REPO, "tasks", "train_text.py")  # plain python: a world of one, no launcher to start
-    cmd = [sys.executable, task, config, "--train.checkpoint.output_dir", out]
+    cmd = [sys.executable, task, config, "--train.checkpoint.output_dir", out, "--data.datasets_type", "iterable"]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "no training step ran" in proc.stdout + proc.stderr

@@ -106,8 +106,6 @@ class OptimizerArguments:
 
 @dataclass
 class MixedPrecisionArguments:
-    """Resolved per device by `veomni.distributed.mixed_precision.resolve_precision`."""
-
     enable: bool = _doc(
         "fp32 master weights and optimizer state, compute in param_dtype (FSDP2 MixedPrecisionPolicy). Off: "
         "parameters and optimizer state are kept in param_dtype itself; with a 16-bit param_dtype that is pure "
@@ -115,7 +113,9 @@ class MixedPrecisionArguments:
         default=True,
     )
     param_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = _doc(
-        "Compute dtype. null: bfloat16 on CUDA with fsdp2; float32 on CPU and with ddp.", default=None
+        "Compute dtype. null: bfloat16 on CUDA with fsdp2; float32 on CPU and with ddp (see "
+        "veomni.distributed.mixed_precision.resolve_precision).",
+        default=None,
     )
     reduce_dtype: Literal["bfloat16", "float32"] = _doc("Gradient reduction dtype.", default="float32")
 
