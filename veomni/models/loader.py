@@ -31,12 +31,18 @@ def safetensors_files(weights_path: str) -> List[str]:
     else PyTorch `.bin` files (loaded with `weights_only=True`)."""
     if os.path.isfile(weights_path):
         return [weights_path]
-    for index, single, suffix in ((INDEX_FILE, SINGLE_FILE, ".safetensors"), (BIN_INDEX_FILE, BIN_SINGLE_FILE, ".bin")):
+    # unindexed shards: any *.safetensors, but only pytorch_model*.bin (not e.g. a Trainer's training_args.bin)
+    formats = (
+        (INDEX_FILE, SINGLE_FILE, "", ".safetensors"),
+        (BIN_INDEX_FILE, BIN_SINGLE_FILE, "pytorch_model", ".bin"),
+    )
+    names = sorted(os.listdir(weights_path)) if os.path.isdir(weights_path) else []
+    for index, single, prefix, suffix in formats:
         if os.path.isfile(os.path.join(weights_path, index)):
             return _indexed_files(weights_path, os.path.join(weights_path, index))
         if os.path.isfile(os.path.join(weights_path, single)):
             return [os.path.join(weights_path, single)]
-        found = sorted(f for f in os.listdir(weights_path) if f.endswith(suffix)) if os.path.isdir(weights_path) else []
+        found = [f for f in names if f.startswith(prefix) and f.endswith(suffix)]
         if found:
             return [os.path.join(weights_path, f) for f in found]
     raise FileNotFoundError(
