@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch a task on every local device: bash train.sh TASK.py CONFIG.yaml [--group.key value ...]
 # NPROC_PER_NODE overrides the process count (default: the GPU count, or 2 on a CPU-only machine).
-# NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT configure multi-node runs.
+# NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT configure multi-node runs (MASTER_PORT defaults to 29500 when
+# NNODES > 1, so every node agrees; MASTER_ADDR is required then).
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: bash train.sh TASK.py CONFIG.yaml [--group.key value ...]" >&2
@@ -21,7 +22,17 @@ fi
 if grep -q "\.assets/" "$2" 2>/dev/null; then
   $PYTHON -m veomni.utils.demo_assets --root .assets
 fi
+NNODES=${NNODES:-1}
+if [ -z "${MASTER_PORT:-}" ]; then
+  # every node must dial the same port: a fixed default across nodes, a random one on a single node so that
+  # several single-node jobs on one machine do not collide
+  if [ "$NNODES" -gt 1 ]; then MASTER_PORT=29500; else MASTER_PORT=$(( 20000 + RANDOM % 20000 )); fi
+fi
+if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+  echo "train.sh: NNODES=$NNODES needs MASTER_ADDR (the address of node 0), set on every node" >&2
+  exit 2
+fi
 exec $PYTHON -m torch.distributed.run \
-  --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" --nproc_per_node="$NPROC_PER_NODE" \
-  --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-$(( 20000 + RANDOM % 20000 ))}" \
+  --nnodes="$NNODES" --node_rank="${NODE_RANK:-0}" --nproc_per_node="$NPROC_PER_NODE" \
+  --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="$MASTER_PORT" \
   "$@"

@@ -45,7 +45,7 @@ def test_option_is_numerically_transparent(baseline, name, flags):
 def test_bf16_mixed_precision_tracks_fp32(baseline):
     config, tmp, base = baseline
     got = run_text_task(
-        config, 2, f"{tmp}/bf16", STEPS + ["--train.accelerator.fsdp_config.mixed_precision.enable", "true"]
+        config, 2, f"{tmp}/bf16", STEPS + ["--train.accelerator.fsdp_config.mixed_precision.param_dtype", "bfloat16"]
     )
     diffs = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(got, base)]
     assert max(diffs) < 2e-2  # bf16 compute: close, not equal

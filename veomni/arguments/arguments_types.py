@@ -29,6 +29,11 @@ class ModelArguments:
     model_path: Optional[str] = _doc("Folder of HF weights (safetensors). None trains from scratch.", default=None)
     tokenizer_path: Optional[str] = _doc("Tokenizer folder; defaults to model_path, then config_path.", default=None)
     basic_modules: List[str] = _doc("Extra module class names to wrap as FSDP units.", default_factory=list)
+    trust_remote_code: bool = _doc(
+        "Let a model or tokenizer folder whose config names custom Python (`auto_map`) run that code. Off: such "
+        "folders are refused; turn on only for folders you trust.",
+        default=False,
+    )
     ops_implementation: OpsImplementation = field(default_factory=OpsImplementation)
 
     def __post_init__(self):
@@ -101,8 +106,17 @@ class OptimizerArguments:
 
 @dataclass
 class MixedPrecisionArguments:
-    enable: bool = _doc("Compute in param_dtype with fp32 master weights.", default=False)
-    param_dtype: Literal["bfloat16", "float16", "float32"] = _doc("Compute dtype.", default="bfloat16")
+    enable: bool = _doc(
+        "fp32 master weights and optimizer state, compute in param_dtype (FSDP2 MixedPrecisionPolicy). Off: "
+        "parameters and optimizer state are kept in param_dtype itself; with a 16-bit param_dtype that is pure "
+        "bf16/fp16 training, which loses small updates (a warning says so).",
+        default=True,
+    )
+    param_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = _doc(
+        "Compute dtype. null: bfloat16 on CUDA with fsdp2; float32 on CPU and with ddp (see "
+        "veomni.distributed.mixed_precision.resolve_precision).",
+        default=None,
+    )
     reduce_dtype: Literal["bfloat16", "float32"] = _doc("Gradient reduction dtype.", default="float32")
 
 

@@ -237,6 +237,9 @@ def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
         _set_path(tree, key, value)
         origins[key] = "command line"
     args = _build(root_class, tree, origins, valid)
+    from .validation import validate_args  # imports ConfigError from here
+
+    validate_args(args, origins)  # ranges of numeric keys, before anything is built
     train = getattr(args, "train", None)
     if train is not None and hasattr(train, "resolve"):
         train.resolve(int(os.environ.get("WORLD_SIZE", "1")))

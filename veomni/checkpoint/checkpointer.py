@@ -15,6 +15,8 @@ import os
 import random
 import re
 import shutil
+import time
+import uuid
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -28,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..utils.logging import get_logger
-from .safe_reader import SafeFileSystemReader
+from .safe_reader import SafeFileSystemReader, load_tensor_file
 
 logger = get_logger(__name__)
 
@@ -95,11 +97,49 @@ def resolve_checkpoint(load_path: Optional[str], output_dir: str) -> Optional[st
     latest = os.path.join(root, "latest")
     if os.path.isfile(latest):
         with open(latest) as f:
-            candidate = os.path.join(root, f.read().strip())
-        if os.path.isfile(os.path.join(candidate, "meta.json")):
+            name = f.read().strip()
+        candidate = os.path.join(root, name)
+        if _STEP_DIR.match(name) and os.path.isfile(os.path.join(candidate, "meta.json")):  # never a path elsewhere
             return candidate
     steps = list_checkpoints(root)
     return os.path.join(root, f"global_step_{steps[-1]}") if steps else None
+
+
+def check_shared_storage(folder: str, patience_s: float = 10.0) -> None:
+    """Raise on every rank unless every rank sees the files rank 0 writes under `folder`.
+
+    A DCP checkpoint is one folder that all ranks write into and that rank 0 publishes (renames); on per-node
+    disks the other nodes' shards would never be published and a resume could not find them. Collective: call on
+    all ranks. Waits up to `patience_s` for a network filesystem to show rank 0's file."""
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    probe = os.path.join(folder, ".shared_storage_probe")
+    if dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        _write_atomic(probe, token[0])
+    dist.barrier()
+    deadline, seen = time.monotonic() + patience_s, False
+    while not seen:
+        try:
+            with open(probe) as f:
+                seen = f.read() == token[0]
+        except OSError:
+            pass
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (seen, os.uname().nodename))
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(everyone) if not ok]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(probe)
+    if blind:
+        raise RuntimeError(
+            f"checkpoint folder {folder} is not shared: {', '.join(blind)} cannot see the files rank 0 writes "
+            "there (per-node disks?). A checkpoint must be written to one filesystem that every rank sees "
+            "(NFS, Lustre, ...): set train.checkpoint.output_dir to such a path."
+        )
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -119,6 +159,8 @@ class Checkpointer:
         self.save_total_limit, self.async_save = save_total_limit, async_save
         self._pending = None  # (future, tmp, final, meta) of an async save not yet published
         self._async_group = None
+        self._storage_checked = False  # every rank sees rank 0's files (checked collectively at the first save)
+        self.storage_patience_s = 10.0  # how long a network filesystem may take to show rank 0's probe file
 
     # ------------------------------------------------------------------------------------------ save
     def save(
@@ -141,6 +183,10 @@ class Checkpointer:
             if attach is not None:
                 attach(tmp)
         dist.barrier()
+        if not self._storage_checked:
+            check_shared_storage(tmp, self.storage_patience_s)
+            self._storage_checked = True
+        os.makedirs(os.path.join(tmp, "extra_state"), exist_ok=True)  # never rely on another rank's mkdir
         state = {"model": get_model_state_dict(model)}
         for name, opt in named_optimizers(optimizer).items():
             state[f"optim.{name}"] = get_optimizer_state_dict(model, opt)["state"]
@@ -193,19 +239,14 @@ class Checkpointer:
         for name, opt in named_optimizers(optimizer).items():
             full = get_optimizer_state_dict(model, opt)  # also materialises empty Adam state to load into
             state[f"optim.{name}"], param_groups[name] = full["state"], full["param_groups"]
-        dcp.load(
-            state,
-            checkpoint_id=os.path.join(path, "model_optimizer"),
-            storage_reader=SafeFileSystemReader(os.path.join(path, "model_optimizer")),
-        )
+        reader = SafeFileSystemReader(os.path.join(path, "model_optimizer"))
+        reader.read_metadata()  # a tampered or unreadable .metadata fails here, by name, not inside DCP's wrapping
+        dcp.load(state, checkpoint_id=os.path.join(path, "model_optimizer"), storage_reader=reader)
         set_model_state_dict(model, state["model"])
         for name, opt in named_optimizers(optimizer).items():
             set_optimizer_state_dict(model, opt, {"state": state[f"optim.{name}"], "param_groups": param_groups[name]})
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        extra = [
-            torch.load(os.path.join(path, "extra_state", f"rank_{r}.pt"), weights_only=True)
-            for r in range(meta["world_size"])
-        ]
+        extra = [load_tensor_file(os.path.join(path, "extra_state", f"rank_{r}.pt")) for r in range(meta["world_size"])]
         logger.info(f"resumed from {path} (saved at step {meta['step']} by {meta['world_size']} ranks)")
         return {"meta": meta, "extra_states": extra}

@@ -101,8 +101,11 @@ def save_hf_model(model, out_dir: str, tokenizer_dir: Optional[str] = None, max_
     dist.barrier()
 
 
-def dcp_to_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> str:
-    """Consolidate the model of a DCP checkpoint (any world size) into an HF folder, in one process."""
+def dcp_to_hf(
+    checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, trust_remote_code: bool = False
+) -> str:
+    """Consolidate the model of a DCP checkpoint (any world size) into an HF folder, in one process. The metadata
+    is read with the allow-list reader; a config naming custom code is refused unless `trust_remote_code`."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -111,9 +114,9 @@ def dcp_to_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**3
     config_dir = os.path.join(checkpoint_dir, "hf_config")
     if not os.path.isfile(os.path.join(config_dir, "config.json")):
         raise FileNotFoundError(f"{checkpoint_dir}: no hf_config/config.json; is this a veomni checkpoint?")
-    config = AutoConfig.from_pretrained(config_dir)
+    config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     tied = set(tied_parameter_names(skeleton))
     reader = SafeFileSystemReader(os.path.join(checkpoint_dir, "model_optimizer"))
     saved = reader.read_metadata().state_dict_metadata  # shapes and dtypes exactly as trained

@@ -2,7 +2,11 @@
 
 DCP stores its `.metadata` with pickle and loads non-tensor items with `torch.load(weights_only=False)`. Our
 checkpoints hold only tensors in DCP (everything else goes to `weights_only` files), and this reader unpickles the
-metadata with an allow-list of DCP's own metadata classes, so a tampered checkpoint cannot run code.
+metadata with an allow-list of exact `(module, name)` pairs, so a tampered checkpoint cannot run code.
+
+Why exact pairs and never a module prefix: with pickle protocol >= 4, `find_class` resolves dotted names, so
+("torch.distributed.checkpoint.metadata", "os.system") is `os.system` (that module imports os), and every
+function in `torch.distributed.checkpoint.*` (some write files) would be callable from a crafted file.
 """
 
 import io
@@ -12,27 +16,73 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
-_ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
-_ALLOWED_BUILTINS = {"set", "frozenset", "slice", "tuple", "list", "dict"}
+_DCP = "torch.distributed.checkpoint.metadata"
+
+# Everything DCP's FileSystemWriter pickles into `.metadata` (torch 2.11-2.13): listed by watching `find_class`
+# while loading metadata of model and optimizer states in fp32/bf16/fp16/int64, plain and FSDP-sharded.
+_ALLOWED = frozenset(
+    {
+        (_DCP, "Metadata"),
+        (_DCP, "StorageMeta"),
+        (_DCP, "MetadataIndex"),
+        (_DCP, "TensorStorageMetadata"),
+        (_DCP, "ChunkStorageMetadata"),
+        (_DCP, "TensorProperties"),
+        (_DCP, "_MEM_FORMAT_ENCODING"),  # an Enum of plain ints
+        (_DCP, "BytesStorageMetadata"),  # unpickled only to be refused below, with a clear message
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # looks a torch.layout up by its name, nothing else
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),  # the checkpoint id DCP records
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+)
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file asked for a callable outside the allow-list: refused before anything runs."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: str):
+        super().__init__(file)
+        self.source = source
+
     def find_class(self, module: str, name: str):
-        if module.startswith(_ALLOWED_MODULE_PREFIXES):
-            return super().find_class(module, name)
-        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
-            return super().find_class(module, name)  # the checkpoint id DCP records
-        if module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
-        if module == "builtins" and name in _ALLOWED_BUILTINS:
-            return super().find_class(module, name)
-        if module == "torch.serialization" and name == "_get_layout":  # looks a layout up by name
-            return super().find_class(module, name)
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or obj is torch.Size:
-                return obj
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+        if "." not in name:  # a dotted name walks attributes: never allowed, whatever the module
+            if (module, name) in _ALLOWED:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self.source}: checkpoint metadata refers to {module}.{name}, which DCP metadata never holds; "
+            "refusing to load it (a tampered or foreign checkpoint could run code this way)"
+        )
+
+
+def load_metadata(data: bytes, source: str):
+    """Unpickle DCP metadata bytes with the allow-list; errors name `source` (the file)."""
+    try:
+        return _MetadataUnpickler(io.BytesIO(data), source).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as err:  # truncated or garbage bytes: say which file
+        raise pickle.UnpicklingError(f"{source}: unreadable checkpoint metadata ({type(err).__name__}: {err})") from err
+
+
+def load_tensor_file(path: str):
+    """`torch.load` of our own non-DCP state files (scheduler, data loader, RNG) with `weights_only=True`: tensors
+    and plain containers only, so a tampered file cannot run code. The error names the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise pickle.UnpicklingError(
+            f"{path}: refused or unreadable state file (read with weights_only=True, which allows only tensors "
+            f"and plain containers): {type(err).__name__}: {err}"
+        ) from err
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -42,11 +92,13 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         path = self._get_metadata_path(rank)
         with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            metadata = load_metadata(f.read(), str(path))
+        if not hasattr(metadata, "state_dict_metadata"):
+            raise pickle.UnpicklingError(f"{path}: not DCP metadata (got {type(metadata).__name__})")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         pickled = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
         if pickled:
-            raise ValueError(f"{self.path}: non-tensor entries {pickled[:4]} would need unpickling; refusing")
+            raise ValueError(f"{path}: non-tensor entries {pickled[:4]} would need unpickling; refusing")
         return metadata

@@ -3,14 +3,13 @@ meta-device materialisation with weights read on rank 0 and broadcast."""
 
 from typing import Any, List, Optional, Sequence
 
-import torch
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from ..models.auto import to_dtype
 from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
+from .mixed_precision import resolve_precision
 from .parallel_plan import apply_expert_parallel, expert_shard_placement
 from .parallel_state import get_parallel_state
 from .weight_loading import materialize_meta_model
@@ -20,15 +19,7 @@ logger = get_logger(__name__)
 
 def _mixed_precision_policy(mixed_precision: Any) -> Optional[MixedPrecisionPolicy]:
     """Accepts the config group (`.enable`, `.param_dtype`, `.reduce_dtype`), a bool, or None."""
-    if mixed_precision is None or mixed_precision is False:
-        return None
-    if mixed_precision is True:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if not getattr(mixed_precision, "enable", False):
-        return None
-    return MixedPrecisionPolicy(
-        param_dtype=to_dtype(mixed_precision.param_dtype), reduce_dtype=to_dtype(mixed_precision.reduce_dtype)
-    )
+    return resolve_precision(mixed_precision, get_device_type(), get_parallel_state().mode).policy
 
 
 def _basic_module_instances(model: nn.Module, basic_modules: Sequence[str]) -> List[nn.Module]:

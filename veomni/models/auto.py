@@ -30,19 +30,22 @@ def to_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def build_config(config_path: str, **config_kwargs) -> PretrainedConfig:
+def build_config(config_path: str, trust_remote_code: bool = False, **config_kwargs) -> PretrainedConfig:
+    """An HF config from a local folder or file. `trust_remote_code` (model.trust_remote_code) stays False unless the
+    user asks: a folder whose config names custom Python code (`auto_map`) is refused instead of imported."""
     if config_path is None:
         raise ValueError("build_foundation_model needs config_path or weights_path")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"model config not found: {config_path}")
-    return AutoConfig.from_pretrained(config_path, **config_kwargs)
+    return AutoConfig.from_pretrained(config_path, trust_remote_code=trust_remote_code, **config_kwargs)
 
 
-def build_tokenizer(tokenizer_path: str, **kwargs):
-    """An HF fast tokenizer from a local folder (tokenizer.json + tokenizer_config.json)."""
+def build_tokenizer(tokenizer_path: str, trust_remote_code: bool = False, **kwargs):
+    """An HF fast tokenizer from a local folder (tokenizer.json + tokenizer_config.json); custom tokenizer code
+    only with `trust_remote_code=True`."""
     if tokenizer_path is None or not os.path.exists(tokenizer_path):
         raise FileNotFoundError(f"tokenizer not found: {tokenizer_path}")
-    return AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
+    return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code, **kwargs)
 
 
 def build_foundation_model(
@@ -53,19 +56,23 @@ def build_foundation_model(
     attn_implementation: Optional[str] = "sdpa",
     moe_implementation: Optional[str] = None,
     config_kwargs: Optional[Dict[str, Any]] = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Build a causal LM from an HF config, loading `weights_path` unless the model is built on `meta`.
 
     `init_device="meta"` allocates no parameter memory: `build_parallelize_model` materialises the shards and
     loads the weights (from rank 0, broadcast) afterwards. Without weights the model is initialised from the
-    current torch seed, identically on every rank.
+    current torch seed, identically on every rank. `trust_remote_code` (also accepted in `config_kwargs`) lets a
+    config's `auto_map` import Python from the model folder; off by default.
     """
-    config = build_config(config_path or weights_path, **(config_kwargs or {}))
+    config_kwargs = dict(config_kwargs or {})
+    trust_remote_code = bool(config_kwargs.pop("trust_remote_code", trust_remote_code))
+    config = build_config(config_path or weights_path, trust_remote_code=trust_remote_code, **config_kwargs)
     config.use_cache = False  # with a cache, transformers ignores packed position_ids and attends across documents
     if num_experts_of(config):
         config._experts_implementation = experts_implementation(moe_implementation)
     dtype = to_dtype(torch_dtype)
-    kwargs = {"attn_implementation": attn_implementation, "dtype": dtype}
+    kwargs = {"attn_implementation": attn_implementation, "dtype": dtype, "trust_remote_code": trust_remote_code}
     if init_device == "meta":
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, **kwargs)

@@ -1,4 +1,5 @@
-"""Reading HF safetensors checkpoints (one file or a sharded index), one tensor at a time."""
+"""Reading HF checkpoints (safetensors, or PyTorch `.bin` with `weights_only=True`; one file or a sharded index),
+one tensor at a time."""
 
 import contextlib
 import json
@@ -12,31 +13,64 @@ from torch import nn
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# PyTorch pickle weights (older HF folders): read only with `torch.load(weights_only=True)`, which refuses any
+# callable a crafted file could name; safetensors (no code at all) are preferred whenever both are present.
+BIN_SINGLE_FILE = "pytorch_model.bin"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def _indexed_files(folder: str, index: str) -> List[str]:
+    with open(index) as f:
+        weight_map: Dict[str, str] = json.load(f)["weight_map"]
+    return [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
 
 
 def safetensors_files(weights_path: str) -> List[str]:
-    """The shard files of a checkpoint folder (or the single file given), in a stable order."""
+    """The weight files of a checkpoint folder (or the single file given), in a stable order: safetensors, or
+    else PyTorch `.bin` files (loaded with `weights_only=True`)."""
     if os.path.isfile(weights_path):
         return [weights_path]
-    index = os.path.join(weights_path, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map: Dict[str, str] = json.load(f)["weight_map"]
-        return [os.path.join(weights_path, name) for name in sorted(set(weight_map.values()))]
-    single = os.path.join(weights_path, SINGLE_FILE)
-    if os.path.isfile(single):
-        return [single]
-    found = (
-        sorted(f for f in os.listdir(weights_path) if f.endswith(".safetensors")) if os.path.isdir(weights_path) else []
+    # unindexed shards: any *.safetensors, but only pytorch_model*.bin (not e.g. a Trainer's training_args.bin)
+    formats = (
+        (INDEX_FILE, SINGLE_FILE, "", ".safetensors"),
+        (BIN_INDEX_FILE, BIN_SINGLE_FILE, "pytorch_model", ".bin"),
     )
-    if found:
-        return [os.path.join(weights_path, f) for f in found]
-    raise FileNotFoundError(f"no safetensors weights in {weights_path} (looked for {INDEX_FILE} and {SINGLE_FILE})")
+    names = sorted(os.listdir(weights_path)) if os.path.isdir(weights_path) else []
+    for index, single, prefix, suffix in formats:
+        if os.path.isfile(os.path.join(weights_path, index)):
+            return _indexed_files(weights_path, os.path.join(weights_path, index))
+        if os.path.isfile(os.path.join(weights_path, single)):
+            return [os.path.join(weights_path, single)]
+        found = [f for f in names if f.startswith(prefix) and f.endswith(suffix)]
+        if found:
+            return [os.path.join(weights_path, f) for f in found]
+    raise FileNotFoundError(
+        f"no weights in {weights_path} (looked for {INDEX_FILE}, {SINGLE_FILE}, {BIN_INDEX_FILE}, {BIN_SINGLE_FILE})"
+    )
+
+
+def load_pickled_weights(path: str) -> Dict[str, torch.Tensor]:
+    """A PyTorch `.bin`/`.pt` state dict, unpickled with `weights_only=True`: tensors and plain containers only,
+    so a crafted file cannot run code. The error names the file."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(
+            f"{path}: refused or unreadable PyTorch weights (loaded with weights_only=True, which allows tensors "
+            f"only; convert the checkpoint to safetensors if it is yours): {type(err).__name__}: {err}"
+        ) from err
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise ValueError(f"{path}: not a state dict of tensors")
+    return state
 
 
 def iter_safetensors(weights_path: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` shard by shard, so memory is bounded by one tensor, not the model."""
+    """Yield `(name, tensor)` file by file, so memory is bounded by one tensor (one `.bin` shard), not the model."""
     for path in safetensors_files(weights_path):
+        if path.endswith(_PICKLE_SUFFIXES):
+            yield from load_pickled_weights(path).items()
+            continue
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -22,6 +22,7 @@ from ..checkpoint import Checkpointer, resolve_checkpoint, rng_state, save_hf_mo
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
 from ..data.data_loader import reshard_loader_state
 from ..distributed import clip_grad_norm, init_parallel_state
+from ..distributed.mixed_precision import resolve_precision
 from ..distributed.torch_parallelize import build_parallelize_model
 from ..models import build_foundation_model
 from ..ops import causal_lm_loss_sum, count_loss_tokens
@@ -92,17 +93,18 @@ class BaseTrainer:
     # ------------------------------------------------------------------------------------------ building
     def build_model(self) -> None:
         args = self.args
-        mp = args.train.accelerator.fsdp_config.mixed_precision
+        fsdp = args.train.accelerator.fsdp_config
+        # fp32 master weights by default (bf16 compute on CUDA via the FSDP2 policy); pure bf16 only when asked
+        precision = resolve_precision(fsdp.mixed_precision, get_device_type(), fsdp.fsdp_mode)
         model = build_foundation_model(
             config_path=args.model.config_path,
             weights_path=args.model.model_path,
             init_device=args.train.init_device,
-            # mixed precision keeps fp32 master weights; without it, bf16 where there is a GPU, fp32 on CPU
-            torch_dtype="float32" if mp.enable or get_device_type() == "cpu" else "bfloat16",
+            torch_dtype=precision.param_dtype,
             attn_implementation=args.model.ops_implementation.attn_implementation,
             moe_implementation=args.model.ops_implementation.moe_implementation,
+            trust_remote_code=args.model.trust_remote_code,
         )
-        fsdp = args.train.accelerator.fsdp_config
         self.model = build_parallelize_model(
             model,
             init_device=args.train.init_device,
@@ -271,6 +273,11 @@ class BaseTrainer:
             if self.global_step >= self.total_steps:
                 break
             self.epoch_step = 0
+        if self.global_step == 0:  # the same on every rank: all raise together, and nothing is saved
+            raise RuntimeError(
+                f"no training step ran: data.train_path={self.args.data.train_path} did not fill one optimizer step "
+                f"of train.global_batch_size={train.global_batch_size}; use more data or smaller batches"
+            )
         if self._last_saved_step != self.global_step:
             self.save_checkpoint()
         self.checkpointer.wait()

@@ -16,7 +16,7 @@ logger = get_logger(__name__)
 class TextTrainer(BaseTrainer):
     def build_transform(self):
         data = self.args.data
-        self.tokenizer = build_tokenizer(self.args.model.tokenizer_path)
+        self.tokenizer = build_tokenizer(self.args.model.tokenizer_path, self.args.model.trust_remote_code)
         if data.data_type == "plaintext":
             return partial(
                 process_pretrain_example,

@@ -1,0 +1,150 @@
+"""Range checks for every numeric key, run by `parse_args` before anything is built.
+
+A value of the right type can still make a run that trains nothing or dies later with a bare `ZeroDivisionError`
+(`max_seq_len 0`, `micro_batch_size 0`, `max_steps 0`). Each numeric key of the configuration tree has one rule
+below; `tests/test_config_validation.py` fails when a numeric key has none, so a new key must bring its rule.
+Errors are `ConfigError`s naming the key and where the value came from (file:line, or the command line).
+"""
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .parser import ConfigError
+
+Rule = Tuple[Callable[[Any], bool], str]  # (accepts the value?, what a valid value is, for the message)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def at_least(low) -> Rule:
+    return (lambda x: _finite(x) and x >= low), f">= {low}"
+
+
+def positive() -> Rule:
+    return (lambda x: _finite(x) and x > 0), "> 0"
+
+
+def between(low, high, high_open: bool = False) -> Rule:
+    right = ")" if high_open else "]"
+    return (lambda x: _finite(x) and low <= x and (x < high if high_open else x <= high)), f"in [{low}, {high}{right}"
+
+
+def any_finite() -> Rule:
+    return _finite, "a finite number"
+
+
+def optional(rule: Rule, null_means: str) -> Rule:
+    check, text = rule
+    return (lambda x: x is None or check(x)), f"{text}, or null ({null_means})"
+
+
+def auto_or(rule: Rule) -> Rule:
+    check, text = rule
+    return (lambda x: x == -1 or check(x)), f"{text}, or -1 (derived)"
+
+
+def each(rule: Rule, length: Optional[int] = None) -> Rule:
+    check, text = rule
+    count = f"{length} values, each " if length else "each value "
+    return (lambda xs: (length is None or len(xs) == length) and all(check(x) for x in xs)), count + text
+
+
+RULES: Dict[str, Rule] = {
+    # data
+    "data.max_seq_len": at_least(1),
+    "data.train_size": optional(at_least(1), "not a token budget"),
+    "data.train_sample": optional(at_least(1), "not a sample count"),
+    "data.shuffle_buffer_size": at_least(1),  # 0 would never fill, so the stream would yield nothing
+    "data.dataloader.num_workers": at_least(0),
+    "data.dataloader.prefetch_factor": optional(at_least(1), "the loader's default"),
+    # train
+    "train.seed": at_least(0),
+    "train.micro_batch_size": at_least(1),
+    "train.global_batch_size": optional(at_least(1), "micro_batch_size * dp_size"),
+    "train.num_train_epochs": at_least(1),
+    "train.max_steps": optional(at_least(1), "no cap; 0 steps would train nothing"),
+    "train.bsz_warmup_ratio": between(0, 1),
+    "train.bsz_warmup_init_mbtoken": at_least(1),
+    "train.dyn_bsz_buffer_size": at_least(1),
+    "train.log_steps": at_least(1),
+    # train.optimizer
+    "train.optimizer.lr": positive(),
+    "train.optimizer.lr_min": at_least(0),
+    "train.optimizer.lr_start": at_least(0),
+    "train.optimizer.lr_warmup_ratio": between(0, 1),
+    "train.optimizer.lr_decay_ratio": between(0, 1),
+    "train.optimizer.weight_decay": at_least(0),
+    "train.optimizer.betas": each(between(0, 1, high_open=True), length=2),
+    "train.optimizer.eps": at_least(0),
+    "train.optimizer.max_grad_norm": any_finite(),  # <= 0 disables clipping
+    "train.optimizer.muon_lr": positive(),
+    "train.optimizer.muon_momentum": between(0, 1, high_open=True),
+    "train.optimizer.muon_weight_decay": at_least(0),
+    "train.optimizer.muon_ns_steps": at_least(1),
+    "train.optimizer.muon_ns_coefficients": each(any_finite(), length=3),
+    "train.optimizer.muon_eps": at_least(0),
+    # train.accelerator
+    "train.accelerator.dp_size": auto_or(at_least(1)),
+    "train.accelerator.dp_replicate_size": auto_or(at_least(1)),
+    "train.accelerator.dp_shard_size": auto_or(at_least(1)),
+    "train.accelerator.tp_size": between(1, 1),  # not implemented yet: say so before anything starts
+    "train.accelerator.pp_size": between(1, 1),
+    "train.accelerator.cp_size": between(1, 1),
+    "train.accelerator.ulysses_size": at_least(1),
+    "train.accelerator.extra_parallel_sizes": each(at_least(1)),
+    "train.accelerator.fsdp_config.max_load_broadcast_size": at_least(1),
+    # train.checkpoint
+    "train.checkpoint.save_steps": at_least(0),
+    "train.checkpoint.save_total_limit": at_least(0),
+}
+
+
+def _get(args, path: str):
+    node = args
+    for part in path.split("."):
+        if not hasattr(node, part):
+            return _MISSING
+        node = getattr(node, part)
+    return node
+
+
+_MISSING = object()
+
+
+def _nearest_multiples(value: int, unit: int) -> List[int]:
+    below = (value // unit) * unit
+    return [m for m in (below, below + unit) if m > 0]
+
+
+def validate_args(args, origins: Dict[str, str]) -> None:
+    """Raise `ConfigError` for the first value outside its key's range, or an inconsistent pair of keys."""
+
+    def fail(key: str, message: str):
+        raise ConfigError(f"{origins.get(key, 'default')}: key '{key}': {message}")
+
+    for key, (check, valid) in RULES.items():
+        value = _get(args, key)
+        if value is not _MISSING and not check(value):
+            fail(key, f"value {value!r} must be {valid}")
+
+    micro, global_ = _get(args, "train.micro_batch_size"), _get(args, "train.global_batch_size")
+    if isinstance(global_, int) and isinstance(micro, int) and global_ % micro:
+        fail(
+            "train.global_batch_size",
+            f"value {global_} is not a multiple of train.micro_batch_size={micro}; "
+            f"nearest valid: {' or '.join(map(str, _nearest_multiples(global_, micro)))}",
+        )
+    workers, prefetch = _get(args, "data.dataloader.num_workers"), _get(args, "data.dataloader.prefetch_factor")
+    if prefetch not in (None, _MISSING) and workers == 0:
+        fail("data.dataloader.prefetch_factor", "needs data.dataloader.num_workers > 0 (prefetching is per worker)")
+    names, sizes = (_get(args, f"train.accelerator.extra_parallel_{k}") for k in ("names", "sizes"))
+    if names is not _MISSING and sizes is not _MISSING:
+        if len(names) != len(sizes):
+            fail(
+                "train.accelerator.extra_parallel_sizes",
+                f"{list(sizes)} does not match extra_parallel_names {list(names)} (one size per name)",
+            )
+        if len(set(names)) != len(names):
+            fail("train.accelerator.extra_parallel_names", f"{list(names)} repeats a name")
