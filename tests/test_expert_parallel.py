@@ -1,11 +1,13 @@
 """Expert parallelism under hostile routing, trained for real (FSDP2, all-to-all), against one process.
 
 The launches (each torchrun carries several checks):
-  1 process   the reference run (20 steps), then a resume of the 2-rank EP checkpoint (step 10 -> 20)
   2 ranks     EP 2 (ep_fsdp 1)
   4 ranks     EP 2 x ep_fsdp 2
+  1 process   the reference run (20 steps), then a resume of the 2-rank EP checkpoint (step 10 -> 20)
   2 ranks     the issue's repro: the MoE demo config, EP 2, short real documents (it used to hang)
 Every training launch cycles the router through the cases of tests/dist/ep_forced_routing.py, one per step.
+Micro-batches hold two documents, grouped differently on 1, 2 and 4 ranks: a load-balancing loss taken over a
+micro-batch (rather than per document) shows up as a loss / grad-norm mismatch.
 """
 
 import json
@@ -71,11 +73,11 @@ def runs(tmp_path_factory):
             "tokenizer_path": write_tokenizer(f"{tmp}/tokenizer"),
             "ops_implementation": {"moe_implementation": "fused"},
         },
-        "data": {"train_path": _routing_data(f"{tmp}/data.jsonl", 96), "max_seq_len": 64},
+        "data": {"train_path": _routing_data(f"{tmp}/data.jsonl", 168), "max_seq_len": 64},
         "train": {
             "seed": SEED,
-            "micro_batch_size": 1,
-            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "global_batch_size": 8,
             "dyn_bsz": False,
             "max_steps": STEPS,
             "optimizer": {"lr": 3e-3, "lr_warmup_ratio": 0.1, "lr_decay_style": "cosine", "weight_decay": 0.1},
@@ -92,9 +94,9 @@ def runs(tmp_path_factory):
         return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("ROUTING ")]
 
     out = {name: f"{tmp}/{name}" for name in ("one", "ep2", "ep2x2", "resumed")}
-    launch(1, out["one"])
     routing = {"ep2": launch(2, out["ep2"], *EP), "ep2x2": launch(4, out["ep2x2"], *EP)}
-    launch(1, out["resumed"], "--train.checkpoint.load_path", f"{out['ep2']}/checkpoints/global_step_{SAVE_AT}")
+    resume = ["--train.checkpoint.load_path", f"{out['ep2']}/checkpoints/global_step_{SAVE_AT}"]
+    launch(1, out["one"], "::", path, "--train.checkpoint.output_dir", out["resumed"], *resume)
     return out, routing
 
 

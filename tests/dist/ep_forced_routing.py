@@ -11,7 +11,8 @@ The push is a bias of +-30 on the router logits, a function of the token ids onl
 parallel layout route every token alike. The dispatch's split sizes are recorded (the all-to-all stays the real
 one) and each rank prints, per case, the rows it sent to other ranks and the rows it received.
 
-argv: config.yaml [--overrides ...]; prints one `ROUTING {json}` line per rank.
+argv: config.yaml [--overrides ...] [:: config.yaml [--overrides ...]]: trainings run in turn in one launch;
+each prints one `ROUTING {json}` line per rank.
 """
 
 import json
@@ -98,15 +99,22 @@ class ForcedRoutingTrainer(TextTrainer):
 
 
 def main():
-    args = parse_args(VeOmniArguments, sys.argv[1:])
-    trainer = ForcedRoutingTrainer(args)
+    """One training per `::`-separated group of arguments, one after the other in this process."""
+    argv, runs = sys.argv[1:], []
+    while "::" in argv:
+        cut = argv.index("::")
+        runs.append(argv[:cut])
+        argv = argv[cut + 1 :]
+    runs.append(argv)
     try:
-        trainer.fit()
-        state = trainer.parallel_state
-        ep_rank = state.ep_rank if state.ep_enabled else 0
-        line = {"rank": torch.distributed.get_rank(), "ep_rank": ep_rank, "routing": trainer.routing}
-        sys.stdout.write(f"ROUTING {json.dumps(line)}\n")
-        sys.stdout.flush()
+        for run in runs:
+            trainer = ForcedRoutingTrainer(parse_args(VeOmniArguments, run))
+            trainer.fit()
+            state = trainer.parallel_state
+            ep_rank = state.ep_rank if state.ep_enabled else 0
+            line = {"rank": torch.distributed.get_rank(), "ep_rank": ep_rank, "routing": trainer.routing}
+            sys.stdout.write(f"ROUTING {json.dumps(line)}\n")
+            sys.stdout.flush()
     finally:
         destroy_parallel_state()
 
