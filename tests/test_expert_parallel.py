@@ -63,10 +63,7 @@ def _routing_data(path: str, n: int, vocab: int = 512) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The four training launches; returns their output folders and the 2-/4-rank routing reports."""
-    tmp = str(tmp_path_factory.mktemp("ep"))
+def _write_config(tmp: str) -> str:
     config = {
         "model": {
             "config_path": write_moe_config(f"{tmp}/model"),
@@ -88,15 +85,24 @@ def runs(tmp_path_factory):
     path = f"{tmp}/config.yaml"
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
+    return path
 
-    def launch(nproc, out, *extra):
-        stdout = _torchrun(nproc, SCRIPT, path, "--train.checkpoint.output_dir", out, *extra, timeout=240)
-        return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("ROUTING ")]
 
+def _train(config: str, nproc: int, out: str, *extra: str, timeout: int = 240):
+    """One launch of the forced-routing trainer; returns each rank's routing report."""
+    stdout = _torchrun(nproc, SCRIPT, config, "--train.checkpoint.output_dir", out, *extra, timeout=timeout)
+    return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("ROUTING ")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three training launches; returns their output folders and the 2-/4-rank routing reports."""
+    tmp = str(tmp_path_factory.mktemp("ep"))
+    config = _write_config(tmp)
     out = {name: f"{tmp}/{name}" for name in ("one", "ep2", "ep2x2", "resumed")}
-    routing = {"ep2": launch(2, out["ep2"], *EP), "ep2x2": launch(4, out["ep2x2"], *EP)}
+    routing = {"ep2": _train(config, 2, out["ep2"], *EP), "ep2x2": _train(config, 4, out["ep2x2"], *EP)}
     resume = ["--train.checkpoint.load_path", f"{out['ep2']}/checkpoints/global_step_{SAVE_AT}"]
-    launch(1, out["one"], "::", path, "--train.checkpoint.output_dir", out["resumed"], *resume)
+    _train(config, 1, out["one"], "::", config, "--train.checkpoint.output_dir", out["resumed"], *resume)
     return out, routing
 
 
