@@ -159,14 +159,16 @@ def _short_real_documents(path: str) -> str:
 
 
 def test_issue_repro_moe_demo_ep2_short_documents_does_not_hang(tmp_path):
-    """configs/text/qwen3_moe_demo.yaml, EP 2 on 2 ranks, micro-batches of 2 short documents: before the fix a
-    rank whose experts got no rows skipped its backward all-to-all and the job hung (at step 9 here); the
-    launcher's timeout turns a regression into a failure instead of a stuck CI."""
+    """configs/text/qwen3_moe_demo.yaml, EP 2 on 2 ranks, micro-batches of 2 short documents, 40 steps: before the
+    fix a rank whose experts got no rows skipped its backward all-to-all, the ranks' collectives paired wrongly
+    (the loss left the 2-rank FSDP run's at step 3) and the job hung (at step 9 of this 40-step schedule; a
+    12-step schedule took a path that never hit it). The timeout turns a regression into a failure, not a stuck CI.
+    """
     data = str(tmp_path / "short.jsonl")
     tokenizer = _short_real_documents(data)
     args = ["configs/text/qwen3_moe_demo.yaml", "--data.train_path", data, "--model.tokenizer_path", tokenizer]
     args += ["--data.max_seq_len", "2048", "--train.micro_batch_size", "2", "--train.global_batch_size", "4"]
-    args += ["--train.dyn_bsz", "false", "--train.max_steps", "12", "--train.checkpoint.output_dir", str(tmp_path)]
-    _torchrun(2, "tasks/train_text.py", *args, *EP, timeout=180)
+    args += ["--train.dyn_bsz", "false", "--train.max_steps", "40", "--train.checkpoint.output_dir", str(tmp_path)]
+    _torchrun(2, "tasks/train_text.py", *args, *EP, timeout=300)
     losses = [m["loss"] for m in read_metrics(str(tmp_path))]
-    assert len(losses) == 12 and losses[-1] < losses[0]
+    assert len(losses) == 40 and losses[-1] < losses[0]
