@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..ops.moe import ExpertParallel
+from ..ops.moe import FUSED, ExpertParallel
 from .parallel_state import ParallelState
 
 EXPERT_PLAN: Dict[str, Shard] = {r"(^|\.)experts\.(gate_up_proj|down_proj|gate_proj|up_proj)$": Shard(0)}
@@ -30,6 +30,14 @@ def get_parallel_plan(model: nn.Module) -> Dict[str, Shard]:
 def apply_expert_parallel(model: nn.Module, state: ParallelState) -> List[nn.Module]:
     """Keep this rank's experts of every planned parameter (as a DTensor over `ep`); return the modules that
     own them, each told how to dispatch tokens."""
+    implementation = getattr(model.config, "_experts_implementation", None)
+    if implementation != FUSED:
+        raise ValueError(
+            f"expert parallel needs model.ops_implementation.moe_implementation=fused (the experts run "
+            f"{implementation!r}): only the fused experts dispatch tokens to the rank that holds their expert by "
+            "all-to-all; transformers' eager experts would index this rank's share of the experts with global "
+            "expert ids"
+        )
     plan = [(re.compile(pattern), placement) for pattern, placement in get_parallel_plan(model).items()]
     ep_mesh = state.extra_mesh("ep")["ep"]
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()

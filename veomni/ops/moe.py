@@ -11,13 +11,15 @@ sorted tokens travel to the rank owning their expert by all-to-all (per-expert c
 splits may be uneven or zero), are computed there, and come back the same way. Both all-to-alls carry autograd.
 """
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ExpertsInterface
+
+from .loss import IGNORE_INDEX
 
 FUSED = "veomni_fused"
 
@@ -38,22 +40,23 @@ class _ScaleGrad(torch.autograd.Function):
 def _grouped_mlp(
     x: torch.Tensor, counts: List[int], gate_up: torch.Tensor, down: torch.Tensor, apply_gate: Callable
 ) -> torch.Tensor:
-    """Rows of `x` are grouped by expert (`counts[e]` rows for expert e); each group through its expert's MLP."""
-    if x.shape[0] == 0:
-        return x.new_zeros(0, down.shape[1])
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    """Rows of `x` are grouped by expert (`counts[e]` rows for expert e); each group through its expert's MLP.
+
+    Whatever the counts (zero rows in total included), the output is a function of `x` and of every expert's
+    weights: under expert parallelism a rank that received no rows must still backpropagate through its
+    all-to-alls and give its experts a (zero) gradient, or its collectives part ways with the other ranks'
+    (a deadlock). Which kernel runs may follow the local counts; what the graph connects may not.
+    """
+    rows = x.shape[0]
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and rows:
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         hidden = apply_gate(torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets))
         return torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
-    if len(counts) > 1 and max(counts) * len(counts) <= 1.5 * x.shape[0]:
+    if max(counts, default=0) * len(counts) <= 1.5 * rows:  # balanced, or no rows at all
         return _padded_bmm_mlp(x, counts, gate_up, down, apply_gate)
-    outputs = []
-    for expert, rows in zip(range(len(counts)), x.split(counts)):
-        if rows.shape[0]:
-            outputs.append(
-                torch.nn.functional.linear(apply_gate(torch.nn.functional.linear(rows, gate_up[expert])), down[expert])
-            )
-    return torch.cat(outputs)
+    linear = torch.nn.functional.linear
+    # every expert, the empty ones too, so that each one's weights take part in the graph
+    return torch.cat([linear(apply_gate(linear(r, gate_up[e])), down[e]) for e, r in enumerate(x.split(counts))])
 
 
 def _padded_bmm_mlp(x, counts, gate_up, down, apply_gate) -> torch.Tensor:
@@ -123,6 +126,46 @@ def _expert_parallel_mlp(x, counts, gate_up, down, apply_gate, ep: ExpertParalle
 
 
 ExpertsInterface.register(FUSED, fused_experts_forward)
+
+
+def load_balancing_loss_sum(
+    router_logits: Sequence[torch.Tensor],
+    top_k: int,
+    labels: torch.Tensor,
+    position_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Summed router load-balancing loss of a micro-batch: each document's own Switch-Transformer loss
+    (transformers' `load_balancing_loss_func`: experts * sum_e f_e * P_e, f and P pooled over layers) times the
+    document's loss tokens.
+
+    Why per document: the balance statistics are a product of two means, so computed over a whole micro-batch
+    (as transformers does) they depend on which documents share it, and the micro-batches of one process are
+    not those of two or four ranks: the loss and gradients moved with the parallel layout (MoE demo, step 1,
+    1 process vs 2 ranks: loss 1.4e-5 relative). Per document they do not; a one-document micro-batch gets
+    exactly transformers' value. Documents are told apart by `position_ids` restarting at 0 (rows otherwise).
+    """
+    batch = labels.reshape(-1, labels.shape[-1])
+    starts = torch.zeros_like(batch, dtype=torch.bool)
+    if position_ids is not None:
+        starts = position_ids.reshape(batch.shape).to(batch.device) == 0
+    starts[:, 0] = True
+    document = starts.reshape(-1).cumsum(0) - 1
+    documents = int(document[-1]) + 1
+    counted = torch.zeros_like(starts)
+    counted[:, 1:] = batch[:, 1:] != IGNORE_INDEX  # the tokens the cross-entropy counts (shifted labels)
+    loss_tokens = torch.zeros(documents, device=batch.device).index_add_(0, document, counted.reshape(-1).float())
+    rows = torch.zeros(documents, device=batch.device).index_add_(0, document, torch.ones_like(document).float())
+    num_experts = router_logits[0].shape[-1]
+    chosen = torch.zeros(documents, num_experts, device=batch.device)
+    probs = torch.zeros(documents, num_experts, device=batch.device)
+    for logits in router_logits:
+        p = torch.softmax(logits.float(), dim=-1).to(batch.device)
+        picks = torch.nn.functional.one_hot(p.topk(top_k, dim=-1).indices, num_experts).sum(1).float()
+        chosen = chosen.index_add(0, document, picks)
+        probs = probs.index_add(0, document, p)
+    pooled = rows[:, None] * len(router_logits)
+    per_document = num_experts * ((chosen / pooled) * (probs / pooled)).sum(-1)
+    return (per_document * loss_tokens).sum()
 
 
 def experts_implementation(moe_implementation: Optional[str]) -> Optional[str]:

@@ -26,6 +26,7 @@ from ..distributed.mixed_precision import resolve_precision
 from ..distributed.torch_parallelize import build_parallelize_model
 from ..models import build_foundation_model
 from ..ops import causal_lm_loss_sum, count_loss_tokens
+from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
 from ..utils.device import get_device, get_device_type, synchronize
 from ..utils.logging import get_logger
@@ -185,10 +186,14 @@ class BaseTrainer:
         labels = micro_batch["labels"]
         inputs = {k: v for k, v in micro_batch.items() if k not in _NOT_MODEL_INPUTS}
         outputs = self.model(**inputs, use_cache=False)
-        loss_sum, tokens = causal_lm_loss_sum(outputs.logits, labels)
-        aux = getattr(outputs, "aux_loss", None)
-        if aux is not None:  # MoE load balancing (output_router_logits), weighted like this micro-batch's tokens
-            loss_sum = loss_sum + self.model.config.router_aux_loss_coef * aux * tokens
+        loss_sum, _ = causal_lm_loss_sum(outputs.logits, labels)
+        router_logits = getattr(outputs, "router_logits", None)
+        if router_logits:  # MoE load balancing (output_router_logits): per document, so no layout moves it
+            config = self.model.config
+            aux_sum = load_balancing_loss_sum(
+                router_logits, config.num_experts_per_tok, labels, inputs.get("position_ids")
+            )
+            loss_sum = loss_sum + config.router_aux_loss_coef * aux_sum
         return loss_sum
 
     def _step_totals(self, micro_batches: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str, int]]:
