@@ -17,16 +17,38 @@ import sys
 STOP_EXIT_CODES = {int(signal.SIGINT): 130, int(signal.SIGTERM): 143}
 
 
-def _root_cause(err) -> str:
-    rank, failure = err.get_first_failure()
+def _recorded(failure) -> str:
+    """The one-line message a worker recorded (veomni.utils.lifecycle), or ''."""
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
-    if failure.exitcode < 0:
-        return f"rank {rank} was killed by {failure.signal_name()} (exit code {failure.exitcode})"
-    if not message or "To enable traceback" in str(message):
-        return f"rank {rank} exited with code {failure.exitcode} (no error record: see its output above)"
-    return str(message)
+    return "" if not message or "To enable traceback" in str(message) else str(message)
+
+
+def _root_cause(err) -> str:
+    rank, failure = err.get_first_failure()
+    if failure.exitcode < 0:  # killed: no record of its own; a peer's record says where the job was
+        cause = f"rank {rank} was killed by {failure.signal_name()} (exit code {failure.exitcode})"
+        seen = [_recorded(f) for r, f in sorted(err.failures.items()) if r != rank and _recorded(f)]
+        return cause + (f"; {seen[0]}" if seen else "")
+    return _recorded(failure) or f"rank {rank} exited with code {failure.exitcode} (no error record: see its output)"
+
+
+def _bound_failure_teardown() -> None:
+    """When one worker fails, torchrun stops the others with `close()` and a fixed 30 s grace before SIGKILL, so a
+    frozen worker (SIGSTOP, a stuck driver) outlives the job by 30 s whatever `--shutdown-timeout` says. Make that
+    grace the configured shutdown timeout too (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import PContext
+    except ImportError:
+        return
+    grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    close = PContext.close
+
+    def close_with_grace(self, death_sig=None, timeout=grace):
+        return close(self, death_sig, timeout)
+
+    PContext.close = close_with_grace
 
 
 def main(argv=None) -> int:
@@ -39,7 +61,8 @@ def main(argv=None) -> int:
     # each carry their own level, so quiet them one by one
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    _bound_failure_teardown()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)

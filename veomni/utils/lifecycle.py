@@ -19,6 +19,7 @@
 import ctypes
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -28,7 +29,7 @@ from typing import Callable, Optional
 
 STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 ERROR_EXIT_CODE = 1
-_HEARTBEAT_SECONDS = 2.0
+_HEARTBEAT_SECONDS = 1.0
 _PR_SET_PDEATHSIG = 1
 
 _state = {
@@ -135,14 +136,15 @@ def _default_store():
 
 
 def _heartbeat_loop(stop: threading.Event) -> None:
-    while not stop.wait(_HEARTBEAT_SECONDS):
+    while True:
         store = _default_store()
-        if store is None:
-            continue
-        beat = {"t": time.time(), "step": _state["step"], "phase": _state["phase"]}
-        try:
-            store.set(f"veomni/heartbeat/{_rank()}", json.dumps(beat))
-        except Exception:  # the store went away with the launcher: nothing to report to
+        if store is not None:
+            beat = {"t": time.time(), "step": _state["step"], "phase": _state["phase"]}
+            try:
+                store.set(f"veomni/heartbeat/{_rank()}", json.dumps(beat))
+            except Exception:  # the store went away with the launcher: nothing to report to
+                return
+        if stop.wait(_HEARTBEAT_SECONDS):
             return
 
 
@@ -165,7 +167,8 @@ def _stalled_peers() -> str:
             beat = json.loads(store.get(key))
             if now - beat["t"] > _HEARTBEAT_SECONDS * 2:
                 notes.append(
-                    f"rank {r} silent for {now - beat['t']:.0f} s (last seen at step {beat['step']}, {beat['phase']})"
+                    f"rank {r} silent for {now - beat['t']:.0f} s (last heartbeat in step {beat['step']}, "
+                    f"{beat['phase']})"
                 )
         return "; ".join(notes)
     except Exception:
@@ -207,9 +210,17 @@ def _claim_report() -> bool:
         return True
 
 
+def _first_line(err: BaseException) -> str:
+    """The message's first line, without gloo's source location and closing advice."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else ""
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)
+    return first.split(". This is typically caused by")[0]
+
+
 def describe_error(err: BaseException, probe_peers: bool = True) -> str:
     """One line: what failed, on which rank, in which step and operation, and the stalled peers if any."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    first = _first_line(err)
     if isinstance(err, _user_error_types()):
         return f"{type(err).__name__}: {first}" if first else type(err).__name__
     where = f"rank {_rank()}, step {_state['step']}, {_state['phase']}"
@@ -242,8 +253,9 @@ def report_error(err: BaseException) -> None:
     _state["failing"] = True
     reporter = _claim_report()
     message = describe_error(err, probe_peers=reporter)  # a later failure is an echo: no time spent on it
-    user_error = isinstance(err, _user_error_types())
-    trace = "" if user_error else "".join(traceback.format_exception(err))
+    # a user's mistake or a lost peer is said in one line; a traceback only helps with a bug in the code
+    plain = isinstance(err, _user_error_types()) or _is_collective_failure(err)
+    trace = "" if plain else "".join(traceback.format_exception(err))
     _write_error_file(message, trace, secondary=not reporter)
     if not reporter:
         return
