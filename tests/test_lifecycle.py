@@ -99,7 +99,9 @@ def _signal_rank_and_time(tmp, sig, extra=(), env=None):
     """Launch, send `sig` to rank 1 at step 3, and return (seconds until the launcher returned, rc, output)."""
     config = _config(tmp)
     out = os.path.join(tmp, f"out_{sig.name}")
-    proc = _launch(config, out, "--train.max_steps", "100000", "--data.train_path", f"{tmp}/data.jsonl", *extra, env=env)
+    proc = _launch(
+        config, out, "--train.max_steps", "100000", "--data.train_path", f"{tmp}/data.jsonl", *extra, env=env
+    )
     try:
         _wait_for_step(proc, out, 3)
         workers = _children(proc.pid)
@@ -255,3 +257,86 @@ def test_first_stop_signal_sets_a_flag_in_the_loop_and_ends_set_up_at_once(loop_
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
+
+# ----------------------------------------------------------------------------------- failures on disk
+@pytest.fixture
+def one_process_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _tiny_state():
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_truncated_shard_names_the_file_and_the_previous_checkpoint(tmp_path, one_process_group):
+    from veomni.checkpoint import CheckpointError, Checkpointer
+
+    model, optimizer = _tiny_state()
+    checkpointer = Checkpointer(str(tmp_path))
+    checkpointer.save(1, model, optimizer, {}, {})
+    newest = checkpointer.save(2, model, optimizer, {}, {})
+    shard = os.path.join(newest, "model_optimizer", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError) as caught:
+        checkpointer.load(newest, model, optimizer)
+    message = str(caught.value)
+    previous = os.path.join(str(tmp_path), "checkpoints", "global_step_1")
+    assert shard in message and "truncated" in message, message
+    assert f"--train.checkpoint.load_path {previous}" in message, message
+
+
+def test_disk_full_during_save_names_the_path_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, one_process_group
+):
+    """The rank's extra-state file is pointed at /dev/full, where every write fails with ENOSPC."""
+    from veomni.checkpoint import CheckpointError, Checkpointer, list_checkpoints
+
+    model, optimizer = _tiny_state()
+    checkpointer = Checkpointer(str(tmp_path))
+    checkpointer.save(1, model, optimizer, {"step": 1}, {})
+    real_makedirs = os.makedirs
+
+    def makedirs_onto_a_full_disk(path, *args, **kwargs):
+        real_makedirs(path, *args, **kwargs)
+        if path.endswith(os.path.join("global_step_2.tmp", "extra_state")):
+            os.symlink("/dev/full", os.path.join(path, "rank_0.pt"))
+
+    monkeypatch.setattr(os, "makedirs", makedirs_onto_a_full_disk)
+    with pytest.raises(CheckpointError) as caught:
+        checkpointer.save(2, model, optimizer, {"step": 2}, {})
+    message = str(caught.value)
+    root = os.path.join(str(tmp_path), "checkpoints")
+    assert os.path.join(root, "global_step_2.tmp") in message and "ENOSPC" in message, message
+    assert list_checkpoints(root) == [1] and open(os.path.join(root, "latest")).read() == "global_step_1"
+    assert not os.path.exists(os.path.join(root, "global_step_2.tmp"))  # the torn save is cleared away
+
+
+def test_teardown_skips_the_barrier_while_an_exception_propagates(monkeypatch, one_process_group):
+    """destroy_parallel_state() in a `finally:` must not wait for peers that are stuck in a collective."""
+    import torch.distributed as dist
+
+    from veomni.distributed import destroy_parallel_state
+
+    barriers = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: barriers.append(1))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)  # the fixture destroys it
+    with pytest.raises(ValueError):
+        try:
+            raise ValueError("bad record")
+        finally:
+            destroy_parallel_state()
+    assert barriers == []
+    destroy_parallel_state()
+    assert barriers == [1]

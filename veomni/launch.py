@@ -25,13 +25,30 @@ def _recorded(failure) -> str:
     return "" if not message or "To enable traceback" in str(message) else str(message)
 
 
+def _is_echo(failure) -> bool:
+    """A rank that failed because another one had already failed (it lost the race to report)."""
+    message = failure.message
+    return isinstance(message, dict) and bool(message.get("extraInfo", {}).get("veomni_secondary"))
+
+
 def _root_cause(err) -> str:
-    rank, failure = err.get_first_failure()
-    if failure.exitcode < 0:  # killed: no record of its own; a peer's record says where the job was
-        cause = f"rank {rank} was killed by {failure.signal_name()} (exit code {failure.exitcode})"
-        seen = [_recorded(f) for r, f in sorted(err.failures.items()) if r != rank and _recorded(f)]
-        return cause + (f"; {seen[0]}" if seen else "")
-    return _recorded(failure) or f"rank {rank} exited with code {failure.exitcode} (no error record: see its output)"
+    """The first rank's own record, else any record, else how a rank died. torchrun's own choice (the earliest
+    failure, at 1-s resolution, ties to the lowest rank) often names a rank it SIGTERMed itself while tearing down."""
+    failures = sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    recorded = [(r, f) for r, f in failures if _recorded(f)]
+    primary = [(r, f) for r, f in recorded if not _is_echo(f)] or recorded
+    # deaths by a signal other than the launcher's own SIGTERM (kill -9, OOM killer, a segfault) are news
+    killed = [
+        f"rank {r} was killed by {f.signal_name()} (exit code {f.exitcode})"
+        for r, f in failures
+        if f.exitcode < 0 and -f.exitcode != int(signal.SIGTERM)
+    ]
+    if primary:
+        return "; ".join([_recorded(primary[0][1]), *killed])
+    if killed:
+        return "; ".join(killed)
+    rank, failure = failures[0]
+    return f"rank {rank} exited with code {failure.exitcode} (no error record: see its output)"
 
 
 def _bound_failure_teardown() -> None:

@@ -138,7 +138,8 @@ def _default_store():
 def _heartbeat_loop(stop: threading.Event) -> None:
     while True:
         store = _default_store()
-        if store is not None:
+        # once a stop is under way the launcher may be gone with its store: nothing left to tell it
+        if store is not None and _state["stop_signal"] is None:
             beat = {"t": time.time(), "step": _state["step"], "phase": _state["phase"]}
             try:
                 store.set(f"veomni/heartbeat/{_rank()}", json.dumps(beat))
@@ -240,7 +241,8 @@ def _write_error_file(message: str, trace: str, secondary: bool) -> None:
     if not path:
         return
     stamp = int(time.time()) + (1 if secondary else 0)
-    record = {"message": {"message": message, "extraInfo": {"py_callstack": trace or message, "timestamp": stamp}}}
+    info = {"py_callstack": trace or message, "timestamp": stamp, "veomni_secondary": secondary}
+    record = {"message": {"message": message, "extraInfo": info}}
     try:
         with open(path, "w") as f:
             json.dump(record, f)
