@@ -280,7 +280,7 @@ def _tiny_state():
 
 
 def test_truncated_shard_names_the_file_and_the_previous_checkpoint(tmp_path, one_process_group):
-    from veomni.checkpoint import CheckpointError, Checkpointer
+    from veomni.checkpoint import Checkpointer, CheckpointError
 
     model, optimizer = _tiny_state()
     checkpointer = Checkpointer(str(tmp_path))
@@ -301,7 +301,7 @@ def test_disk_full_during_save_names_the_path_and_keeps_the_previous_checkpoint(
     tmp_path, monkeypatch, one_process_group
 ):
     """The rank's extra-state file is pointed at /dev/full, where every write fails with ENOSPC."""
-    from veomni.checkpoint import CheckpointError, Checkpointer, list_checkpoints
+    from veomni.checkpoint import Checkpointer, CheckpointError, list_checkpoints
 
     model, optimizer = _tiny_state()
     checkpointer = Checkpointer(str(tmp_path))
