@@ -42,7 +42,8 @@ _state = {
 
 
 class StopBeforeTraining(BaseException):
-    """A stop signal arrived while nothing could be saved yet (a BaseException, like KeyboardInterrupt)."""
+    """A stop signal arrived outside a loop that saves (set-up, or a script without checkpoints): leave at once.
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` swallows it."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -293,7 +294,8 @@ def run_worker(main: Callable[[], object]) -> None:
         _exit(STOP_EXIT_CODES.get(stop.signum, 128 + stop.signum))
     except StopBeforeTraining as stop:
         if _rank() == 0:
-            _say(f"{signal.Signals(stop.signum).name}: stopped during set-up; nothing was trained")
+            where = f"at step {_state['step']}" if _state["step"] else "during set-up"
+            _say(f"{signal.Signals(stop.signum).name}: stopped {where}; nothing was saved")
         _exit(STOP_EXIT_CODES.get(stop.signum, 128 + stop.signum))
     except BaseException as err:  # noqa: BLE001 - every failure must end the process, KeyboardInterrupt too
         report_error(err)
