@@ -38,6 +38,7 @@ _state = {
     "failing": False,  # this rank is reporting an error: further signals change nothing
     "step": 0,
     "phase": "set-up",
+    "handler_pid": None,  # the rank's own process (not its forked data-loader workers)
 }
 
 
@@ -106,7 +107,9 @@ def watch_parent(sig: int = signal.SIGTERM) -> bool:
 
 # ---------------------------------------------------------------------------------------- stop signals
 def _on_stop_signal(signum, frame) -> None:
-    if _state["failing"]:
+    # torchrun signals each worker's whole process group: forked data-loader workers inherit this handler and
+    # get the signal too, but they just follow their rank (which stops them), so they ignore it
+    if _state["failing"] or os.getpid() != _state["handler_pid"]:
         return
     name = signal.Signals(signum).name
     if _state["stop_signal"] is not None:  # the second one: the user means it
@@ -120,6 +123,7 @@ def _on_stop_signal(signum, frame) -> None:
 
 
 def install_stop_handlers() -> None:
+    _state["handler_pid"] = os.getpid()
     for sig in STOP_EXIT_CODES:
         signal.signal(sig, _on_stop_signal)
 
