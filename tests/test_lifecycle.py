@@ -203,9 +203,11 @@ def test_config_typo_is_said_once_and_last(tmp_path):
 
 
 def test_sigterm_saves_and_the_same_command_resumes_exactly_also_after_the_launcher_dies(tmp_path):
-    """Uninterrupted 20 steps vs: SIGTERM to train.sh (as Slurm/Kubernetes preemption) -> saves, rc 143;
-    the same command resumes; SIGKILL of the launcher alone -> workers get SIGTERM (parent-death signal), save
-    and exit; the same command finishes. Loss and grad norm equal the uninterrupted run at every step."""
+    """Uninterrupted 20 steps vs: SIGTERM to rank 1 alone (a preemption notice reaching one process) -> both ranks
+    stop after the same step and save, train.sh returns 143; the same command resumes; SIGKILL of the launcher
+    alone -> workers get SIGTERM (parent-death signal), save and exit; the same command finishes. Loss and grad
+    norm equal the uninterrupted run at every step. (SIGTERM/SIGINT to train.sh itself takes the same path once
+    torchrun forwards it to every rank.)"""
     tmp = str(tmp_path)
     config = _config(tmp)
     ref = run_text_task(config, 2, f"{tmp}/ref", FLAGS)
@@ -213,7 +215,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly_also_after_the_launc
 
     proc = _launch(config, out, *again)
     _wait_for_step(proc, out, 4)
-    proc.send_signal(signal.SIGTERM)
+    os.kill(_children(proc.pid)[1][0], signal.SIGTERM)
     rc = proc.wait(timeout=60)
     first = read_metrics(out)[-1]["step"]
     saved = os.path.join(out, "checkpoints", f"global_step_{first}")
@@ -253,7 +255,7 @@ def test_first_stop_signal_sets_a_flag_in_the_loop_and_ends_set_up_at_once(loop_
             with pytest.raises(lifecycle.StopBeforeTraining):
                 os.kill(os.getpid(), signal.SIGTERM)
     finally:
-        lifecycle._state.update(stop_signal=None, loop_active=False)
+        lifecycle._state.update(stop_signal=None, loop_active=False, exiting=False)
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

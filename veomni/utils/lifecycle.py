@@ -35,7 +35,7 @@ _PR_SET_PDEATHSIG = 1
 _state = {
     "stop_signal": None,  # the first SIGINT/SIGTERM received, if any
     "loop_active": False,  # a training loop is running and will honour a stop at its next step
-    "failing": False,  # this rank is reporting an error: further signals change nothing
+    "exiting": False,  # this rank is reporting an error or leaving after a stop: further signals change nothing
     "step": 0,
     "phase": "set-up",
     "handler_pid": None,  # the rank's own process (not its forked data-loader workers)
@@ -56,6 +56,8 @@ class TrainingStopped(BaseException):
 
     def __init__(self, signum: int, step: int, saved: Optional[str], resume_hint: str):
         super().__init__(signum)
+        # the launcher SIGTERMs the ranks that are still up when the first one exits: that is no news now
+        _state["exiting"] = True
         self.signum, self.step, self.saved, self.resume_hint = signum, step, saved, resume_hint
 
     def message(self) -> str:
@@ -109,7 +111,7 @@ def watch_parent(sig: int = signal.SIGTERM) -> bool:
 def _on_stop_signal(signum, frame) -> None:
     # torchrun signals each worker's whole process group: forked data-loader workers inherit this handler and
     # get the signal too, but they just follow their rank (which stops them), so they ignore it
-    if _state["failing"] or os.getpid() != _state["handler_pid"]:
+    if _state["exiting"] or os.getpid() != _state["handler_pid"]:
         return
     name = signal.Signals(signum).name
     if _state["stop_signal"] is not None:  # the second one: the user means it
@@ -257,7 +259,7 @@ def _write_error_file(message: str, trace: str, secondary: bool) -> None:
 
 def report_error(err: BaseException) -> None:
     """Say what went wrong, once over all ranks, as this rank's last output."""
-    _state["failing"] = True
+    _state["exiting"] = True
     reporter = _claim_report()
     message = describe_error(err, probe_peers=reporter)  # a later failure is an echo: no time spent on it
     # a user's mistake or a lost peer is said in one line; a traceback only helps with a bug in the code
