@@ -1,7 +1,7 @@
 """Train a causal LM on text: `bash train.sh tasks/train_text.py CONFIG.yaml [--group.key value ...]`.
 
 Exit codes: 0 done; 1 an error (said once, by the first rank that failed); 130/143 stopped by SIGINT/SIGTERM
-after saving a checkpoint (see veomni.utils.lifecycle).
+after saving a checkpoint, 129 the same after the launcher died (see veomni.utils.lifecycle).
 """
 
 from veomni.arguments import VeOmniArguments, parse_args

@@ -205,7 +205,7 @@ def test_config_typo_is_said_once_and_last(tmp_path):
 def test_sigterm_saves_and_the_same_command_resumes_exactly_also_after_the_launcher_dies(tmp_path):
     """Uninterrupted 20 steps vs: SIGTERM to rank 1 alone (a preemption notice reaching one process) -> both ranks
     stop after the same step and save, train.sh returns 143; the same command resumes; SIGKILL of the launcher
-    alone -> workers get SIGTERM (parent-death signal), save and exit; the same command finishes. Loss and grad
+    alone -> workers get SIGHUP (parent-death signal), save and exit; the same command finishes. Loss and grad
     norm equal the uninterrupted run at every step. (SIGTERM/SIGINT to train.sh itself takes the same path once
     torchrun forwards it to every rank.)"""
     tmp = str(tmp_path)

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-STOP_EXIT_CODES = {int(signal.SIGINT): 130, int(signal.SIGTERM): 143}
+STOP_EXIT_CODES = {int(signal.SIGINT): 130, int(signal.SIGTERM): 143, int(signal.SIGHUP): 129}
 
 
 def _recorded(failure) -> str:

@@ -11,7 +11,6 @@ so every token weighs the same whatever the packing, the micro-batch split or th
 import dataclasses
 import math
 import os
-import signal
 import time
 from typing import Any, Dict, List, Optional
 
@@ -202,16 +201,15 @@ class BaseTrainer:
         loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches) if have else 0
         tokens = sum(mb["input_ids"].numel() for mb in micro_batches) if have else 0
         asked = lifecycle.stop_requested()
-        stats = torch.tensor(
-            [loss_tokens, tokens, int(have), int(asked is not None), int(asked == signal.SIGINT)],
-            dtype=torch.float64,
-            device=self.device,
-        )
+        stops = [int(asked == sig) for sig in lifecycle.STOP_EXIT_CODES]  # which stop signal this rank got
+        stats = torch.tensor([loss_tokens, tokens, int(have), *stops], dtype=torch.float64, device=self.device)
         lifecycle.set_progress(self.global_step + 1, "all-reduce of the step's token counts")
         dist.all_reduce(stats, group=self.parallel_state.dp_group)
         lifecycle.set_progress(self.global_step + 1, "forward/backward and optimizer step")
-        if stats[3] > 0:  # every rank reaches the same verdict from the same sums
-            self.stop_signal = signal.SIGINT if stats[4] > 0 else signal.SIGTERM
+        # every rank reaches the same verdict from the same sums: the first signal by precedence that any rank got
+        seen = [sig for sig, count in zip(lifecycle.STOP_EXIT_CODES, stats[3:].tolist()) if count > 0]
+        if seen:
+            self.stop_signal = seen[0]
         if int(stats[2]) < self.parallel_state.dp_size:
             return None
         return {"loss_tokens": int(stats[0]), "tokens": int(stats[1])}

@@ -1,11 +1,12 @@
 """How a training process starts, stops and fails: the same way on every rank, and never by hanging.
 
 `run_worker(main)` wraps a task's `main` on each rank:
-- **launcher death**: the worker asks the kernel for SIGTERM when its parent (torchrun) dies (Linux
-  `PR_SET_PDEATHSIG`), so SIGKILL of the launcher alone does not leave workers training.
-- **stop on request**: the first SIGINT/SIGTERM only sets a flag; the trainer all-reduces it with each step's
-  totals (no extra collective), so every rank finishes the same step, saves one checkpoint together and exits
-  with `128 + signal` (130 for SIGINT, 143 for SIGTERM; see `STOP_EXIT_CODES`). A second signal exits at once.
+- **launcher death**: the worker asks the kernel for SIGHUP when its parent (torchrun) dies (Linux
+  `PR_SET_PDEATHSIG`), so SIGKILL of the launcher alone does not leave workers training: they stop as below.
+- **stop on request**: the first SIGINT/SIGTERM/SIGHUP only sets a flag; the trainer all-reduces it with each
+  step's totals (no extra collective), so every rank finishes the same step, saves one checkpoint together and
+  exits with `128 + signal` (130 for SIGINT, 143 for SIGTERM, 129 after the launcher died; `STOP_EXIT_CODES`).
+  A second SIGINT/SIGTERM exits at once.
   Before training starts there is nothing to save: a signal ends the process at once with the same code.
 - **errors**: an exception ends this rank at once with exit code 1 (no barrier, no process-group teardown that
   could wait on a peer), so torchrun tears the other ranks down. The first rank to fail (agreed through the
@@ -27,7 +28,8 @@ import time
 import traceback
 from typing import Callable, Optional
 
-STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# stop signals by precedence when ranks saw different ones; SIGHUP is the launcher's death (see watch_parent)
+STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 ERROR_EXIT_CODE = 1
 _HEARTBEAT_SECONDS = 1.0
 _PR_SET_PDEATHSIG = 1
@@ -94,8 +96,11 @@ def _say(text: str) -> None:
 
 
 # ------------------------------------------------------------------------------------- launcher death
-def watch_parent(sig: int = signal.SIGTERM) -> bool:
-    """Ask for `sig` when the launcher dies (Linux only, and only under torchrun). Returns whether it is set."""
+def watch_parent(sig: int = signal.SIGHUP) -> bool:
+    """Ask for `sig` when the launcher dies (Linux only, and only under torchrun). Returns whether it is set.
+
+    SIGHUP, not SIGTERM: the kernel sends it once per exiting thread of a multi-threaded launcher (torchrun has
+    several), and repeats of it must not count as the "second signal" that means "exit now, do not save"."""
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     parent = os.getppid()
@@ -114,6 +119,8 @@ def _on_stop_signal(signum, frame) -> None:
     if _state["exiting"] or os.getpid() != _state["handler_pid"]:
         return
     name = signal.Signals(signum).name
+    if signum == signal.SIGHUP and _state["stop_signal"] is not None:
+        return  # the launcher's death, told again by another of its threads
     if _state["stop_signal"] is not None:  # the second one: the user means it
         _say(f"rank {_rank()}: second {name}: exiting now without saving")
         os._exit(STOP_EXIT_CODES.get(signum, 128 + signum))
@@ -121,7 +128,8 @@ def _on_stop_signal(signum, frame) -> None:
     if not _state["loop_active"]:
         raise StopBeforeTraining(signum)
     if _rank() == 0:
-        _say(f"{name} received: finishing the current step, then saving a checkpoint (send it again to exit now)")
+        what = "the launcher died (SIGHUP)" if signum == signal.SIGHUP else f"{name} received"
+        _say(f"{what}: finishing the current step, then saving a checkpoint (send SIGTERM again to exit now)")
 
 
 def install_stop_handlers() -> None:
