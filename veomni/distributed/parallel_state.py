@@ -41,7 +41,8 @@ def init_distributed(timeout_minutes: float = 10) -> None:
     if get_device_type() == "cuda":
         import torch
 
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a timed-out collective aborts the job
+        # a failed or timed-out collective ends the process (3: without waiting on the communicator's teardown)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
 
         torch.cuda.set_device(get_device())
         kwargs["device_id"] = get_device()

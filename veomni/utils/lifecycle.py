@@ -35,7 +35,7 @@ _HEARTBEAT_SECONDS = 1.0
 _PR_SET_PDEATHSIG = 1
 
 _state = {
-    "stop_signal": None,  # the first SIGINT/SIGTERM received, if any
+    "stop_signal": None,  # the first stop signal received, if any
     "loop_active": False,  # a training loop is running and will honour a stop at its next step
     "exiting": False,  # this rank is reporting an error or leaving after a stop: further signals change nothing
     "step": 0,
@@ -73,7 +73,7 @@ def _rank() -> int:
 
 
 def stop_requested() -> Optional[int]:
-    """The signal that asked this rank to stop (SIGINT/SIGTERM), or None."""
+    """The signal that asked this rank to stop (SIGINT, SIGTERM, or SIGHUP for the launcher's death), or None."""
     return _state["stop_signal"]
 
 
