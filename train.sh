@@ -22,7 +22,7 @@ if grep -q "\.assets/" "$2" 2>/dev/null; then
   $PYTHON -m veomni.utils.demo_assets --root .assets
 fi
 # veomni.launch is torchrun that ends with one line: the root cause of a failure, or nothing after a stop
-# (exit 130/143 once the workers have saved; see veomni/launch.py).
+# (exit 130/143/129 for SIGINT/SIGTERM/launcher death, once the workers have saved; see veomni/launch.py).
 exec $PYTHON -m veomni.launch \
   --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" --nproc_per_node="$NPROC_PER_NODE" \
   --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-$(( 20000 + RANDOM % 20000 ))}" \
