@@ -26,6 +26,24 @@ def _config(tmp) -> str:
     return tiny_run_config(tmp)
 
 
+_LAUNCHED = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+    """A failed assertion must not leave a launch (or its workers, in sessions of their own) running."""
+    yield
+    while _LAUNCHED:
+        proc = _LAUNCHED.pop()
+        workers = [pid for pid, _ in _children(proc.pid)]
+        for pid in [proc.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
 def _launch(config, out, *extra, env=None):
     """`bash train.sh tasks/train_text.py ...` in its own session; output to files (a full pipe would block)."""
     full_env = child_env()
@@ -35,6 +53,7 @@ def _launch(config, out, *extra, env=None):
     cmd = ["bash", "train.sh", "tasks/train_text.py", config, "--train.checkpoint.output_dir", out, *FLAGS, *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc.log_path = log.name
+    _LAUNCHED.append(proc)
     return proc
 
 
@@ -102,20 +121,14 @@ def _signal_rank_and_time(tmp, sig, extra=(), env=None):
     proc = _launch(
         config, out, "--train.max_steps", "100000", "--data.train_path", f"{tmp}/data.jsonl", *extra, env=env
     )
-    try:
-        _wait_for_step(proc, out, 3)
-        workers = _children(proc.pid)
-        assert [r for _, r in workers] == [0, 1], workers
-        start = time.time()
-        os.kill(workers[1][0], sig)
-        rc = proc.wait(timeout=TIMEOUT_S + 60)
-        elapsed = time.time() - start
-        _wait_gone([p for p, _ in workers], 5)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid, _ in _children(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+    _wait_for_step(proc, out, 3)
+    workers = _children(proc.pid)
+    assert [r for _, r in workers] == [0, 1], workers
+    start = time.time()
+    os.kill(workers[1][0], sig)
+    rc = proc.wait(timeout=TIMEOUT_S + 60)
+    elapsed = time.time() - start
+    _wait_gone([p for p, _ in workers], 5)
     print(f"\n{sig.name} to rank 1: the job ended {elapsed:.1f} s later, rc {rc}")
     return elapsed, rc, _output(proc)
 
