@@ -184,6 +184,7 @@ def test_bad_record_on_one_rank_is_said_at_once_and_ends_the_job(tmp_path):
         *FLAGS,
     ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _LAUNCHED.append(proc)
     lines_at = []
     reader = threading.Thread(target=lambda: lines_at.extend((time.time(), line) for line in proc.stdout))
     reader.start()
