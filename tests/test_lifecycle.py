@@ -258,7 +258,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly_also_after_the_launc
 def test_first_stop_signal_sets_a_flag_in_the_loop_and_ends_set_up_at_once(loop_active):
     from veomni.utils import lifecycle
 
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in lifecycle.STOP_EXIT_CODES}
     lifecycle.install_stop_handlers()
     lifecycle.set_loop_active(loop_active)
     try:
@@ -270,8 +270,8 @@ def test_first_stop_signal_sets_a_flag_in_the_loop_and_ends_set_up_at_once(loop_
                 os.kill(os.getpid(), signal.SIGTERM)
     finally:
         lifecycle._state.update(stop_signal=None, loop_active=False, exiting=False)
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 # ----------------------------------------------------------------------------------- failures on disk
