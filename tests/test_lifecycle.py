@@ -186,7 +186,7 @@ def test_bad_record_on_one_rank_is_said_at_once_and_ends_the_job(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _LAUNCHED.append(proc)
     lines_at = []
-    reader = threading.Thread(target=lambda: lines_at.extend((time.time(), line) for line in proc.stdout))
+    reader = threading.Thread(target=lambda: lines_at.extend((time.time(), line) for line in proc.stdout), daemon=True)
     reader.start()
     rc = proc.wait(timeout=180)
     ended = time.time()
