@@ -194,7 +194,7 @@ class BaseTrainer:
     def _step_totals(self, micro_batches: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str, int]]:
         """Global loss tokens and input tokens of this step; None when any rank has run out of data.
 
-        The same all-reduce carries the stop requests (SIGINT/SIGTERM) of every rank, so all ranks agree, at no
+        The same all-reduce carries the stop requests (SIGINT/SIGTERM/SIGHUP) of every rank, so all ranks agree, at no
         extra cost, to make this step their last; `self.stop_signal` holds the outcome.
         """
         have = micro_batches is not None
@@ -291,7 +291,7 @@ class BaseTrainer:
                 save_steps = train.checkpoint.save_steps
                 if save_steps > 0 and self.global_step % save_steps == 0:
                     self.save_checkpoint()
-                if self.stop_signal is not None:
+                if self.stop_signal is not None and self.global_step < self.total_steps:  # at the end: just finish
                     self._stop_after_step()
             if self.global_step >= self.total_steps:
                 break
