@@ -32,7 +32,9 @@ if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
   echo "train.sh: NNODES=$NNODES needs MASTER_ADDR (the address of node 0), set on every node" >&2
   exit 2
 fi
-exec $PYTHON -m torch.distributed.run \
+# veomni.launch is torchrun that ends with one line: the root cause of a failure, or nothing after a stop
+# (exit 130/143/129 for SIGINT/SIGTERM/launcher death, once the workers have saved; see veomni/launch.py).
+exec $PYTHON -m veomni.launch \
   --nnodes="$NNODES" --node_rank="${NODE_RANK:-0}" --nproc_per_node="$NPROC_PER_NODE" \
   --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="$MASTER_PORT" \
   "$@"

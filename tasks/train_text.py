@@ -1,18 +1,21 @@
-"""Train a causal LM on text: `bash train.sh tasks/train_text.py CONFIG.yaml [--group.key value ...]`."""
+"""Train a causal LM on text: `bash train.sh tasks/train_text.py CONFIG.yaml [--group.key value ...]`.
+
+Exit codes: 0 done; 1 an error (said once, by the first rank that failed); 130/143 stopped by SIGINT/SIGTERM
+after saving a checkpoint, 129 the same after the launcher died (see veomni.utils.lifecycle).
+"""
 
 from veomni.arguments import VeOmniArguments, parse_args
 from veomni.distributed import destroy_parallel_state
 from veomni.trainer import TextTrainer
+from veomni.utils.lifecycle import run_worker
 
 
 def main():
     args = parse_args(VeOmniArguments)
     trainer = TextTrainer(args)
-    try:
-        trainer.fit()
-    finally:
-        destroy_parallel_state()
+    trainer.fit()
+    destroy_parallel_state()
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(main)

@@ -1,6 +1,9 @@
 """The seed's plain training script: every building block called by hand, no trainer class.
 
 bash train.sh tasks/deprecated_task/train_torch.py configs/text/demo.yaml
+
+It saves no checkpoints, so SIGINT/SIGTERM end it at once (exit 130/143); errors end every rank promptly with
+the message said once (exit 1). See veomni.utils.lifecycle.
 """
 
 import json
@@ -21,7 +24,7 @@ from veomni.distributed.torch_parallelize import build_parallelize_model
 from veomni.models import build_foundation_model, build_tokenizer
 from veomni.ops import causal_lm_loss_sum, count_loss_tokens
 from veomni.optim import build_lr_scheduler, build_optimizer
-from veomni.utils import get_device, get_device_type, get_logger
+from veomni.utils import get_device, get_device_type, get_logger, lifecycle
 
 logger = get_logger("train_torch")
 
@@ -43,6 +46,7 @@ def main():
         extra_parallel_names=acc.extra_parallel_names,
         mode=acc.fsdp_config.fsdp_mode,
         async_enabled=acc.enable_async,
+        dist_timeout_minutes=acc.dist_timeout_minutes,
     )
     parallel_state = get_parallel_state()
     out = args.train.checkpoint.output_dir
@@ -126,6 +130,7 @@ def main():
         train_dataloader.set_epoch(epoch)
         data_iterator = iter(train_dataloader)
         for _ in range(train_steps):
+            lifecycle.set_progress(step + 1, "training step")  # named if a collective fails or a peer stalls
             tic = time.perf_counter()
             micro_batches = next(data_iterator)
             # normalise by the loss tokens of the whole global batch, so every token counts once
@@ -160,4 +165,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    lifecycle.run_worker(main)

@@ -146,6 +146,11 @@ class AcceleratorArguments:
         "Per extra dim: place it innermost (adjacent ranks).", default_factory=list
     )
     enable_async: bool = _doc("Overlap Ulysses communication with compute.", default=False)
+    dist_timeout_minutes: float = _doc(
+        "How long a collective may wait for a peer before the job fails with an error naming the rank and the "
+        "operation (a dead or stalled rank, mismatched collectives). Fractions are fine (0.5 = 30 s).",
+        default=10.0,
+    )
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 

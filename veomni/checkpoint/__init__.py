@@ -1,7 +1,16 @@
-from .checkpointer import Checkpointer, list_checkpoints, named_optimizers, resolve_checkpoint, rng_state, set_rng_state
+from .checkpointer import (
+    Checkpointer,
+    CheckpointError,
+    list_checkpoints,
+    named_optimizers,
+    resolve_checkpoint,
+    rng_state,
+    set_rng_state,
+)
 from .hf_export import dcp_to_hf, save_hf_model
 
 __all__ = [
+    "CheckpointError",
     "Checkpointer",
     "dcp_to_hf",
     "list_checkpoints",

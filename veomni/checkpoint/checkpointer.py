@@ -10,8 +10,11 @@ A save is written to `global_step_N.tmp` and renamed only when every rank has fi
 leaves the previous checkpoint as the newest complete one.
 """
 
+import errno
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -142,6 +145,61 @@ def check_shared_storage(folder: str, patience_s: float = 10.0) -> None:
         )
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message names the folder, the file and the way out."""
+
+
+def _previous_good(path: str) -> str:
+    """How to fall back from the checkpoint at `path`: the newest complete one before it, if any."""
+    root, name = os.path.split(os.path.normpath(path))
+    match = _STEP_DIR.match(name)
+    older = [s for s in list_checkpoints(root) if match is None or s < int(match.group(1))]
+    if not older:
+        return "there is no earlier complete checkpoint"
+    previous = os.path.join(root, f"global_step_{older[-1]}")
+    return (
+        f"the previous complete checkpoint is {previous}: resume from it with --train.checkpoint.load_path {previous}"
+    )
+
+
+def _check_shards(path: str, reader) -> None:
+    """Every file the DCP metadata points to exists and is long enough (a crash or a full disk truncates)."""
+    try:
+        metadata = reader.read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError) as err:  # the allow-list's refusals included
+        file = os.path.join(path, "model_optimizer", ".metadata")
+        raise CheckpointError(f"checkpoint {path} is damaged: {file}: {err}; {_previous_good(path)}") from err
+    needed: Dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, "model_optimizer", name)
+        have = os.path.getsize(file) if os.path.isfile(file) else None
+        if have is None or have < size:
+            state = "is missing" if have is None else f"is truncated ({have} of {size} bytes)"
+            raise CheckpointError(f"checkpoint {path} is damaged: {file} {state}; {_previous_good(path)}")
+
+
+def _save_failure(err: BaseException, folder: str) -> CheckpointError:
+    """Name the folder and the cause; torch.save reports a full disk as `unexpected pos N vs M`."""
+    chain, cause = [], err
+    while cause is not None and len(chain) < 8:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    text = " ".join(str(c) for c in chain)
+    try:
+        free = shutil.disk_usage(os.path.dirname(folder) or ".").free
+    except OSError:
+        free = None
+    full = any(getattr(c, "errno", None) == errno.ENOSPC for c in chain) or "No space left" in text
+    if full or (free is not None and free < 1 << 20 and "unexpected pos" in text):
+        where = next((c.filename for c in chain if getattr(c, "filename", None)), None)
+        why = "the disk is full (ENOSPC" + (f" writing {where}" if where else "") + ")"
+    else:
+        why = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    return CheckpointError(f"saving checkpoint {folder} failed: {why}; the previous checkpoint is left as it was")
+
+
 def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.part"
     with open(tmp, "w") as f:
@@ -174,9 +232,17 @@ class Checkpointer:
     ) -> str:
         """`attach(folder)` runs on rank 0 before publishing, to add files (e.g. the HF config) to the checkpoint."""
         self.wait()
-        rank = dist.get_rank()
         final = os.path.join(self.root, f"global_step_{step}")
         tmp = final + ".tmp"
+        try:
+            return self._save(step, model, optimizer, extra_state, meta, attach, final, tmp)
+        except (OSError, RuntimeError) as err:  # disk full, permissions, a torn write: say where and why
+            if dist.get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # the half-written save only takes space
+            raise _save_failure(err, tmp) from err
+
+    def _save(self, step, model, optimizer, extra_state, meta, attach, final: str, tmp: str) -> str:
+        rank = dist.get_rank()
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save
             os.makedirs(os.path.join(tmp, "extra_state"))
@@ -190,7 +256,7 @@ class Checkpointer:
         state = {"model": get_model_state_dict(model)}
         for name, opt in named_optimizers(optimizer).items():
             state[f"optim.{name}"] = get_optimizer_state_dict(model, opt)["state"]
-        torch.save(extra_state, os.path.join(tmp, "extra_state", f"rank_{rank}.pt"))
+        _save_small(extra_state, os.path.join(tmp, "extra_state", f"rank_{rank}.pt"))
         meta = dict(meta, step=step, world_size=dist.get_world_size())
         if self.async_save:
             if self._async_group is None:  # DCP's async save must not share the training collectives
@@ -240,13 +306,43 @@ class Checkpointer:
             full = get_optimizer_state_dict(model, opt)  # also materialises empty Adam state to load into
             state[f"optim.{name}"], param_groups[name] = full["state"], full["param_groups"]
         reader = SafeFileSystemReader(os.path.join(path, "model_optimizer"))
-        reader.read_metadata()  # a tampered or unreadable .metadata fails here, by name, not inside DCP's wrapping
-        dcp.load(state, checkpoint_id=os.path.join(path, "model_optimizer"), storage_reader=reader)
+        _check_shards(path, reader)
+        try:
+            dcp.load(state, checkpoint_id=os.path.join(path, "model_optimizer"), storage_reader=reader)
+        except (OSError, RuntimeError, EOFError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"checkpoint {path} could not be read ({first}); {_previous_good(path)}") from err
         set_model_state_dict(model, state["model"])
         for name, opt in named_optimizers(optimizer).items():
             set_optimizer_state_dict(model, opt, {"state": state[f"optim.{name}"], "param_groups": param_groups[name]})
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        extra = [load_tensor_file(os.path.join(path, "extra_state", f"rank_{r}.pt")) for r in range(meta["world_size"])]
+        extra = [
+            _load_extra(os.path.join(path, "extra_state", f"rank_{r}.pt"), path) for r in range(meta["world_size"])
+        ]
         logger.info(f"resumed from {path} (saved at step {meta['step']} by {meta['world_size']} ranks)")
         return {"meta": meta, "extra_states": extra}
+
+
+def _save_small(obj: Any, file: str) -> None:
+    """torch.save through memory: a failed write then raises OSError with its errno and file name (ENOSPC),
+    where torch's own writer only says `unexpected pos N vs M`."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        with open(file, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:  # a failed write() carries no file name of its own
+        raise OSError(err.errno, err.strerror, file) from err
+
+
+def _load_extra(file: str, checkpoint: str) -> Dict[str, Any]:
+    try:
+        return load_tensor_file(file)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint {checkpoint} is damaged: {file}: {first}; {_previous_good(checkpoint)}"
+        ) from err

@@ -6,6 +6,7 @@ dimension (expert parallel, `ep`) gets its own 2-D mesh (`<name>_fsdp`, `<name>`
 """
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -19,8 +20,12 @@ from ..utils.device import get_device, get_device_type, get_dist_backend
 _PARALLEL_STATE: Optional["ParallelState"] = None
 
 
-def init_distributed(timeout_minutes: int = 30) -> None:
-    """Start the default process group from torchrun's environment, or a 1-process group without it."""
+def init_distributed(timeout_minutes: float = 10) -> None:
+    """Start the default process group from torchrun's environment, or a 1-process group without it.
+
+    `timeout_minutes` bounds every collective: a dead or stalled peer ends the job with an error instead of a
+    hang (gloo honours it directly; on NCCL, async error handling aborts the communicator when it expires).
+    """
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:  # plain `python`: a world of one, so the same code path runs everywhere
@@ -35,6 +40,9 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     kwargs = {"backend": get_dist_backend(), "timeout": timedelta(minutes=timeout_minutes)}
     if get_device_type() == "cuda":
         import torch
+
+        # a failed or timed-out collective ends the process (3: without waiting on the communicator's teardown)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
 
         torch.cuda.set_device(get_device())
         kwargs["device_id"] = get_device()
@@ -226,12 +234,16 @@ def init_parallel_state(
     extra_parallel_names: Optional[Sequence[str]] = None,
     mode: Literal["fsdp2", "ddp"] = "fsdp2",
     async_enabled: bool = False,
+    dist_timeout_minutes: float = 10,
 ) -> ParallelState:
-    """Initialise the process group (if needed) and the device meshes; `get_parallel_state()` returns them."""
+    """Initialise the process group (if needed) and the device meshes; `get_parallel_state()` returns them.
+
+    `dist_timeout_minutes`: how long any collective may wait for a peer before the job fails.
+    """
     global _PARALLEL_STATE
     if mode not in ("fsdp2", "ddp"):
         raise ValueError(f"mode must be 'fsdp2' or 'ddp', got {mode!r}")
-    init_distributed()
+    init_distributed(dist_timeout_minutes)
     world_size = dist.get_world_size()
     dp_size, dp_replicate_size, dp_shard_size = _check_sizes(
         world_size, dp_size, dp_replicate_size, dp_shard_size, tp_size, pp_size, cp_size, ulysses_size
@@ -274,9 +286,14 @@ def get_parallel_state() -> ParallelState:
 
 
 def destroy_parallel_state() -> None:
-    """Forget the meshes and tear the process group down cleanly (avoids exit-time aborts on gloo)."""
+    """Forget the meshes and tear the process group down cleanly (avoids exit-time aborts on gloo).
+
+    The barrier runs only on the way out of a normal run. Called from a `finally:` while an exception
+    propagates, it would wait for peers that are themselves stuck in a collective (a hang, not an error), so
+    then it returns at once and lets the process exit with the exception.
+    """
     global _PARALLEL_STATE
     _PARALLEL_STATE = None
-    if dist.is_initialized():
+    if dist.is_initialized() and sys.exc_info()[0] is None:
         dist.barrier()
         dist.destroy_process_group()

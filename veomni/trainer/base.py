@@ -28,6 +28,7 @@ from ..models import build_foundation_model
 from ..ops import causal_lm_loss_sum, count_loss_tokens
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
+from ..utils import lifecycle
 from ..utils.device import get_device, get_device_type, synchronize
 from ..utils.logging import get_logger
 from .callbacks import (
@@ -72,6 +73,7 @@ class BaseTrainer:
             extra_parallel_names=acc.extra_parallel_names,
             mode=acc.fsdp_config.fsdp_mode,
             async_enabled=acc.enable_async,
+            dist_timeout_minutes=acc.dist_timeout_minutes,
         )
         self.is_main = self.parallel_state.is_main_process
         self.device = get_device()
@@ -197,12 +199,24 @@ class BaseTrainer:
         return loss_sum
 
     def _step_totals(self, micro_batches: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str, int]]:
-        """Global loss tokens and input tokens of this step; None when any rank has run out of data."""
+        """Global loss tokens and input tokens of this step; None when any rank has run out of data.
+
+        The same all-reduce carries the stop requests (SIGINT/SIGTERM/SIGHUP) of every rank, so all ranks agree, at no
+        extra cost, to make this step their last; `self.stop_signal` holds the outcome.
+        """
         have = micro_batches is not None
         loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches) if have else 0
         tokens = sum(mb["input_ids"].numel() for mb in micro_batches) if have else 0
-        stats = torch.tensor([loss_tokens, tokens, int(have)], dtype=torch.float64, device=self.device)
+        asked = lifecycle.stop_requested()
+        stops = [int(asked == sig) for sig in lifecycle.STOP_EXIT_CODES]  # which stop signal this rank got
+        stats = torch.tensor([loss_tokens, tokens, int(have), *stops], dtype=torch.float64, device=self.device)
+        lifecycle.set_progress(self.global_step + 1, "all-reduce of the step's token counts")
         dist.all_reduce(stats, group=self.parallel_state.dp_group)
+        lifecycle.set_progress(self.global_step + 1, "forward/backward and optimizer step")
+        # every rank reaches the same verdict from the same sums: the first signal by precedence that any rank got
+        seen = [sig for sig, count in zip(lifecycle.STOP_EXIT_CODES, stats[3:].tolist()) if count > 0]
+        if seen:
+            self.stop_signal = seen[0]
         if int(stats[2]) < self.parallel_state.dp_size:
             return None
         return {"loss_tokens": int(stats[0]), "tokens": int(stats[1])}
@@ -218,6 +232,7 @@ class BaseTrainer:
             micro_loss = self.forward_loss_sum(self._to_device(micro_batch))
             (micro_loss * scale).backward()
             loss_sum += micro_loss.detach().double()
+        lifecycle.set_progress(self.global_step + 1, "grad-norm and loss all-reduce")
         grad_norm = clip_grad_norm(self.model, self.args.train.optimizer.max_grad_norm)
         dist.all_reduce(loss_sum, group=state.dp_group)
         loss = (loss_sum / max(totals["loss_tokens"], 1)).item()
@@ -241,7 +256,16 @@ class BaseTrainer:
             getattr(callback, event)(self, *extra)
 
     def fit(self) -> None:
+        """Train to the end; on an agreed stop request, save and raise `lifecycle.TrainingStopped` on every rank."""
+        lifecycle.set_loop_active(True)
+        try:
+            self._fit()
+        finally:
+            lifecycle.set_loop_active(False)
+
+    def _fit(self) -> None:
         train = self.args.train
+        self.stop_signal = None
         self._fire("on_train_begin")
         for epoch in range(self.epoch, train.num_train_epochs):
             self.epoch = epoch
@@ -251,6 +275,7 @@ class BaseTrainer:
             torch.set_rng_state(rng)  # keep that draw out of the training stream, so a resume replays dropout exactly
             while self.epoch_step < train.train_steps and self.global_step < self.total_steps:
                 tic = time.perf_counter()
+                lifecycle.set_progress(self.global_step + 1, "loading the next batch")
                 micro_batches = next(data_iterator, None)
                 totals = self._step_totals(micro_batches)
                 if totals is None:
@@ -275,6 +300,8 @@ class BaseTrainer:
                 save_steps = train.checkpoint.save_steps
                 if save_steps > 0 and self.global_step % save_steps == 0:
                     self.save_checkpoint()
+                if self.stop_signal is not None and self.global_step < self.total_steps:  # at the end: just finish
+                    self._stop_after_step()
             if self.global_step >= self.total_steps:
                 break
             self.epoch_step = 0
@@ -292,11 +319,29 @@ class BaseTrainer:
         self._fire("on_train_end")
         dist.barrier()
 
+    def _stop_after_step(self) -> None:
+        """Every rank saw the same stop verdict in this step's all-reduce: save together and leave."""
+        lifecycle.set_progress(self.global_step, "saving the checkpoint on stop")
+        if self._last_saved_step != self.global_step:
+            self.save_checkpoint()
+        self.checkpointer.wait()
+        self._fire("on_train_end")
+        dist.barrier()
+        saved = os.path.join(self.checkpointer.root, f"global_step_{self.global_step}")
+        load_path = self.args.train.checkpoint.load_path
+        hint = (
+            "run the same command to resume"
+            if load_path == "auto"
+            else "resume with the same command plus --train.checkpoint.load_path auto"
+        )
+        raise lifecycle.TrainingStopped(self.stop_signal, self.global_step, saved, hint)
+
     def on_train_end(self) -> None:
         """Hook for subclasses, called on every rank before the callbacks' on_train_end."""
 
     # -------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> None:
+        lifecycle.set_progress(self.global_step, f"saving checkpoint global_step_{self.global_step}")
         extra = {
             "trainer": {
                 "global_step": self.global_step,

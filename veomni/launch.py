@@ -1,0 +1,99 @@
+"""`python -m veomni.launch [torchrun options] TASK.py ...`: torchrun, ending with one clear line.
+
+torchrun itself ends a failed job with a traceback of its own and a summary block; after Ctrl-C it prints a
+`SignalException` traceback. This launcher runs the same torchrun code and only changes how it ends:
+- a worker error: the root cause (the first failure's record, written by `veomni.utils.lifecycle`) is printed
+  once, as the last line, and the exit code is 1;
+- a stop (SIGINT/SIGTERM to the launcher or to the workers): the workers have saved and said where they stopped;
+  the launcher exits quietly with 130 (SIGINT) or 143 (SIGTERM).
+Workers started by it leave the final error line to it (`VEOMNI_LAUNCHER=1`).
+"""
+
+import logging
+import os
+import signal
+import sys
+
+STOP_EXIT_CODES = {int(signal.SIGINT): 130, int(signal.SIGTERM): 143, int(signal.SIGHUP): 129}
+
+
+def _recorded(failure) -> str:
+    """The one-line message a worker recorded (veomni.utils.lifecycle), or ''."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return "" if not message or "To enable traceback" in str(message) else str(message)
+
+
+def _is_echo(failure) -> bool:
+    """A rank that failed because another one had already failed (it lost the race to report)."""
+    message = failure.message
+    return isinstance(message, dict) and bool(message.get("extraInfo", {}).get("veomni_secondary"))
+
+
+def _root_cause(err) -> str:
+    """The first rank's own record, else any record, else how a rank died. torchrun's own choice (the earliest
+    failure, at 1-s resolution, ties to the lowest rank) often names a rank it SIGTERMed itself while tearing down."""
+    failures = sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    recorded = [(r, f) for r, f in failures if _recorded(f)]
+    primary = [(r, f) for r, f in recorded if not _is_echo(f)] or recorded
+    # deaths by a signal other than the launcher's own SIGTERM (kill -9, OOM killer, a segfault) are news
+    killed = [
+        f"rank {r} was killed by {f.signal_name()} (exit code {f.exitcode})"
+        for r, f in failures
+        if f.exitcode < 0 and -f.exitcode != int(signal.SIGTERM)
+    ]
+    if primary:
+        return "; ".join([_recorded(primary[0][1]), *killed])
+    if killed:
+        return "; ".join(killed)
+    rank, failure = failures[0]
+    return f"rank {rank} exited with code {failure.exitcode} (no error record: see its output)"
+
+
+def _bound_failure_teardown() -> None:
+    """When one worker fails, torchrun stops the others with `close()` and a fixed 30 s grace before SIGKILL, so a
+    frozen worker (SIGSTOP, a stuck driver) outlives the job by 30 s whatever `--shutdown-timeout` says. Make that
+    grace the configured shutdown timeout too (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import PContext
+    except ImportError:
+        return
+    grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    close = PContext.close
+
+    def close_with_grace(self, death_sig=None, timeout=grace):
+        return close(self, death_sig, timeout)
+
+    PContext.close = close_with_grace
+
+
+def main(argv=None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ["VEOMNI_LAUNCHER"] = "1"
+    # torchrun's shutdown notes ("Sending process N closing signal SIGTERM") would bury the cause; its loggers
+    # each carry their own level, so quiet them one by one
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    _bound_failure_teardown()
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(args)
+    except SignalException as stop:
+        return STOP_EXIT_CODES.get(int(stop.sigval), 128 + int(stop.sigval))
+    except ChildFailedError as err:
+        codes = {f.exitcode for f in err.failures.values()}
+        if codes <= set(STOP_EXIT_CODES.values()):  # every failed rank stopped on request, after saving
+            return max(codes)
+        sys.stderr.flush()
+        print(f"error: {_root_cause(err)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""How a training process starts, stops and fails: the same way on every rank, and never by hanging.
+
+`run_worker(main)` wraps a task's `main` on each rank:
+- **launcher death**: the worker asks the kernel for SIGHUP when its parent (torchrun) dies (Linux
+  `PR_SET_PDEATHSIG`), so SIGKILL of the launcher alone does not leave workers training: they stop as below.
+- **stop on request**: the first SIGINT/SIGTERM/SIGHUP only sets a flag; the trainer all-reduces it with each
+  step's totals (no extra collective), so every rank finishes the same step, saves one checkpoint together and
+  exits with `128 + signal` (130 for SIGINT, 143 for SIGTERM, 129 after the launcher died; `STOP_EXIT_CODES`).
+  A second SIGINT/SIGTERM exits at once.
+  Before training starts there is nothing to save: a signal ends the process at once with the same code.
+- **errors**: an exception ends this rank at once with exit code 1 (no barrier, no process-group teardown that
+  could wait on a peer), so torchrun tears the other ranks down. The first rank to fail (agreed through the
+  rendezvous store) prints the message once; user errors (config, data, paths, checkpoints) as one line, bugs with
+  their traceback. The message also goes to torchrun's error file, so its summary names the real cause.
+- **stalls**: a heartbeat thread records each rank's step and phase in the store every few seconds; when a
+  collective fails or times out (`train.accelerator.dist_timeout_minutes`), the report names the ranks that
+  stopped answering and what they were doing.
+"""
+
+import ctypes
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Callable, Optional
+
+# stop signals by precedence when ranks saw different ones; SIGHUP is the launcher's death (see watch_parent)
+STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+ERROR_EXIT_CODE = 1
+_HEARTBEAT_SECONDS = 1.0
+_PR_SET_PDEATHSIG = 1
+
+_state = {
+    "stop_signal": None,  # the first stop signal received, if any
+    "loop_active": False,  # a training loop is running and will honour a stop at its next step
+    "exiting": False,  # this rank is reporting an error or leaving after a stop: further signals change nothing
+    "step": 0,
+    "phase": "set-up",
+    "handler_pid": None,  # the rank's own process (not its forked data-loader workers)
+}
+
+
+class StopBeforeTraining(BaseException):
+    """A stop signal arrived outside a loop that saves (set-up, or a script without checkpoints): leave at once.
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class TrainingStopped(BaseException):
+    """Raised on every rank by the trainer after the agreed stop step was saved."""
+
+    def __init__(self, signum: int, step: int, saved: Optional[str], resume_hint: str):
+        super().__init__(signum)
+        # the launcher SIGTERMs the ranks that are still up when the first one exits: that is no news now
+        _state["exiting"] = True
+        self.signum, self.step, self.saved, self.resume_hint = signum, step, saved, resume_hint
+
+    def message(self) -> str:
+        saved = f"saved {self.saved}" if self.saved else "nothing to save"
+        return f"{signal.Signals(self.signum).name}: stopped at step {self.step}; {saved}; {self.resume_hint}"
+
+
+# -------------------------------------------------------------------------------------------- queries
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def stop_requested() -> Optional[int]:
+    """The signal that asked this rank to stop (SIGINT, SIGTERM, or SIGHUP for the launcher's death), or None."""
+    return _state["stop_signal"]
+
+
+def set_progress(step: int, phase: str) -> None:
+    """Record what this rank is doing; shown when a collective fails or a peer stalls. Costs nothing."""
+    _state["step"], _state["phase"] = step, phase
+
+
+def set_loop_active(active: bool) -> None:
+    """While True, a stop signal is honoured at the next step; otherwise it ends the process at once."""
+    _state["loop_active"] = active
+
+
+def _say(text: str) -> None:
+    """Write to stderr from anywhere, a signal handler included (print() is not reentrant)."""
+    try:
+        os.write(2, (text.rstrip("\n") + "\n").encode())
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------------------- launcher death
+def watch_parent(sig: int = signal.SIGHUP) -> bool:
+    """Ask for `sig` when the launcher dies (Linux only, and only under torchrun). Returns whether it is set.
+
+    SIGHUP, not SIGTERM: the kernel sends it once per exiting thread of a multi-threaded launcher (torchrun has
+    several), and repeats of it must not count as the "second signal" that means "exit now, do not save"."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), sig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------- stop signals
+def _on_stop_signal(signum, frame) -> None:
+    # torchrun signals each worker's whole process group: forked data-loader workers inherit this handler and
+    # get the signal too, but they just follow their rank (which stops them), so they ignore it
+    if _state["exiting"] or os.getpid() != _state["handler_pid"]:
+        return
+    name = signal.Signals(signum).name
+    if signum == signal.SIGHUP and _state["stop_signal"] is not None:
+        return  # the launcher's death, told again by another of its threads
+    if _state["stop_signal"] is not None:  # the second one: the user means it
+        _say(f"rank {_rank()}: second {name}: exiting now without saving")
+        os._exit(STOP_EXIT_CODES.get(signum, 128 + signum))
+    _state["stop_signal"] = signum
+    if not _state["loop_active"]:
+        raise StopBeforeTraining(signum)
+    if _rank() == 0:
+        what = "the launcher died (SIGHUP)" if signum == signal.SIGHUP else f"{name} received"
+        _say(f"{what}: finishing the current step, then saving a checkpoint (send SIGTERM again to exit now)")
+
+
+def install_stop_handlers() -> None:
+    _state["handler_pid"] = os.getpid()
+    for sig in STOP_EXIT_CODES:
+        signal.signal(sig, _on_stop_signal)
+
+
+# ------------------------------------------------------------------------------------------- heartbeat
+def _default_store():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _heartbeat_loop(stop: threading.Event) -> None:
+    while True:
+        store = _default_store()
+        # once a stop is under way the launcher may be gone with its store: nothing left to tell it
+        if store is not None and _state["stop_signal"] is None:
+            beat = {"t": time.time(), "step": _state["step"], "phase": _state["phase"]}
+            try:
+                store.set(f"veomni/heartbeat/{_rank()}", json.dumps(beat))
+            except Exception:  # the store went away with the launcher: nothing to report to
+                return
+        if stop.wait(_HEARTBEAT_SECONDS):
+            return
+
+
+def _stalled_peers() -> str:
+    """Ranks whose heartbeat is missing or stale, with their last step and phase ('' if none or unknown)."""
+    store = _default_store()
+    if store is None:
+        return ""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        time.sleep(_HEARTBEAT_SECONDS * 1.5)  # a live peer refreshes its beat meanwhile; a dead one cannot
+        now, notes = time.time(), []
+        for r in range(world):
+            if r == _rank():
+                continue
+            key = f"veomni/heartbeat/{r}"
+            if not store.check([key]):
+                notes.append(f"rank {r} never reported")
+                continue
+            beat = json.loads(store.get(key))
+            if now - beat["t"] > _HEARTBEAT_SECONDS * 2:
+                notes.append(
+                    f"rank {r} silent for {now - beat['t']:.0f} s (last heartbeat in step {beat['step']}, "
+                    f"{beat['phase']})"
+                )
+        return "; ".join(notes)
+    except Exception:
+        return ""
+
+
+# ----------------------------------------------------------------------------------------------- errors
+def _user_error_types():
+    from ..arguments.parser import ConfigError
+    from ..data.data_transform import DataFormatError
+
+    types = [ConfigError, DataFormatError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError]
+    try:
+        from ..checkpoint.checkpointer import CheckpointError
+
+        types.append(CheckpointError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def _is_collective_failure(err: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = f"{type(err).__name__} {err}".lower()
+    return isinstance(err, getattr(dist, "DistBackendError", ())) or any(
+        s in text for s in ("gloo", "nccl", "timed out", "timeout", "connection closed", "connection reset")
+    )
+
+
+def _claim_report() -> bool:
+    """True on the first rank to fail (the store decides); every rank that cannot ask reports by itself."""
+    store = _default_store()
+    if store is None:  # failed before the process group: every rank parsed the same inputs; one per node says it
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+    try:
+        return store.add("veomni/failures", 1) == 1
+    except Exception:
+        return True
+
+
+def _first_line(err: BaseException) -> str:
+    """The message's first line, without gloo's source location and closing advice."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else ""
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)
+    return first.split(". This is typically caused by")[0]
+
+
+def describe_error(err: BaseException, probe_peers: bool = True) -> str:
+    """One line: what failed, on which rank, in which step and operation, and the stalled peers if any."""
+    first = _first_line(err)
+    if isinstance(err, _user_error_types()):
+        return f"{type(err).__name__}: {first}" if first else type(err).__name__
+    where = f"rank {_rank()}, step {_state['step']}, {_state['phase']}"
+    if _is_collective_failure(err):
+        stalled = _stalled_peers() if probe_peers else ""
+        line = f"collective failed ({where}): {type(err).__name__}: {first}"
+        return line + (f"; {stalled}" if stalled else "")
+    frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    at = f" at {frame.filename}:{frame.lineno}" if frame else ""
+    return f"{type(err).__name__}: {first} ({where}{at})"
+
+
+def _write_error_file(message: str, trace: str, secondary: bool) -> None:
+    """torchrun's error record: its summary shows `py_callstack` and picks the earliest timestamp as root
+    cause (1-s resolution, ties to the lowest rank), so a secondary failure is dated a second later."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stamp = int(time.time()) + (1 if secondary else 0)
+    info = {"py_callstack": trace or message, "timestamp": stamp, "veomni_secondary": secondary}
+    record = {"message": {"message": message, "extraInfo": info}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass
+
+
+def report_error(err: BaseException) -> None:
+    """Say what went wrong, once over all ranks, as this rank's last output."""
+    _state["exiting"] = True
+    reporter = _claim_report()
+    message = describe_error(err, probe_peers=reporter)  # a later failure is an echo: no time spent on it
+    # a user's mistake or a lost peer is said in one line; a traceback only helps with a bug in the code
+    plain = isinstance(err, _user_error_types()) or _is_collective_failure(err)
+    trace = "" if plain else "".join(traceback.format_exception(err))
+    _write_error_file(message, trace, secondary=not reporter)
+    if not reporter:
+        return
+    if trace:
+        _say(trace)
+    if not os.environ.get("VEOMNI_LAUNCHER"):  # `python -m veomni.launch` says it last, after every rank is down
+        _say(f"error: {message}")
+
+
+def _exit(code: int) -> None:
+    """Leave now: no atexit hooks or destructors that could wait on a dead peer (or abort in gloo teardown)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def run_worker(main: Callable[[], object]) -> None:
+    """Run a task's `main` on this rank with the launcher-death, stop-signal and error handling above."""
+    watch_parent()
+    install_stop_handlers()
+    beat_stop = threading.Event()
+    threading.Thread(target=_heartbeat_loop, args=(beat_stop,), name="veomni-heartbeat", daemon=True).start()
+    try:
+        main()
+    except TrainingStopped as stop:
+        beat_stop.set()
+        if _rank() == 0:
+            _say(stop.message())
+        _teardown()
+        _exit(STOP_EXIT_CODES.get(stop.signum, 128 + stop.signum))
+    except StopBeforeTraining as stop:
+        if _rank() == 0:
+            where = f"at step {_state['step']}" if _state["step"] else "during set-up"
+            _say(f"{signal.Signals(stop.signum).name}: stopped {where}; nothing was saved")
+        _exit(STOP_EXIT_CODES.get(stop.signum, 128 + stop.signum))
+    except BaseException as err:  # noqa: BLE001 - every failure must end the process, KeyboardInterrupt too
+        report_error(err)
+        _exit(ERROR_EXIT_CODE)
+    beat_stop.set()
+
+
+def _teardown() -> None:
+    """After a stop every rank is at the same point: leave the process group cleanly."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
