@@ -140,7 +140,17 @@ class CheckpointArguments:
     output_dir: str = _doc("Where metrics, the resolved config, plots and checkpoints go.", default="outputs")
     save_steps: int = _doc("Save every N optimizer steps; 0 saves only at the end.", default=0)
     save_total_limit: int = _doc("Keep the newest N checkpoints; 0 keeps all.", default=0)
-    load_path: Optional[str] = _doc("Checkpoint to resume from, or `auto` for the newest.", default=None)
+    load_path: Optional[str] = _doc(
+        "Checkpoint to resume from. `auto` (default): the newest complete checkpoint in output_dir, if any, so "
+        "re-running the same command resumes. A path: that checkpoint. null/`none`: never resume (refused when "
+        "output_dir already holds a run; see overwrite).",
+        default="auto",
+    )
+    overwrite: bool = _doc(
+        "Start over even though output_dir holds a run: its files are first moved to "
+        "`<output_dir>.old-<YYYYmmdd-HHMMSS>` (never deleted).",
+        default=False,
+    )
     save_hf_weights: bool = _doc("Export an HF-format model to output_dir/hf at the end of training.", default=False)
     async_save: bool = _doc("Write checkpoints in the background (published when complete).", default=False)
 
@@ -202,11 +212,29 @@ class TrainingArguments:
         if self.global_batch_size is None:
             self.global_batch_size = per_step
         if self.global_batch_size % per_step:
-            raise ValueError(
-                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size * dp_size = {self.micro_batch_size} * {acc.dp_size} = {per_step}"
-            )
+            raise ValueError(batch_split_message(self.global_batch_size, self.micro_batch_size, acc.dp_size))
         self.dataloader_batch_size = self.global_batch_size // per_step
+
+
+def batch_split_message(global_batch: int, micro_batch: int, dp_size: int) -> str:
+    """Why a global batch does not split over the ranks, and the nearest settings that would."""
+    per_step = micro_batch * dp_size
+    lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
+    options = [f"train.global_batch_size {' or '.join(str(g) for g in (lower, upper) if g > 0)}"]
+    micros = [m for m in range(1, global_batch + 1) if global_batch % (m * dp_size) == 0]
+    if micros:
+        near = sorted(micros, key=lambda m: (abs(m - micro_batch), m))[:2]
+        options.append(f"train.micro_batch_size {' or '.join(str(m) for m in sorted(near))}")
+    ranks = [d for d in range(1, 2 * dp_size + 1) if global_batch % (micro_batch * d) == 0]
+    if ranks:
+        near = sorted(ranks, key=lambda d: (abs(d - dp_size), d))[:2]
+        options.append(f"{' or '.join(str(d) for d in sorted(near))} data-parallel ranks (NPROC_PER_NODE)")
+    return (
+        f"train.global_batch_size={global_batch} does not split over {dp_size} data-parallel ranks: each step "
+        f"takes a multiple of train.micro_batch_size * dp_size = {micro_batch} * {dp_size} = {per_step} samples. "
+        f"Nearest valid: {'; '.join(options)}; or leave train.global_batch_size unset (a step is then "
+        f"micro_batch_size samples per rank, on any number of ranks)"
+    )
 
 
 @dataclass
@@ -243,5 +271,10 @@ class VeOmniArguments:
             )
         if train.max_steps:
             steps = min(steps, train.max_steps)
-        train.train_steps = max(steps, 1)
+        if steps <= 0:  # an rc-0 run that trains nothing and saves an untrained checkpoint helps nobody
+            raise ValueError(
+                f"this run would train 0 steps: the data ({dataset_length or data.train_size or data.train_sample}) "
+                f"does not fill one global batch of {train.global_batch_size}; use more data or smaller batches"
+            )
+        train.train_steps = steps
         return train.train_steps
