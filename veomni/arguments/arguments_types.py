@@ -17,6 +17,8 @@ def _doc(text: str, **kwargs):
 # --------------------------------------------------------------------------------------------------- model
 @dataclass
 class OpsImplementation:
+    """Which kernels the model runs."""
+
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = _doc(
         "Attention kernel. `sdpa` handles packed (varlen) batches on every device.", default="sdpa"
     )
@@ -25,6 +27,8 @@ class OpsImplementation:
 
 @dataclass
 class ModelArguments:
+    """The model: its HF config, weights (none: from scratch) and tokenizer."""
+
     config_path: Optional[str] = _doc("HF config.json or folder holding it; defaults to model_path.", default=None)
     model_path: Optional[str] = _doc("Folder of HF weights (safetensors). None trains from scratch.", default=None)
     tokenizer_path: Optional[str] = _doc("Tokenizer folder; defaults to model_path, then config_path.", default=None)
@@ -39,6 +43,8 @@ class ModelArguments:
 # ---------------------------------------------------------------------------------------------------- data
 @dataclass
 class DataloaderArguments:
+    """How batches are loaded."""
+
     type: Literal["native"] = _doc("Dataloader implementation.", default="native")
     num_workers: int = _doc("Worker processes per rank.", default=0)
     drop_last: bool = _doc("Drop the last incomplete global batch.", default=True)
@@ -48,6 +54,8 @@ class DataloaderArguments:
 
 @dataclass
 class DataArguments:
+    """The training data and how records become token sequences."""
+
     train_path: Optional[str] = _doc("Training data: a file, a glob, a folder, or a dataset.yaml.", default=None)
     datasets_type: str = _doc(
         "Registered dataset builder: `mapping` (small data, in memory), `iterable` (streaming), or your own "
@@ -75,6 +83,8 @@ class DataArguments:
 # ----------------------------------------------------------------------------------------------- training
 @dataclass
 class OptimizerArguments:
+    """Optimizer and learning-rate schedule (the schedule spans the steps that will run)."""
+
     type: Literal["adamw", "anyprecision_adamw", "muon"] = _doc("Optimizer.", default="adamw")
     lr: float = _doc("Peak learning rate.", default=5e-5)
     lr_min: float = _doc("Final learning rate of the decay.", default=1e-7)
@@ -101,6 +111,8 @@ class OptimizerArguments:
 
 @dataclass
 class MixedPrecisionArguments:
+    """FSDP2 mixed precision."""
+
     enable: bool = _doc("Compute in param_dtype with fp32 master weights.", default=False)
     param_dtype: Literal["bfloat16", "float16", "float32"] = _doc("Compute dtype.", default="bfloat16")
     reduce_dtype: Literal["bfloat16", "float32"] = _doc("Gradient reduction dtype.", default="float32")
@@ -108,6 +120,8 @@ class MixedPrecisionArguments:
 
 @dataclass
 class FSDPConfig:
+    """The data-parallel engine and its memory options."""
+
     fsdp_mode: Literal["fsdp2", "ddp"] = _doc("Data-parallel engine.", default="fsdp2")
     full_shard: bool = _doc("Shard parameters, grads and optimizer state (ZeRO-3).", default=True)
     reshard_after_forward: bool = _doc("Free gathered parameters after forward.", default=True)
@@ -119,6 +133,8 @@ class FSDPConfig:
 
 @dataclass
 class AcceleratorArguments:
+    """Parallel sizes; -1 derives a size from the world size."""
+
     dp_size: int = _doc("Data-parallel size; -1 derives it from the world size.", default=-1)
     dp_replicate_size: int = _doc("Replicated (HSDP) data-parallel size; -1 derives it.", default=-1)
     dp_shard_size: int = _doc("Sharded data-parallel size; -1 derives it.", default=-1)
@@ -137,6 +153,8 @@ class AcceleratorArguments:
 
 @dataclass
 class CheckpointArguments:
+    """Outputs and checkpoints. Re-running a command resumes its run; overwrite starts over."""
+
     output_dir: str = _doc("Where metrics, the resolved config, plots and checkpoints go.", default="outputs")
     save_steps: int = _doc("Save every N optimizer steps; 0 saves only at the end.", default=0)
     save_total_limit: int = _doc("Keep the newest N checkpoints; 0 keeps all.", default=0)
@@ -157,12 +175,16 @@ class CheckpointArguments:
 
 @dataclass
 class GradientCheckpointingArguments:
+    """Activation checkpointing."""
+
     enable: bool = _doc("Recompute activations in backward.", default=False)
     enable_reentrant: bool = _doc("Use the reentrant implementation.", default=False)
 
 
 @dataclass
 class WandbArguments:
+    """Weights & Biases logging."""
+
     enable: bool = _doc("Log to Weights & Biases.", default=False)
     project: str = _doc("W&B project.", default="veomni")
     name: Optional[str] = _doc("W&B run name.", default=None)
@@ -171,11 +193,17 @@ class WandbArguments:
 
 @dataclass
 class TrainingArguments:
+    """Batch sizes, steps, seed, logging; and the nested optimizer/accelerator/checkpoint groups."""
+
     seed: int = _doc("Random seed for init, data order and dropout.", default=42)
     micro_batch_size: int = _doc("Samples per micro-batch (token budget = this * max_seq_len with dyn_bsz).", default=1)
     global_batch_size: Optional[int] = _doc("Samples per optimizer step over all DP ranks.", default=None)
     num_train_epochs: int = _doc("Passes over the data.", default=1)
-    max_steps: Optional[int] = _doc("Cap on optimizer steps per epoch.", default=None)
+    max_steps: Optional[int] = _doc(
+        "Cap on optimizer steps per epoch (the run takes steps per epoch * num_train_epochs). When one epoch of the "
+        "data holds fewer steps, the epoch ends with the data and the log says so.",
+        default=None,
+    )
     dyn_bsz: bool = _doc("Pack micro-batches up to a token budget instead of a sample count.", default=True)
     bsz_warmup_ratio: float = _doc("Fraction of steps over which the token budget warms up.", default=0.0)
     bsz_warmup_init_mbtoken: int = _doc("Micro-batch token budget at the start of bsz warmup.", default=200)
@@ -239,6 +267,8 @@ def batch_split_message(global_batch: int, micro_batch: int, dp_size: int) -> st
 
 @dataclass
 class VeOmniArguments:
+    """The whole configuration: model, data and train groups."""
+
     model: ModelArguments = field(default_factory=ModelArguments)
     data: DataArguments = field(default_factory=DataArguments)
     train: TrainingArguments = field(default_factory=TrainingArguments)
