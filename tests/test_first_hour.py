@@ -157,6 +157,9 @@ def test_max_steps_beyond_the_data_says_what_happens(tmp_path):
         logging.getLogger("veomni.trainer.base").removeHandler(handler)
     text = " ".join(r.getMessage() for r in records)
     assert probe.total_steps == 6 and "--train.num_train_epochs 4" in text and "the LR schedule spans 6" in text
+    probe._count_loader_steps = lambda limit: 0  # data that fills no global batch: an error, not an empty run
+    with pytest.raises(ConfigError, match="this run would train 0 steps"):
+        probe.compute_train_steps()
 
 
 # ------------------------------------------------------------------------------------- early errors
