@@ -126,7 +126,7 @@ class BaseTrainer:
         )
         self.model.train()
         self.num_params = sum(p.numel() for p in self.model.parameters())
-        logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.2f}M parameters")
+        logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.1f}M parameters ({self.num_params:,})")
 
     def build_dataset(self):
         raise NotImplementedError
