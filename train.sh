@@ -5,10 +5,13 @@
 # NNODES > 1, so every node agrees; MASTER_ADDR is required then).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: bash train.sh TASK.py CONFIG.yaml [--group.key value ...]" >&2
+  echo "usage: bash train.sh TASK.py CONFIG.yaml [--group.key value ...]   (bash train.sh TASK.py --help: all keys)" >&2
   exit 2
 fi
 PYTHON=${PYTHON:-python}
+for arg in "$@"; do  # --help: one process prints every config key, no launcher needed
+  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then exec $PYTHON "$@"; fi
+done
 GPUS=$($PYTHON -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ -z "${NPROC_PER_NODE:-}" ]; then
   if [ "$GPUS" -gt 0 ]; then NPROC_PER_NODE=$GPUS; else NPROC_PER_NODE=2; fi

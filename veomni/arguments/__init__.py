@@ -1,3 +1,5 @@
+"""Configuration: dataclass groups (model, data, train) filled by `parse_args` from YAML and `--group.key value`."""
+
 from .arguments_types import (
     AcceleratorArguments,
     CheckpointArguments,

@@ -17,6 +17,8 @@ def _doc(text: str, **kwargs):
 # --------------------------------------------------------------------------------------------------- model
 @dataclass
 class OpsImplementation:
+    """Which kernels the model runs."""
+
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = _doc(
         "Attention kernel. `sdpa` handles packed (varlen) batches on every device.", default="sdpa"
     )
@@ -25,6 +27,8 @@ class OpsImplementation:
 
 @dataclass
 class ModelArguments:
+    """The model: its HF config, weights (none: from scratch) and tokenizer."""
+
     config_path: Optional[str] = _doc("HF config.json or folder holding it; defaults to model_path.", default=None)
     model_path: Optional[str] = _doc("Folder of HF weights (safetensors). None trains from scratch.", default=None)
     tokenizer_path: Optional[str] = _doc("Tokenizer folder; defaults to model_path, then config_path.", default=None)
@@ -44,6 +48,8 @@ class ModelArguments:
 # ---------------------------------------------------------------------------------------------------- data
 @dataclass
 class DataloaderArguments:
+    """How batches are loaded."""
+
     type: Literal["native"] = _doc("Dataloader implementation.", default="native")
     num_workers: int = _doc("Worker processes per rank.", default=0)
     drop_last: bool = _doc("Drop the last incomplete global batch.", default=True)
@@ -53,6 +59,8 @@ class DataloaderArguments:
 
 @dataclass
 class DataArguments:
+    """The training data and how records become token sequences."""
+
     train_path: Optional[str] = _doc("Training data: a file, a glob, a folder, or a dataset.yaml.", default=None)
     datasets_type: str = _doc(
         "Registered dataset builder: `mapping` (small data, in memory), `iterable` (streaming), or your own "
@@ -80,6 +88,8 @@ class DataArguments:
 # ----------------------------------------------------------------------------------------------- training
 @dataclass
 class OptimizerArguments:
+    """Optimizer and learning-rate schedule (the schedule spans the steps that will run)."""
+
     type: Literal["adamw", "anyprecision_adamw", "muon"] = _doc("Optimizer.", default="adamw")
     lr: float = _doc("Peak learning rate.", default=5e-5)
     lr_min: float = _doc("Final learning rate of the decay.", default=1e-7)
@@ -106,6 +116,8 @@ class OptimizerArguments:
 
 @dataclass
 class MixedPrecisionArguments:
+    """FSDP2 mixed precision."""
+
     enable: bool = _doc(
         "fp32 master weights and optimizer state, compute in param_dtype (FSDP2 MixedPrecisionPolicy). Off: "
         "parameters and optimizer state are kept in param_dtype itself; with a 16-bit param_dtype that is pure "
@@ -122,6 +134,8 @@ class MixedPrecisionArguments:
 
 @dataclass
 class FSDPConfig:
+    """The data-parallel engine and its memory options."""
+
     fsdp_mode: Literal["fsdp2", "ddp"] = _doc("Data-parallel engine.", default="fsdp2")
     full_shard: bool = _doc("Shard parameters, grads and optimizer state (ZeRO-3).", default=True)
     reshard_after_forward: bool = _doc("Free gathered parameters after forward.", default=True)
@@ -133,6 +147,8 @@ class FSDPConfig:
 
 @dataclass
 class AcceleratorArguments:
+    """Parallel sizes; -1 derives a size from the world size."""
+
     dp_size: int = _doc("Data-parallel size; -1 derives it from the world size.", default=-1)
     dp_replicate_size: int = _doc("Replicated (HSDP) data-parallel size; -1 derives it.", default=-1)
     dp_shard_size: int = _doc("Sharded data-parallel size; -1 derives it.", default=-1)
@@ -156,22 +172,38 @@ class AcceleratorArguments:
 
 @dataclass
 class CheckpointArguments:
+    """Outputs and checkpoints. Re-running a command resumes its run; overwrite starts over."""
+
     output_dir: str = _doc("Where metrics, the resolved config, plots and checkpoints go.", default="outputs")
     save_steps: int = _doc("Save every N optimizer steps; 0 saves only at the end.", default=0)
     save_total_limit: int = _doc("Keep the newest N checkpoints; 0 keeps all.", default=0)
-    load_path: Optional[str] = _doc("Checkpoint to resume from, or `auto` for the newest.", default=None)
+    load_path: Optional[str] = _doc(
+        "Checkpoint to resume from. `auto` (default): the newest complete checkpoint in output_dir, if any, so "
+        "re-running the same command resumes. A path: that checkpoint. null/`none`: never resume (refused when "
+        "output_dir already holds a run; see overwrite).",
+        default="auto",
+    )
+    overwrite: bool = _doc(
+        "Start over even though output_dir holds a run: its files are first moved to "
+        "`<output_dir>.old-<YYYYmmdd-HHMMSS>` (never deleted).",
+        default=False,
+    )
     save_hf_weights: bool = _doc("Export an HF-format model to output_dir/hf at the end of training.", default=False)
     async_save: bool = _doc("Write checkpoints in the background (published when complete).", default=False)
 
 
 @dataclass
 class GradientCheckpointingArguments:
+    """Activation checkpointing."""
+
     enable: bool = _doc("Recompute activations in backward.", default=False)
     enable_reentrant: bool = _doc("Use the reentrant implementation.", default=False)
 
 
 @dataclass
 class WandbArguments:
+    """Weights & Biases logging."""
+
     enable: bool = _doc("Log to Weights & Biases.", default=False)
     project: str = _doc("W&B project.", default="veomni")
     name: Optional[str] = _doc("W&B run name.", default=None)
@@ -180,11 +212,17 @@ class WandbArguments:
 
 @dataclass
 class TrainingArguments:
+    """Batch sizes, steps, seed, logging; and the nested optimizer/accelerator/checkpoint groups."""
+
     seed: int = _doc("Random seed for init, data order and dropout.", default=42)
     micro_batch_size: int = _doc("Samples per micro-batch (token budget = this * max_seq_len with dyn_bsz).", default=1)
     global_batch_size: Optional[int] = _doc("Samples per optimizer step over all DP ranks.", default=None)
     num_train_epochs: int = _doc("Passes over the data.", default=1)
-    max_steps: Optional[int] = _doc("Cap on optimizer steps per epoch.", default=None)
+    max_steps: Optional[int] = _doc(
+        "Cap on optimizer steps per epoch (the run takes steps per epoch * num_train_epochs). When one epoch of the "
+        "data holds fewer steps, the epoch ends with the data and the log says so.",
+        default=None,
+    )
     dyn_bsz: bool = _doc("Pack micro-batches up to a token budget instead of a sample count.", default=True)
     bsz_warmup_ratio: float = _doc("Fraction of steps over which the token budget warms up.", default=0.0)
     bsz_warmup_init_mbtoken: int = _doc("Micro-batch token budget at the start of bsz warmup.", default=200)
@@ -221,15 +259,35 @@ class TrainingArguments:
         if self.global_batch_size is None:
             self.global_batch_size = per_step
         if self.global_batch_size % per_step:
-            raise ValueError(
-                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size * dp_size = {self.micro_batch_size} * {acc.dp_size} = {per_step}"
-            )
+            raise ValueError(batch_split_message(self.global_batch_size, self.micro_batch_size, acc.dp_size))
         self.dataloader_batch_size = self.global_batch_size // per_step
+
+
+def batch_split_message(global_batch: int, micro_batch: int, dp_size: int) -> str:
+    """Why a global batch does not split over the ranks, and the nearest settings that would."""
+    per_step = micro_batch * dp_size
+    lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
+    options = [f"train.global_batch_size {' or '.join(str(g) for g in (lower, upper) if g > 0)}"]
+    micros = [m for m in range(1, global_batch + 1) if global_batch % (m * dp_size) == 0]
+    if micros:
+        near = sorted(micros, key=lambda m: (abs(m - micro_batch), m))[:2]
+        options.append(f"train.micro_batch_size {' or '.join(str(m) for m in sorted(near))}")
+    ranks = [d for d in range(1, 2 * dp_size + 1) if global_batch % (micro_batch * d) == 0]
+    if ranks:
+        near = sorted(ranks, key=lambda d: (abs(d - dp_size), d))[:2]
+        options.append(f"{' or '.join(str(d) for d in sorted(near))} data-parallel ranks (NPROC_PER_NODE)")
+    return (
+        f"train.global_batch_size={global_batch} does not split over {dp_size} data-parallel ranks: each step "
+        f"takes a multiple of train.micro_batch_size * dp_size = {micro_batch} * {dp_size} = {per_step} samples. "
+        f"Nearest valid: {'; '.join(options)}; or leave train.global_batch_size unset (a step is then "
+        f"micro_batch_size samples per rank, on any number of ranks)"
+    )
 
 
 @dataclass
 class VeOmniArguments:
+    """The whole configuration: model, data and train groups."""
+
     model: ModelArguments = field(default_factory=ModelArguments)
     data: DataArguments = field(default_factory=DataArguments)
     train: TrainingArguments = field(default_factory=TrainingArguments)
@@ -262,5 +320,10 @@ class VeOmniArguments:
             )
         if train.max_steps:
             steps = min(steps, train.max_steps)
-        train.train_steps = max(steps, 1)
+        if steps <= 0:  # an rc-0 run that trains nothing and saves an untrained checkpoint helps nobody
+            raise ValueError(
+                f"this run would train 0 steps: the data ({dataset_length or data.train_size or data.train_sample}) "
+                f"does not fill one global batch of {train.global_batch_size}; use more data or smaller batches"
+            )
+        train.train_steps = steps
         return train.train_steps

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import textwrap
 import typing
 from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
@@ -219,13 +220,84 @@ def _parse_cli(tokens: List[str]) -> List[Tuple[str, Any]]:
     return overrides
 
 
+# ------------------------------------------------------------------------------------------------- help
+def _group_doc(cls) -> str:
+    doc = (cls.__doc__ or "").strip()
+    return "" if doc.startswith(cls.__name__ + "(") else doc.split("\n\n")[0].replace("\n", " ")  # dataclass's own
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return "(required)"
+
+
+def _help_lines(cls, prefix: str, only: str, width: int) -> List[str]:
+    types = _field_types(cls)
+    leaves, groups = [], []
+    for f in _user_fields(cls):
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(types[f.name]):
+            groups.append((path, types[f.name]))
+        elif not only or path == only or path.startswith(only + "."):
+            default = _default_of(f)
+            shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else repr(default)
+            head = f"  --{path}  ({_describe(types[f.name])}; default: {shown})"
+            doc = f.metadata.get("help", "")
+            body = textwrap.wrap(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6) if doc else []
+            leaves.extend([head, *body])
+    lines = []
+    if leaves:
+        title = prefix.rstrip(".")
+        doc = _group_doc(cls)
+        lines += ["", f"{title}:" + (f"  {doc}" if doc else ""), *leaves]
+    for path, sub in groups:
+        inside = only == path or only.startswith(path + ".")  # the request is this group or below it
+        if not only or inside or path.startswith(only + "."):
+            lines += _help_lines(sub, path + ".", only if inside else "", width)
+    return lines
+
+
+def format_help(root_class, only: str = "", prog: str = "TASK.py") -> str:
+    """Every key of every group with its type, default and doc (from the field metadata where the key is
+    defined), grouped; `only` narrows to a group (`train.optimizer`) or one key."""
+    only = only.strip(".")
+    valid = _all_keys(root_class)
+    if only and only not in valid:
+        raise _unknown_key(only, "--help", valid)
+    header = [
+        f"usage: {prog} [CONFIG.yaml] [--group.key value ...] [--help [GROUP]]",
+        "",
+        "Values: command line over CONFIG.yaml over the defaults below. Lists: `--key a b c` or `--key a,b,c`;",
+        "booleans: true/false; null/none for an optional value. `--help train.optimizer` shows one group.",
+    ]
+    return "\n".join(header + _help_lines(root_class, "", only, 100)) + "\n"
+
+
+def _help_request(argv: List[str]) -> Optional[str]:
+    """The group asked for by `--help [GROUP]` / `-h` / `--help=GROUP` ("" for all), or None."""
+    for i, token in enumerate(argv):
+        if token in ("-h", "--help"):
+            following = argv[i + 1] if i + 1 < len(argv) else ""
+            return "" if following.startswith("-") or following.endswith((".yaml", ".yml")) else following
+        if token.startswith("--help="):
+            return token.split("=", 1)[1]
+    return None
+
+
 def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
     """Build `root_class` from `[config.yaml] [--group.key value ...]` (default: sys.argv[1:]).
 
     Precedence: command line over YAML over dataclass defaults. Derived sizes (dp_size, dataloader_batch_size)
-    are resolved against WORLD_SIZE.
+    are resolved against WORLD_SIZE. `--help [GROUP]` prints every key with its type, default and doc, and exits.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    wanted = _help_request(argv)
+    if wanted is not None:
+        sys.stdout.write(format_help(root_class, wanted, os.path.basename(sys.argv[0]) or "TASK.py"))
+        sys.exit(0)
     tree: Dict[str, Any] = {}
     origins: Dict[str, str] = {}
     if argv and not argv[0].startswith("--"):

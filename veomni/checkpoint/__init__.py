@@ -1,3 +1,5 @@
+"""Checkpoints: DCP save/load with atomic publish, resume-by-default planning of output_dir, HF export."""
+
 from .checkpointer import (
     Checkpointer,
     CheckpointError,
@@ -8,13 +10,18 @@ from .checkpointer import (
     set_rng_state,
 )
 from .hf_export import dcp_to_hf, save_hf_model
+from .run_dir import RunDirError, RunPlan, move_run_aside, plan_run
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "RunDirError",
+    "RunPlan",
     "dcp_to_hf",
     "list_checkpoints",
+    "move_run_aside",
     "named_optimizers",
+    "plan_run",
     "resolve_checkpoint",
     "rng_state",
     "save_hf_model",

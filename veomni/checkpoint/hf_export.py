@@ -47,6 +47,15 @@ def copy_tokenizer(tokenizer_dir: Optional[str], out_dir: str) -> None:
             shutil.copy2(src, os.path.join(out_dir, name))
 
 
+def _save_readable(tensors: Dict[str, torch.Tensor], path: str) -> None:
+    """`save_file`, then the permissions any other file gets here: safetensors writes through a private temporary
+    file (mode 0600), which would make an exported model unreadable to everyone else."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_safetensors(state_dict: Dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
     """One file, or shards with a `model.safetensors.index.json`, written beside each other atomically enough
     (index last) that a reader never sees an index pointing at missing shards."""
@@ -62,12 +71,12 @@ def write_safetensors(state_dict: Dict[str, torch.Tensor], out_dir: str, max_sha
         size += nbytes
     shards.append(current)
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        _save_readable(shards[0], os.path.join(out_dir, "model.safetensors"))
         return
     weight_map, total = {}, 0
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
+        _save_readable(shard, os.path.join(out_dir, file))
         for name, t in shard.items():
             weight_map[name] = file
             total += t.numel() * t.element_size()

@@ -1,3 +1,5 @@
+"""Data: dataset registry (mapping, streaming, interleaved), sample transforms, the stateful packing loader."""
+
 from .data_collator import DataCollateInfo, MainCollator
 from .data_loader import build_dataloader
 from .data_transform import DataFormatError, process_pretrain_example

@@ -10,6 +10,7 @@ resumed run reproduces exactly the batches the uninterrupted run would have seen
 
 import copy
 import itertools
+import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -118,6 +119,10 @@ class MicroBatchStream(IterableDataset):
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker_id, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        return self._micro_batches(worker_id, num_workers, self.collate_fn)
+
+    def _micro_batches(self, worker_id: int, num_workers: int, collate_fn: Callable) -> Iterator[Any]:
+        """The batching plan of one worker; `count_loader_steps` runs it with a collate that only counts."""
         shard, num_shards = worker_id * self.dp_size + self.dp_rank, num_workers * self.dp_size
         state = {"epoch": self.epoch, "source": {}, "buffer": [], "produced": 0, "skipped": 0}
         if self._resume is not None and self._resume.get("epoch") == self.epoch:
@@ -158,7 +163,7 @@ class MicroBatchStream(IterableDataset):
                 del cache[key]
             state["produced"] += 1
             state["skipped"] = getattr(source, "skipped", 0) - skipped_before
-            yield self.collate_fn(samples)
+            yield collate_fn(samples)
 
     def _choose(self, buffer: List[List[int]], budget: int) -> List[int]:
         if not self.dyn_bsz:
@@ -204,6 +209,50 @@ def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: in
         "skipped": 0,
     }
     return new
+
+
+def count_loader_steps(loader, limit: Optional[int] = None) -> Optional[int]:
+    """Batches (optimizer steps) this rank's loader yields in the current epoch; None when it cannot tell.
+
+    A dry run of the loader's own plan, so the count is exact whatever the packing: every record of this rank's
+    share is read and transformed, micro-batches are chosen exactly as in training, nothing is collated. Only for
+    sized (map-style) data; streamed data would have to be read to its end. Leaves the loader's state untouched.
+    With `limit`, stops once that many steps are certain (and returns `limit`).
+    """
+    stream = getattr(loader, "dataset", None)
+    if not isinstance(stream, MicroBatchStream):
+        return None
+    try:
+        len(stream.source.dataset if isinstance(stream.source, _MapStyle) else stream.source)
+    except TypeError:
+        return None
+    saved = stream._state, stream._resume
+    # bad samples are counted (and warned about) once, in training: silence and rewind the dry run's counting
+    counters = [vars(d) for d in (stream.source, *getattr(stream.source, "sources", ()))]
+    skipped = [c.get("skipped") for c in counters]
+    quiet = logging.getLogger("veomni.data.dataset")
+    level = quiet.level
+    workers, per_batch = max(loader.num_workers, 1), stream.dataloader_batch_size
+    steps = 0
+    try:
+        stream._resume = None
+        quiet.setLevel(logging.ERROR)
+        for worker in range(workers):  # each worker batches its own micro-batches, as the DataLoader does
+            n = 0
+            for _ in stream._micro_batches(worker, workers, len):
+                n += 1
+                if limit and steps + n // per_batch >= limit:
+                    return limit
+            steps += n // per_batch if loader.drop_last else -(-n // per_batch)
+    finally:
+        quiet.setLevel(level)
+        stream._state, stream._resume = saved
+        for counter, value in zip(counters, skipped):
+            if value is None:
+                counter.pop("skipped", None)
+            else:
+                counter["skipped"] = value
+    return steps
 
 
 def skipped_samples(loader) -> int:
@@ -282,4 +331,6 @@ def build_dataloader(
         **extra,
     )
     loader.set_epoch = stream.set_epoch  # the trainer reshuffles per epoch through the loader
+    # exact steps of this epoch (map-style data), for the trainer's step count and LR schedule
+    loader.num_batches = lambda limit=None: count_loader_steps(loader, limit)
     return loader

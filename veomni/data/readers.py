@@ -40,8 +40,11 @@ def resolve_data_files(train_path: str) -> List[str]:
 def _parse_json_line(line: bytes, where: str) -> Dict[str, Any]:
     try:
         record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataFormatError(f"{where}: malformed JSON ({getattr(err, 'msg', err)})") from None
+    except json.JSONDecodeError as err:  # the whole reason, with the column and the text around it
+        near = line[max(err.pos - 20, 0) : err.pos + 20].decode("utf-8", "replace").strip()
+        raise DataFormatError(f"{where}: malformed JSON: {err.msg} at character {err.pos + 1}, near {near!r}") from None
+    except UnicodeDecodeError as err:
+        raise DataFormatError(f"{where}: not UTF-8 text: {err}") from None
     if not isinstance(record, dict):
         raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
     return record

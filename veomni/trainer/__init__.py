@@ -1,3 +1,5 @@
+"""Trainers: BaseTrainer (the loop, checkpoints, resume) and TextTrainer; callbacks for progress and metrics."""
+
 from .base import BaseTrainer, NonFiniteError
 from .text_trainer import TextTrainer
 

@@ -17,9 +17,10 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..arguments import save_args
-from ..checkpoint import Checkpointer, resolve_checkpoint, rng_state, save_hf_model, set_rng_state
+from ..arguments import ConfigError, save_args
+from ..checkpoint import Checkpointer, RunDirError, move_run_aside, plan_run, rng_state, save_hf_model, set_rng_state
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
+from ..checkpoint.run_dir import remap_into
 from ..data.data_loader import reshard_loader_state
 from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.mixed_precision import resolve_precision
@@ -39,6 +40,7 @@ from .callbacks import (
     TensorBoardCallback,
     WandbCallback,
 )
+from .preflight import check_first_records, check_paths
 
 logger = get_logger(__name__)
 
@@ -78,13 +80,17 @@ class BaseTrainer:
         self.is_main = self.parallel_state.is_main_process
         self.device = get_device()
         self.output_dir = train.checkpoint.output_dir
+        # Everything a user can get wrong is checked before the model is built, so a mistake costs seconds.
+        self.resume_path = self.prepare_output_dir()
+        check_paths(args)
+        self.train_dataset = self.build_dataset()
+        self.check_data()
+        self.train_dataloader = self.build_dataloader()
+        self.compute_train_steps()
         if self.is_main:
             save_args(args, self.output_dir)
         self.global_step = 0
         self.build_model()
-        self.train_dataset = self.build_dataset()
-        self.compute_train_steps()
-        self.train_dataloader = self.build_dataloader()
         self.build_optimizer()
         self.epoch = self.epoch_step = self.consumed_tokens = 0
         self._last_saved_step = -1
@@ -125,22 +131,61 @@ class BaseTrainer:
         )
         self.model.train()
         self.num_params = sum(p.numel() for p in self.model.parameters())
-        logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.2f}M parameters")
+        logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.1f}M parameters ({self.num_params:,})")
 
     def build_dataset(self):
         raise NotImplementedError
 
+    def check_data(self) -> None:
+        """The transform on the first records: a configuration that fits no record fails here, in seconds."""
+        check_first_records(self.train_dataset, self.args.data)
+
     def compute_train_steps(self) -> None:
-        args, dataset = self.args, self.train_dataset
-        try:
-            length = len(dataset)
-        except TypeError:  # streamed data has no length: steps come from data.train_size / train_sample
-            length = None
-        if length is not None and args.data.datasets_type == "mapping":
-            length = length / args.train.accelerator.dp_size
-        args.compute_train_steps(length)
-        self.total_steps = args.train.train_steps * args.train.num_train_epochs
-        logger.info(f"{args.train.train_steps} steps per epoch, {self.total_steps} in total")
+        """Steps per epoch from the data as the loader will batch it, capped by train.max_steps.
+
+        Map-style data: counted exactly by a dry run of the loader's own batching plan (the count equals the steps
+        that run). Streamed data: estimated from data.train_size / train_sample / max_steps; an epoch that runs out
+        earlier ends there. The LR schedule spans the steps computed here.
+        """
+        args, train = self.args, self.args.train
+        for _ in range(3):  # a token-budget warmup changes the batches, and the warmup length follows the steps
+            counted = self._count_loader_steps(limit=train.max_steps)
+            if counted is None:
+                args.compute_train_steps(None)
+                how = "estimated (streamed data: an epoch that runs out of data earlier ends there)"
+                break
+            if counted == 0:
+                raise ConfigError(_zero_steps_message(args, self.train_dataset))
+            before, train.train_steps = train.train_steps, min(counted, train.max_steps or counted)
+            how = "counted from the data as it will be batched"
+            if train.max_steps and counted >= train.max_steps:
+                how = "train.max_steps; the data holds at least that many"
+            if not train.bsz_warmup_ratio or train.train_steps == before:
+                break
+            self.train_dataloader = self.build_dataloader()
+        if train.max_steps and train.train_steps < train.max_steps:
+            epochs = -(-train.max_steps // train.train_steps)
+            logger.warning(
+                f"train.max_steps={train.max_steps} but one epoch of the data holds {train.train_steps} steps: "
+                f"training runs {train.train_steps * train.num_train_epochs} steps "
+                f"({train.num_train_epochs} epoch(s)); for at least {train.max_steps} steps set "
+                f"--train.num_train_epochs {epochs}"
+            )
+        self.total_steps = train.train_steps * train.num_train_epochs
+        logger.info(
+            f"{train.train_steps} steps per epoch ({how}), {self.total_steps} in total; "
+            f"the LR schedule spans {self.total_steps}"
+        )
+
+    def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
+        """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data.
+
+        Goes through the loader's own `num_batches`, so the count follows whatever batching the loader does."""
+        counter = getattr(self.train_dataloader, "num_batches", None)
+        mine = counter(limit=limit) if counter is not None else None
+        steps = torch.tensor([-1 if mine is None else mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MIN, group=self.parallel_state.dp_group)
+        return None if int(steps) < 0 else int(steps)
 
     def build_dataloader(self):
         raise NotImplementedError
@@ -363,12 +408,32 @@ class BaseTrainer:
         self.checkpointer.save(self.global_step, self.model, self.optimizer, extra, meta, attach=attach_hf_config)
         self._last_saved_step = self.global_step
 
-    def maybe_resume(self) -> None:
+    def prepare_output_dir(self) -> Optional[str]:
+        """Resume by default, never overwrite a run by accident (see veomni/checkpoint/run_dir.py).
+
+        Rank 0 decides and moves a previous run aside; every rank gets the same answer (or the same error)."""
         ckpt = self.args.train.checkpoint
-        path = resolve_checkpoint(ckpt.load_path, self.output_dir)
+        answer: List[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                plan = plan_run(self.output_dir, ckpt.load_path, ckpt.overwrite)
+                path, moved = plan.load_path, None
+                if plan.move_aside:
+                    moved = move_run_aside(self.output_dir)
+                    path = remap_into(path, self.output_dir, moved)
+                answer = [(path, moved, plan.message, None)]
+            except (RunDirError, FileNotFoundError) as err:
+                answer = [(None, None, None, (type(err).__name__, str(err)))]
+        dist.broadcast_object_list(answer, src=0)
+        path, moved, message, error = answer[0]
+        if error is not None:
+            raise {"RunDirError": RunDirError, "FileNotFoundError": FileNotFoundError}[error[0]](error[1])
+        logger.info(message + (f"; previous run moved to {moved}" if moved else ""))
+        return path
+
+    def maybe_resume(self) -> None:
+        path = self.resume_path
         if path is None:
-            if ckpt.load_path == "auto":
-                logger.info("train.checkpoint.load_path=auto: no checkpoint yet, starting fresh")
             return
         loaded = self.checkpointer.load(path, self.model, self.optimizer)
         meta, extras = loaded["meta"], loaded["extra_states"]
@@ -398,6 +463,25 @@ class BaseTrainer:
         except NotImplementedError as err:
             logger.warning(f"{err}: epoch {self.epoch} starts its data again")
         set_rng_state(extras[0]["rng"])
+
+
+def _zero_steps_message(args, dataset) -> str:
+    train, data = args.train, args.data
+    try:
+        records = f"the {len(dataset)} records"
+    except TypeError:
+        records = "the data"
+    unit = (
+        f"micro-batches of up to {train.micro_batch_size} * {data.max_seq_len} tokens"
+        if train.dyn_bsz
+        else f"micro-batches of {train.micro_batch_size} samples"
+    )
+    return (
+        f"this run would train 0 steps: {records} ({data.train_path}) do not fill one global batch on every "
+        f"data-parallel rank ({train.dataloader_batch_size} {unit} per rank, {train.accelerator.dp_size} ranks). "
+        "Use more data, or a smaller train.global_batch_size / train.micro_batch_size"
+        + (" (check the warnings above: data.skip_bad_samples skipped bad records)" if data.skip_bad_samples else "")
+    )
 
 
 def _plain_config(args) -> Dict[str, Any]:

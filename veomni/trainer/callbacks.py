@@ -5,6 +5,7 @@ Every callback is a no-op on ranks other than 0, so the trainer calls them uncon
 
 import json
 import os
+import time
 from typing import Any, Dict, List, Optional
 
 from ..utils.logging import get_logger
@@ -20,43 +21,83 @@ class Callback:
     def on_train_end(self, trainer) -> None: ...
 
 
+def seconds_since_process_start() -> Optional[float]:
+    """Wall time since this process started (Linux /proc), so set-up time includes imports; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _clock(seconds: float) -> str:
+    if seconds != seconds:  # NaN: nothing measured yet
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
 class ProgressCallback(Callback):
-    """tqdm bar over optimizer steps, with loss and lr, on rank 0."""
+    """Rank 0: a line when training starts (with the set-up time), a tqdm bar on a terminal (step/total, elapsed,
+    ETA, loss, tokens/s), and every `log_steps` a plain line with the same facts, which is what a log file keeps."""
 
     def __init__(self, enabled: bool, log_steps: int = 1):
         self.enabled, self.log_steps, self.bar = enabled, max(log_steps, 1), None
+        self.start, self.first_step = 0.0, 0
 
     def on_train_begin(self, trainer):
-        if self.enabled:
-            import sys
+        if not self.enabled:
+            return
+        import sys
 
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            # in a log file (CI, nohup) a redrawn bar is noise: keep only the periodic metric lines
-            self.bar = tqdm(
-                total=trainer.total_steps,
-                initial=trainer.global_step,
-                desc="train",
-                dynamic_ncols=True,
-                disable=not sys.stderr.isatty(),
-            )
+        setup = seconds_since_process_start()
+        first, total = trainer.global_step + 1, trainer.total_steps
+        resumed = f" (resumed at step {trainer.global_step})" if trainer.global_step else ""
+        logger.info(
+            f"training starts{resumed}: steps {first}..{total}"
+            + (f"; set-up took {setup:.1f} s (imports, data check, step count, model)" if setup else "")
+        )
+        self.start, self.first_step = time.perf_counter(), trainer.global_step
+        # in a log file (CI, nohup) a redrawn bar is noise: keep only the periodic lines
+        self.bar = tqdm(
+            total=total,
+            initial=trainer.global_step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not sys.stderr.isatty(),
+        )
+
+    def eta(self, step: int, total: int) -> float:
+        done = step - self.first_step
+        return (time.perf_counter() - self.start) / done * (total - step) if done else float("nan")
 
     def on_step_end(self, trainer, metrics):
         if self.bar is None:
             return
         self.bar.update(1)
-        self.bar.set_postfix(
-            loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_sec']:.0f}"
-        )
-        if metrics["step"] % self.log_steps == 0 or metrics["step"] == trainer.total_steps:
+        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
+        step, total = metrics["step"], trainer.total_steps
+        if step % self.log_steps == 0 or step == total or step == self.first_step + 1:
+            elapsed = time.perf_counter() - self.start
             self.bar.write(
-                f"step {metrics['step']}: loss {metrics['loss']:.4f} grad_norm {metrics['grad_norm']:.3f} "
-                f"lr {metrics['lr']:.3e} {metrics['tokens_per_sec']:.0f} tok/s"
+                f"step {step}/{total}: loss {metrics['loss']:.4f} grad_norm {metrics['grad_norm']:.3f} "
+                f"lr {metrics['lr']:.3e} {metrics['tokens_per_sec']:.0f} tok/s | "
+                f"{_clock(elapsed)} elapsed, ETA {_clock(self.eta(step, total))}"
             )
 
     def on_train_end(self, trainer):
         if self.bar is not None:
             self.bar.close()
+            logger.info(
+                f"trained steps {self.first_step + 1}..{trainer.global_step} in {_clock(time.perf_counter() - self.start)}"
+            )
 
 
 class MetricsFileCallback(Callback):

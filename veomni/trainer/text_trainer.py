@@ -37,21 +37,6 @@ class TextTrainer(BaseTrainer):
             dataset_name=args.data.dataset_name, transform=self.build_transform(), seed=args.train.seed, **data_kwargs
         )
 
-    def compute_train_steps(self) -> None:
-        args = self.args
-        if args.train.dyn_bsz and not args.data.train_size and args.data.datasets_type == "mapping":
-            args.data.train_size = self._estimate_tokens()
-            logger.info(f"data.train_size estimated at {args.data.train_size} tokens (set it to be exact)")
-        super().compute_train_steps()
-
-    def _estimate_tokens(self, probe: int = 256) -> int:
-        """Tokens in the mapping dataset, from the transformed length of an evenly spaced sample of records."""
-        dataset = self.train_dataset
-        n = len(dataset)
-        picks = range(0, n, max(n // probe, 1))
-        tokens = sum(len(s["input_ids"]) for i in picks for s in dataset[i])
-        return int(tokens * n / len(picks))
-
     def build_dataloader(self):
         args = self.args
         loader = args.data.dataloader

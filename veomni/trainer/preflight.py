@@ -1,0 +1,125 @@
+"""Checks that run before the model is built, so that a user's mistake fails in seconds, not after set-up.
+
+- `check_paths`: every path the config names exists (model config, weights, tokenizer, data).
+- `check_first_records`: the data transform on the first records of each source. When they all fail the same
+  way, the message says so and names the fix (for a missing text key: the fields the records do hold).
+"""
+
+import itertools
+import os
+from collections import Counter
+from typing import Any, List, Optional, Tuple
+
+from ..arguments import ConfigError
+from ..data.data_transform import DataFormatError
+from ..data.dataset import InterleavedDataset, MappingDataset, StreamingDataset
+
+_DEMO_HINT = " (the demo's assets are built by `python -m veomni.utils.demo_assets`; train.sh does it)"
+
+
+def check_paths(args) -> None:
+    """Raise ConfigError naming the key of the first path that does not exist."""
+    model, data = args.model, args.data
+    checks = [
+        ("model.config_path", model.config_path),
+        ("model.model_path", model.model_path),
+        ("model.tokenizer_path", model.tokenizer_path),
+    ]
+    for key, path in checks:
+        if path and not os.path.exists(path) and not _looks_like_hub_id(path):
+            hint = _DEMO_HINT if ".assets" in path else ""
+            raise ConfigError(f"{key}: {path} does not exist{hint}")
+    if not data.train_path:
+        raise ConfigError("data.train_path is not set: give a jsonl/json/parquet/arrow file, a glob, or a folder")
+    if not any(c in data.train_path for c in "*?[") and not os.path.exists(data.train_path):
+        hint = _DEMO_HINT if ".assets" in data.train_path else ""
+        raise ConfigError(f"data.train_path: {data.train_path} does not exist{hint}")
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """`org/name` with no such local folder: left to the loader (which says what it tried)."""
+    return path.count("/") == 1 and not path.startswith((".", "/")) and not os.path.splitext(path)[1]
+
+
+# ------------------------------------------------------------------------------------------- first records
+def _first_records(dataset, n: int) -> List[List[Tuple[Any, str]]]:
+    """Up to n raw records (with locations) of each source of a dataset we know how to peek into."""
+    if isinstance(dataset, InterleavedDataset):
+        return [group for source in dataset.sources for group in _first_records(source, n)]
+    if isinstance(dataset, MappingDataset):
+        return [list(zip(dataset.records[:n], dataset.locations[:n]))]
+    if isinstance(dataset, StreamingDataset):
+        return [[(record, where) for _, record, where, _ in itertools.islice(dataset.reader.iter_from(), n)]]
+    return []  # a user's own dataset: nothing to peek into
+
+
+def check_first_records(dataset, data_args, n: int = 16) -> None:
+    """Run the transform on the first `n` records of each source; raise when every one of them fails.
+
+    Some failures among successes are left to the training policy (`data.skip_bad_samples`); all failing means
+    the configuration does not fit the data, and no skipping would help: the run would train nothing.
+    """
+    transform = getattr(dataset, "transform", None)
+    for source in [dataset, *getattr(dataset, "sources", [])]:
+        transform = transform or getattr(source, "transform", None)
+    if transform is None:
+        return
+    for records in _first_records(dataset, n):
+        errors = []
+        for record, where in records:
+            try:
+                if isinstance(record, DataFormatError):
+                    raise record
+                if not transform(record):
+                    raise DataFormatError(f"{where}: the record gives no sample (too short?)")
+            except DataFormatError as err:
+                errors.append((str(err), where, record))
+                continue
+            break  # one record that works is enough: the configuration fits the data
+        else:
+            if errors:
+                raise DataFormatError(_all_failed_message(errors, data_args))
+
+
+def _all_failed_message(errors: List[Tuple[str, str, Any]], data_args) -> str:
+    reasons = Counter(_reason(message, where) for message, where, _ in errors)
+    reason, count = reasons.most_common(1)[0]
+    same = "the same way" if count == len(errors) else f"({count} of them the same way)"
+    message = f"all of the first {len(errors)} records fail {same}: {reason} (e.g. {errors[0][1]})"
+    fix = suggest_fix([record for _, _, record in errors], data_args)
+    return f"{message}; {fix}" if fix else message
+
+
+def _reason(message: str, where: str) -> str:
+    return message[len(where) + 2 :] if message.startswith(where + ": ") else message
+
+
+def suggest_fix(records: List[Any], data_args) -> Optional[str]:
+    """The setting that would make these records usable, from the fields they hold."""
+    dicts = [r for r in records if isinstance(r, dict)]
+    if not dicts:
+        return None
+    fields = sorted(set.intersection(*(set(r) for r in dicts)))
+    conversation = data_args.data_type == "conversation"
+
+    def fits(value) -> bool:
+        if conversation:
+            return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+        return isinstance(value, str)
+
+    def chat(value) -> bool:
+        return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+    candidates = [k for k in fields if all(fits(r[k]) for r in dicts)]
+    if not candidates:
+        if not conversation and any(all(chat(r[k]) for r in dicts) for k in fields):
+            return f"the records hold conversations (fields {fields}): set --data.data_type conversation"
+        kind = "a list of messages" if conversation else "a string"
+        return f"the records hold fields {fields}, none of which is {kind} in every record"
+    # the field with the most text is the likely document (an `id` or `title` is a string too)
+    best = max(candidates, key=lambda k: sum(len(str(r[k])) for r in dicts))
+    already = {data_args.text_keys} | ({"messages", "conversations"} if conversation else set())
+    if best in already:
+        return None  # the key is right; the records fail for another reason, which the message gives
+    others = f" (fields of that kind: {candidates})" if len(candidates) > 1 else ""
+    return f"the records hold fields {fields}: set --data.text_keys {best}{others}"
