@@ -19,6 +19,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from ..utils.logging import get_logger
 from .data_collator import MainCollator
 from .dataset import samples_many, shuffled_shard_keys
+from .global_batches import GlobalBatchStream, SampleIndex
 
 logger = get_logger(__name__)
 
@@ -188,6 +189,8 @@ def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: in
     Exact for map-style data without workers: records are dealt out strided, so what all old ranks consumed is
     a prefix of the epoch's order, which the new ranks continue from (buffered, unconsumed records are re-read).
     """
+    if _has_global_position(states[0]):  # a global position is the same on every rank: valid for any world size
+        return copy.deepcopy(states[0])
     datasets = [s.get("dataset_state") for s in states]
     if any(not d or "cursor" not in d.get("source", {}) for d in datasets):
         raise NotImplementedError("the data position can only be resharded for map-style data without workers")
@@ -206,17 +209,33 @@ def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: in
     return new
 
 
+def _has_global_position(node) -> bool:
+    if isinstance(node, dict):
+        return bool(node.get("global_position")) or any(_has_global_position(v) for v in node.values())
+    return False
+
+
+def _stream_states(node) -> List[Dict[str, Any]]:
+    """The states of the stream in each worker, found in a loader's state."""
+    if isinstance(node, dict):
+        if "produced" in node and "skipped" in node:
+            return [node]
+        return [s for v in node.values() for s in _stream_states(v)]
+    return []
+
+
 def skipped_samples(loader) -> int:
-    """Bad samples skipped so far, summed over the loader's workers (read from its state)."""
+    """Bad samples skipped so far (read from the loader's state). Global-batch loaders index all records up
+    front, so every worker reports the same whole-dataset count."""
+    states = _stream_states(loader.state_dict())
+    if any(s.get("global_position") for s in states):
+        return max((s["skipped"] for s in states), default=0)
+    return sum(s["skipped"] for s in states)
 
-    def walk(node):
-        if isinstance(node, dict):
-            if "produced" in node and "skipped" in node:
-                return node["skipped"]
-            return sum(walk(v) for v in node.values())
-        return 0
 
-    return walk(loader.state_dict())
+def dropped_samples(loader) -> int:
+    """Samples of the current epoch's tail that fit no full global step (drop_last, or too few to split)."""
+    return max((s.get("dropped", 0) for s in _stream_states(loader.state_dict())), default=0)
 
 
 def build_dataloader(
@@ -255,22 +274,41 @@ def build_dataloader(
         if not build_collate_fn:
             raise ValueError("build_collate_fn=False needs an explicit collate_fn")
         collate_fn = MainCollator(max_seq_len=max_seq_len, **(collate_fn_kwargs or {}))
-    stream = MicroBatchStream(
-        dataset,
-        collate_fn,
-        micro_batch_size=micro_batch_size,
-        max_seq_len=max_seq_len,
-        dataloader_batch_size=dataloader_batch_size,
-        dyn_bsz=dyn_bsz,
-        buffer_size=dyn_bsz_buffer_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=seed,
-        shuffle=shuffle,
-        warmup_steps=int(train_steps * bsz_warmup_ratio),
-        warmup_init_tokens=bsz_warmup_init_mbtoken,
-        drop_last=drop_last,
-    )
+    warmup_steps = int(train_steps * bsz_warmup_ratio)
+    if is_sized(dataset):  # global batches independent of the world size (see global_batches.py)
+        index = SampleIndex(as_resumable(dataset, seed, shuffle))
+        index.order(0)  # transform every record once, here, so that loader workers inherit the samples
+        stream = GlobalBatchStream(
+            index,
+            collate_fn,
+            micro_batch_size=micro_batch_size,
+            max_seq_len=max_seq_len,
+            dataloader_batch_size=dataloader_batch_size,
+            dyn_bsz=dyn_bsz,
+            buffer_size=dyn_bsz_buffer_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            warmup_steps=warmup_steps,
+            warmup_init_tokens=bsz_warmup_init_mbtoken,
+            drop_last=drop_last,
+        )
+    else:
+        stream = MicroBatchStream(
+            dataset,
+            collate_fn,
+            micro_batch_size=micro_batch_size,
+            max_seq_len=max_seq_len,
+            dataloader_batch_size=dataloader_batch_size,
+            dyn_bsz=dyn_bsz,
+            buffer_size=dyn_bsz_buffer_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+            shuffle=shuffle,
+            warmup_steps=warmup_steps,
+            warmup_init_tokens=bsz_warmup_init_mbtoken,
+            drop_last=drop_last,
+        )
     extra = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor else {}
     loader = StatefulDataLoader(
         stream,
@@ -282,4 +320,17 @@ def build_dataloader(
         **extra,
     )
     loader.set_epoch = stream.set_epoch  # the trainer reshuffles per epoch through the loader
+    # optimizer steps in an epoch (the same on every rank), or None for streamed data whose length is unknown
+    loader.num_batches = getattr(stream, "num_steps", lambda epoch=None: None)
     return loader
+
+
+def is_sized(dataset) -> bool:
+    """Map-style, pre-tokenised and interleaved-mapping data: records that can all be indexed up front."""
+    if isinstance(dataset, IterableDataset) and not hasattr(dataset, "iter_keys"):
+        return False  # a user's plain iterable dataset
+    try:
+        len(dataset)
+    except TypeError:  # streamed sources have no length
+        return False
+    return hasattr(dataset, "__getitem__") or hasattr(dataset, "iter_keys")
