@@ -77,6 +77,10 @@ class SampleIndex:
     def skipped(self) -> int:
         return getattr(self.source, "skipped", 0)
 
+    @property
+    def empty(self) -> int:
+        return getattr(self.source, "empty", 0)
+
 
 def plan_micro_batches(
     lengths: List[int],
@@ -196,9 +200,10 @@ class GlobalBatchStream(IterableDataset):
         # a global position, the same on every rank: any rank's state resumes any world size
         state = {"global_position": True, "epoch": self.epoch, "step": worker, "micro": 0, "produced": 0}
         if self._resume is not None and self._resume.get("epoch") == self.epoch:
-            state.update({k: self._resume[k] for k in ("step", "micro", "produced") if k in self._resume})
+            state.update({k: self._resume[k] for k in ("step", "micro", "produced", "samples") if k in self._resume})
         self._resume = None
-        state.update(skipped=self.index.skipped, dropped=dropped)
+        state.setdefault("samples", 0)
+        state.update(skipped=self.index.skipped, empty=self.index.empty, dropped=dropped)
         self._state = state
         mine = slice(self.dp_rank * self.accum, (self.dp_rank + 1) * self.accum)
         while state["step"] < len(steps):
@@ -209,4 +214,5 @@ class GlobalBatchStream(IterableDataset):
             else:
                 state["step"], state["micro"] = state["step"] + workers, 0
             state["produced"] += 1
+            state["samples"] += len(batch)
             yield self.collate_fn([self.index.sample(entries[p]) for p in batch])
