@@ -7,8 +7,10 @@ A dataset that the loader can resume exactly offers
 Keys are tuples of ints, so the loader's resume state is a few integers per buffered sample.
 
 - MappingDataset: records in memory (small data); a seeded permutation per epoch.
-- StreamingDataset: files read lazily (bounded memory) through a seeded shuffle buffer.
-- InterleavedDataset: several of either, drawn by weight.
+- StreamingDataset (public name `IterativeDataset`): files read lazily (bounded memory) through a seeded shuffle
+  buffer.
+- InterleavedDataset (`InterleavedMappingDataset` / `InterleavedIterableDataset`): several of either, drawn by
+  weight.
 Every shard (data-parallel rank x dataloader worker) sees a disjoint part; together they see each record of an
 epoch exactly once.
 """
@@ -371,21 +373,54 @@ def build_iterable_dataset(
 
 
 def load_interleave_spec(path: str) -> Dict[str, Any]:
-    """A dataset.yaml: `sources: [{path, weight}]` (paths relative to the yaml), optional `stopping_strategy`."""
+    """A dataset.yaml, in either schema (paths relative to the yaml):
+    ours      `sources: [{path, weight, name}]`, optional `stopping_strategy`;
+    VeOmni's  `sources: [path, ...]`, `names: [...]`, `schedule: [{schedule_type: const, weights: [...]}]`,
+              optional `stopping_strategy` (its `level`, `upstream_sharded` and `val_sources` are not used here).
+    Returns ours: `{"sources": [{path, weight, name}], "stopping_strategy": ...}`."""
     with open(path) as f:
         spec = yaml.safe_load(f) or {}
     sources = spec.get("sources")
     if not isinstance(sources, list) or not sources:
         raise ValueError(f"{path}: expected a non-empty list under 'sources'")
+    if all(isinstance(s, str) for s in sources):
+        sources = _veomni_sources(path, spec, sources)
     base = os.path.dirname(os.path.abspath(path))
     for i, src in enumerate(sources):
         if not isinstance(src, dict) or "path" not in src:
-            raise ValueError(f"{path}: sources[{i}] needs a 'path'")
+            raise ValueError(f"{path}: sources[{i}] needs a 'path' (or list paths with VeOmni's names/schedule)")
         unknown = set(src) - {"path", "weight", "name"}
         if unknown:
             raise ValueError(f"{path}: sources[{i}] has unknown keys {sorted(unknown)}; allowed: path, weight, name")
         src["path"] = src["path"] if os.path.isabs(src["path"]) else os.path.join(base, src["path"])
-    return spec
+    return {"sources": sources, "stopping_strategy": spec.get("stopping_strategy", "all_exhausted")}
+
+
+def _veomni_sources(path: str, spec: Dict[str, Any], paths: List[str]) -> List[Dict[str, Any]]:
+    names = spec.get("names") or [os.path.basename(p.rstrip("/")) for p in paths]
+    schedule = spec.get("schedule") or [{"schedule_type": "const", "weights": [1.0] * len(paths)}]
+    if len(names) != len(paths):
+        raise ValueError(f"{path}: {len(names)} names for {len(paths)} sources")
+    if len(schedule) != 1 or schedule[0].get("schedule_type") != "const":
+        raise ValueError(f"{path}: only one `schedule_type: const` entry is supported, got {schedule}")
+    weights = schedule[0].get("weights")
+    if not isinstance(weights, list) or len(weights) != len(paths):
+        raise ValueError(f"{path}: schedule weights {weights} must list one weight per source ({len(paths)})")
+    if spec.get("level", "sample") != "sample":
+        logger.warning(f"{path}: level={spec['level']!r} is read as per-sample weights")
+    return [{"path": p, "weight": float(w), "name": n} for p, w, n in zip(paths, weights, names)]
+
+
+class InterleavedMappingDataset(InterleavedDataset):
+    """Interleaved in-memory sources (the seed's name): sized, so its global batches do not depend on the world
+    size."""
+
+
+class InterleavedIterableDataset(InterleavedDataset):
+    """Interleaved streamed sources (the seed's name)."""
+
+
+IterativeDataset = StreamingDataset  # the seed's name for the streaming dataset
 
 
 def build_interleave_dataset(
@@ -397,11 +432,12 @@ def build_interleave_dataset(
         builder(train_path=s["path"], transform=transform, seed=seed + i, **kwargs)
         for i, s in enumerate(spec["sources"])
     ]
-    return InterleavedDataset(
+    kind = InterleavedMappingDataset if datasets_type == "mapping" else InterleavedIterableDataset
+    return kind(
         sources,
         [float(s.get("weight", 1.0)) for s in spec["sources"]],
         seed=seed,
-        stopping_strategy=spec.get("stopping_strategy", "all_exhausted"),
+        stopping_strategy=spec["stopping_strategy"],
         names=[s.get("name", s["path"]) for s in spec["sources"]],
     )
 
