@@ -9,7 +9,8 @@ Design, and why:
    different global batches.) Samples are kept compactly (int32 arrays), so each record is transformed once.
 2. Cut the global order into micro-batches with a rule every rank computes identically: `micro_batch_size`
    samples each, or with dyn_bsz first-fit into a token budget of `micro_batch_size * max_seq_len` (from a buffer
-   of `dyn_bsz_buffer_size` samples; lengths are known from step 1, so this is cheap).
+   of `dyn_bsz_buffer_size` samples; lengths are known from step 1, so this is cheap). Samples reach the collate
+   function with int64 numpy arrays where the transform gave lists of ints.
 3. A global step is the next `global_batch_size / micro_batch_size` micro-batches (= dp_size * dataloader_batch_size);
    rank r takes micro-batches [r * a, (r+1) * a) of it, a = dataloader_batch_size. Loader worker w produces the
    global steps w, w + W, ...; the DataLoader's round robin over workers returns them in order.
@@ -45,7 +46,9 @@ def _compact(sample: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _expand(sample: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in sample.items()}
+    """Token lists come back as int64 numpy arrays: the collator turns them into tensors without a copy per
+    element (lists cost more than the tokenizer's share of the time on raw text)."""
+    return {k: v.astype(np.int64) if isinstance(v, np.ndarray) else v for k, v in sample.items()}
 
 
 class SampleIndex:
