@@ -1,14 +1,21 @@
-"""Packed tokens/s of build_dataset + build_dataloader (dyn_bsz packing), raw text and pre-tokenised.
+"""Packed tokens/s of build_dataset + build_dataloader (dyn_bsz packing), raw text and pre-tokenised, against
+the Hugging Face padding-free recipe run in the same process on the same records and tokenizer.
 
+    pip install -e '.[bench]'   # the peer needs `datasets`
     OMP_NUM_THREADS=2 python benchmarks/data_pipeline.py [--samples 20000] [--workers 0]
 
 Data: `--samples` jsonl records of random length 50-2000 tokens cut from the demo's Shakespeare text (the
-repo-built tokenizer), written once as raw text and once as `input_ids`. Loader: mapping dataset, micro-batch
-token budget 4 x 2048, dyn_bsz, `--workers` workers. Printed per case: packed tokens/s and pack efficiency
-(tokens / (micro-batches x budget)). Baselines measured in the same run: the same pipeline tokenising one record
-at a time (as VeOmni's plaintext transform does), and the figure the project measured for VeOmni 0.1.12 on this
-kind of box (2.2e5 packed tokens/s, raw text, mapping, dyn_bsz, 0 workers). Last, the resident memory of an
-iterable (streaming) pass, sampled along the way, to show it stays flat.
+repo-built tokenizer), written once as raw text and once as `input_ids`. Ours: mapping dataset, micro-batch
+token budget 4 x 2048, dyn_bsz, `--workers` workers. Printed per case: packed tokens/s (from opening the file to
+the last micro-batch) and pack efficiency (tokens / (micro-batches x budget)).
+Baselines, measured in this run:
+- the Hugging Face recipe: `datasets.load_dataset("json")`, `.map(tokenize, batched=True)` (with the same split
+  into max_seq_len pieces and EOS), a torch DataLoader with `DataCollatorWithFlattening` (padding-free packing)
+  and 8 pieces per batch (about the same tokens per batch), the same number of workers; no cache reuse;
+- our pipeline tokenising one record at a time (as VeOmni's plaintext transform does).
+Then streaming: each of N readers (N = 1, 2, 4; run one after the other, so that the 2-core box measures parsing,
+not contention) passes over its share of the iterable dataset; tokens/s per reader stays flat when readers parse
+only their own units. Last, the resident memory of a streaming pass, sampled along the way.
 """
 
 import argparse
@@ -25,8 +32,8 @@ from veomni.data.data_transform import process_pretrain_example  # noqa: E402
 from veomni.models import build_tokenizer  # noqa: E402
 from veomni.utils.demo_assets import ensure_demo_assets  # noqa: E402
 
-VEOMNI_0_1_12_TOKENS_PER_SEC = 2.2e5
 MAX_SEQ_LEN, MICRO_BATCH = 2048, 4
+HF_BATCH = 8  # pieces per DataCollatorWithFlattening batch: ~1k tokens each, about one 4 x 2048 budget
 
 
 def make_data(folder, tokenizer, n, seed=0):
@@ -52,6 +59,13 @@ def _one_at_a_time(example, **kwargs):
     return process_pretrain_example(example, **kwargs)
 
 
+def cpu_seconds():
+    """User + system CPU time of this process and its finished children (loader workers): on a shared box,
+    tokens per CPU-second is steadier than tokens per wall-second."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def rss_mb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -60,7 +74,7 @@ def rss_mb():
 def run(path, tokenizer, kind="mapping", batched=True, workers=0, memory=False):
     fn = process_pretrain_example if batched else _one_at_a_time
     transform = partial(fn, tokenizer=tokenizer, max_seq_len=MAX_SEQ_LEN)
-    tic = time.perf_counter()
+    tic, cpu = time.perf_counter(), cpu_seconds()
     dataset = build_dataset(train_path=path, datasets_type=kind, transform=transform, seed=0)
     loader = build_dataloader(
         dataset=dataset,
@@ -82,8 +96,69 @@ def run(path, tokenizer, kind="mapping", batched=True, workers=0, memory=False):
             micro += 1
         if memory and micro % 500 == 0:
             rss.append(rss_mb())
-    elapsed = time.perf_counter() - tic
-    return tokens / elapsed, tokens / (micro * MICRO_BATCH * MAX_SEQ_LEN), tokens, elapsed, rss
+    elapsed, cpu = time.perf_counter() - tic, cpu_seconds() - cpu
+    return tokens / elapsed, tokens / (micro * MICRO_BATCH * MAX_SEQ_LEN), tokens, elapsed, rss, tokens / cpu
+
+
+def run_hf_recipe(path, tokenizer, workers=0):
+    """The usual padding-free recipe: datasets map tokenisation + DataCollatorWithFlattening."""
+    import tempfile
+
+    import torch
+    from datasets import load_dataset
+    from transformers import DataCollatorWithFlattening
+
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):  # the same samples as ours: EOS per document, split into max_seq_len pieces
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        docs = [d + [eos] for d in ids] if eos is not None else ids
+        pieces = [d[i : i + MAX_SEQ_LEN] for d in docs for i in range(0, len(d), MAX_SEQ_LEN)]
+        return {"input_ids": [p for p in pieces if len(p) > 1]}
+
+    with tempfile.TemporaryDirectory() as cache:
+        tic, cpu = time.perf_counter(), cpu_seconds()
+        dataset = load_dataset("json", data_files=path, split="train", cache_dir=cache)
+        dataset = dataset.map(
+            tokenize,
+            batched=True,
+            remove_columns=dataset.column_names,
+            load_from_cache_file=False,
+        )
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=HF_BATCH,
+            shuffle=True,
+            collate_fn=DataCollatorWithFlattening(),
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(0),
+        )
+        tokens = sum(batch["input_ids"].numel() for batch in loader)
+        elapsed, cpu = time.perf_counter() - tic, cpu_seconds() - cpu
+    return tokens / elapsed, tokens, elapsed, tokens / cpu
+
+
+def streaming_per_reader(path, tokenizer, readers):
+    """Tokens/s of each of `readers` readers over its own share, run one after the other."""
+    rates = []
+    for rank in range(readers):
+        transform = partial(process_pretrain_example, tokenizer=tokenizer, max_seq_len=MAX_SEQ_LEN)
+        tic, cpu = time.perf_counter(), cpu_seconds()
+        dataset = build_dataset(train_path=path, datasets_type="iterable", transform=transform, seed=0)
+        loader = build_dataloader(
+            dataset=dataset,
+            micro_batch_size=MICRO_BATCH,
+            max_seq_len=MAX_SEQ_LEN,
+            dyn_bsz=True,
+            dataloader_batch_size=1,
+            dp_rank=rank,
+            dp_size=readers,
+            drop_last=False,
+        )
+        loader.set_epoch(0)
+        tokens = sum(mb["input_ids"].numel() for step in loader for mb in step)
+        rates.append((tokens / (time.perf_counter() - tic), tokens / (cpu_seconds() - cpu), tokens))
+    return rates
 
 
 def main():
@@ -102,16 +177,34 @@ def main():
         ("raw text, one record at a time", raw, {"batched": False}),
         ("pre-tokenised", tok, {}),
     ]:
-        tps, eff, tokens, elapsed, _ = run(path, tokenizer, workers=a.workers, **kwargs)
-        results[name] = tps
-        print(f"{name:34s} {tps:11.0f} packed tokens/s  pack efficiency {eff:.4f}  ({tokens} tokens, {elapsed:.1f} s)")
-    ours = results["raw text, batched tokenisation"]
+        tps, eff, tokens, elapsed, _, per_cpu = run(path, tokenizer, workers=a.workers, **kwargs)
+        results[name] = (tps, per_cpu)
+        print(
+            f"{name:34s} {tps:11.0f} packed tokens/s {per_cpu:11.0f} per CPU-s  pack efficiency {eff:.4f}  "
+            f"({tokens} tokens, {elapsed:.1f} s)"
+        )
+    try:
+        hf = run_hf_recipe(raw, tokenizer, a.workers)
+    except ImportError as err:
+        sys.exit(f"the Hugging Face peer needs `datasets` ({err}): pip install -e '.[bench]'")
     print(
-        f"raw text: batched / one-at-a-time = {ours / results['raw text, one record at a time']:.2f}x; "
-        f"vs VeOmni 0.1.12's measured {VEOMNI_0_1_12_TOKENS_PER_SEC:.1e} tokens/s = "
-        f"{ours / VEOMNI_0_1_12_TOKENS_PER_SEC:.2f}x"
+        f"{'HF datasets.map + Flattening':34s} {hf[0]:11.0f} packed tokens/s {hf[3]:11.0f} per CPU-s  "
+        f"({hf[1]} tokens, {hf[2]:.1f} s)"
     )
-    tps, eff, _, _, rss = run(tok, tokenizer, kind="iterable", workers=a.workers, memory=True)
+    ours, single = results["raw text, batched tokenisation"], results["raw text, one record at a time"]
+    print(
+        f"raw text: ours / HF padding-free recipe = {ours[0] / hf[0]:.2f}x wall, {ours[1] / hf[3]:.2f}x CPU; "
+        f"ours / one-at-a-time = {ours[0] / single[0]:.2f}x wall, {ours[1] / single[1]:.2f}x CPU"
+    )
+    for readers in (1, 2, 4):
+        rates = streaming_per_reader(raw, tokenizer, readers)
+        wall, cpu = [r[0] for r in rates], [r[1] for r in rates]
+        print(
+            f"streaming raw text, {readers} reader(s): tokens/s per reader {', '.join(f'{r:.0f}' for r in wall)} "
+            f"(mean {sum(wall) / len(wall):.0f}; per CPU-s mean {sum(cpu) / len(cpu):.0f}); "
+            f"tokens per reader {', '.join(str(r[2]) for r in rates)}"
+        )
+    tps, eff, _, _, rss, _ = run(tok, tokenizer, kind="iterable", workers=a.workers, memory=True)
     print(
         f"iterable (streaming), pre-tokenised: {tps:.0f} tokens/s, efficiency {eff:.4f}; resident memory along "
         f"the pass (MB): {', '.join(f'{r:.0f}' for r in rss)}"

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from veomni.data import build_dataloader, build_dataset
-from veomni.data.data_loader import skipped_samples
+from veomni.data.data_loader import dropped_samples, skipped_samples
 from veomni.data.data_transform import DataFormatError, process_pretrain_example
 
 MAX_LEN = 64
@@ -77,14 +77,17 @@ def _all_ids(loader, epoch=0):
 @pytest.mark.parametrize("kind", ["iterable", "mapping"])
 def test_every_record_exactly_once_on_2_ranks_x_2_workers(files, kind):
     folder, n = files
-    seen = []
+    seen, dropped = [], []
     for rank in range(2):
-        seen += _all_ids(_loader(_dataset(folder, kind), rank=rank, dp=2, workers=2))
-    expected = n if kind == "iterable" else n - n % 4  # map-style drops the tail so shards are equal
-    assert len(seen) == len(set(seen)) == expected
+        loader = _loader(_dataset(folder, kind), rank=rank, dp=2, workers=2)
+        seen += _all_ids(loader)
+        dropped.append(dropped_samples(loader))
+    assert len(seen) == len(set(seen))
     assert seen != sorted(seen)  # shuffled
     if kind == "iterable":
         assert set(seen) == set(range(n))
+    else:  # the epoch's tail that fits no full global step is dropped and reported, the same on every rank
+        assert dropped[0] == dropped[1] and len(seen) + dropped[0] == n and 0 < dropped[0] < 2 * 2 * 2
 
 
 def test_epochs_reshuffle(files):
@@ -226,3 +229,34 @@ def test_exactly_once_on_two_real_ranks(files):
     folder, n = files
     proc = torchrun(os.path.join(REPO, "tests", "dist", "check_exactly_once.py"), [folder, str(n)], 2)
     assert proc.stdout.count("EXACTLY_ONCE_OK") == 2
+
+
+def test_veomni_dataset_yaml_schema_and_seed_class_names(tmp_path):
+    from veomni.data import InterleavedIterableDataset, InterleavedMappingDataset, IterativeDataset
+
+    a = _write(str(tmp_path / "a.jsonl"), _records(0, 120))
+    b = _write(str(tmp_path / "b.jsonl"), _records(500, 40))
+    ours, theirs = tmp_path / "ours.yaml", tmp_path / "veomni.yaml"
+    ours.write_text(yaml.safe_dump({"sources": [{"path": "a.jsonl", "weight": 3}, {"path": b, "weight": 1}]}))
+    theirs.write_text(
+        "sources:\n  - a.jsonl\n  - " + b + "\nnames:\n  - web\n  - code\n"
+        "schedule:\n  - { schedule_type: const, weights: [3, 1] }\nstopping_strategy: all_exhausted\n"
+    )
+    for kind, cls in (("mapping", InterleavedMappingDataset), ("iterable", InterleavedIterableDataset)):
+        dataset = _dataset(str(theirs), kind)
+        assert type(dataset) is cls and dataset.names == ["web", "code"] and dataset.weights == [3.0, 1.0]
+        assert _all_ids(_loader(dataset, micro=1, dyn=False, dlbs=1)) == _all_ids(
+            _loader(_dataset(str(ours), kind), micro=1, dyn=False, dlbs=1)
+        )
+    assert isinstance(_dataset(a, "iterable"), IterativeDataset)
+    theirs.write_text("sources: [a.jsonl]\nschedule:\n  - {schedule_type: linear, weights: [1]}\n")
+    with pytest.raises(ValueError, match="only one `schedule_type: const` entry is supported"):
+        _dataset(str(theirs), "mapping")
+
+
+def test_steps_per_epoch_follow_the_seed_formula_without_dyn_bsz(files):
+    """One sample per record: floor(records / global batch), the seed's `len / dp / (micro * dataloader_bs)`."""
+    folder, n = files
+    for dp in (1, 2):
+        loader = _loader(_dataset(folder, "mapping"), rank=0, dp=dp, dyn=False, micro=2, dlbs=4 // dp, drop_last=True)
+        assert loader.num_batches() == n // 8 == len(list(loader))

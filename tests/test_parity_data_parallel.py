@@ -5,7 +5,15 @@ import os
 
 import pytest
 
-from helpers import REPO, assert_close_series, read_metrics, run_text_task, tiny_run_config, torchrun
+from helpers import (
+    REPO,
+    assert_close_series,
+    read_metrics,
+    run_text_task,
+    tiny_run_config,
+    torchrun,
+    write_token_data,
+)
 
 SCENARIOS = os.path.join(REPO, "tests", "dist", "trainer_scenarios.py")
 
@@ -14,8 +22,10 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process, global batch 8 = 4 micro-batches of 2 (gradient accumulation over 4)."""
+    """One process, global batch 8 = 4 micro-batches of 2 (gradient accumulation over 4). Documents of 16..300
+    tokens at max_seq_len 128: long ones split into several samples, which must not change the global batches."""
     tmp = str(tmp_path_factory.mktemp("parity"))
+    write_token_data(f"{tmp}/data.jsonl", low=16, high=300)
     config = tiny_run_config(tmp)
     return config, tmp, run_text_task(config, 1, f"{tmp}/single")
 

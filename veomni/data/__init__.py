@@ -1,16 +1,33 @@
 """Data: dataset registry (mapping, streaming, interleaved), sample transforms, the stateful packing loader."""
 
+from .chat_template import CHAT_TEMPLATE_REGISTRY, ChatTemplate, build_chat_template
 from .data_collator import DataCollateInfo, MainCollator
-from .data_loader import build_dataloader
-from .data_transform import DataFormatError, process_pretrain_example
-from .dataset import DATASET_REGISTRY, build_dataset
+from .data_loader import build_dataloader, data_report
+from .data_transform import DataFormatError, process_pretrain_example, process_sft_example
+from .dataset import (
+    DATASET_REGISTRY,
+    InterleavedIterableDataset,
+    InterleavedMappingDataset,
+    IterativeDataset,
+    MappingDataset,
+    build_dataset,
+)
 
 __all__ = [
+    "CHAT_TEMPLATE_REGISTRY",
+    "ChatTemplate",
     "DATASET_REGISTRY",
     "DataCollateInfo",
     "DataFormatError",
+    "InterleavedIterableDataset",
+    "InterleavedMappingDataset",
+    "IterativeDataset",
     "MainCollator",
+    "MappingDataset",
+    "build_chat_template",
     "build_dataloader",
     "build_dataset",
+    "data_report",
     "process_pretrain_example",
+    "process_sft_example",
 ]

@@ -1,10 +1,11 @@
 """Chat templates: conversations -> `input_ids` and `labels` that train only on assistant tokens.
 
-Every template renders a conversation as text segments marked trainable or not, tokenises the whole text once
-(so ids equal what `tokenizer.apply_chat_template` gives for the same jinja), and labels a token only when it
-starts inside a trainable segment. `get_jinja_template()` returns the same format as HF jinja.
+Every template renders a conversation once, tokenises the whole text once (so ids equal what
+`tokenizer.apply_chat_template` gives for the same jinja), and labels a token only when it starts inside an
+assistant span of the rendered text. `get_jinja_template()` returns the same format as HF jinja.
 """
 
+import re
 from abc import ABC, abstractmethod
 from typing import Dict, List, Sequence, Tuple
 
@@ -24,7 +25,8 @@ class ChatTemplate(ABC):
 
     @abstractmethod
     def encode_messages(self, messages: Sequence[Dict[str, str]], max_seq_len: int = 8192) -> Dict[str, List[int]]:
-        """Return `input_ids`, `attention_mask` and `labels` (IGNORE_INDEX outside assistant turns)."""
+        """Return `input_ids`, `attention_mask` and `labels` (IGNORE_INDEX outside assistant turns); a template
+        that supports tools also takes `tools=` (OpenAI function schemas)."""
 
     @abstractmethod
     def get_jinja_template(self) -> str:
@@ -37,25 +39,37 @@ class SegmentChatTemplate(ChatTemplate):
     @abstractmethod
     def render_segments(self, messages: Sequence[Dict[str, str]]) -> List[Segment]: ...
 
-    def encode_messages(self, messages, max_seq_len: int = 8192) -> Dict[str, List[int]]:
-        segments = self.render_segments(messages)
-        text, spans, pos = "", [], 0
-        for piece, trainable in segments:
+    def encode_messages(self, messages, max_seq_len: int = 8192, tools=None) -> Dict[str, List[int]]:
+        if tools:
+            raise DataFormatError(f"chat template {type(self).__name__} has no tool format; use 'tokenizer'")
+        text, spans = "", []
+        for piece, trainable in self.render_segments(messages):
             if trainable and piece:
-                spans.append((pos, pos + len(piece)))
+                spans.append((len(text), len(text) + len(piece)))
             text += piece
-            pos += len(piece)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        if len(ids) > max_seq_len:
-            raise DataFormatError(f"conversation has {len(ids)} tokens, more than max_seq_len={max_seq_len}")
-        labels, k = [], 0
-        for token, (start, _) in zip(ids, offsets):
-            while k < len(spans) and spans[k][1] <= start:
-                k += 1
-            inside = k < len(spans) and spans[k][0] <= start < spans[k][1]
-            labels.append(token if inside else IGNORE_INDEX)
-        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+        ids = list(enc["input_ids"])
+        return _checked(ids, label_tokens_in_spans(ids, enc["offset_mapping"], spans), max_seq_len)
+
+
+def label_tokens_in_spans(ids: List[int], offsets, spans: List[Tuple[int, int]]) -> List[int]:
+    """Each token's own id where the token starts inside one of the (sorted, disjoint) character spans, else
+    IGNORE_INDEX."""
+    labels, k = [], 0
+    for token, (start, _) in zip(ids, offsets):
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        inside = k < len(spans) and spans[k][0] <= start < spans[k][1]
+        labels.append(token if inside else IGNORE_INDEX)
+    return labels
+
+
+def _checked(ids: List[int], labels: List[int], max_seq_len: int) -> Dict[str, List[int]]:
+    if len(ids) > max_seq_len:
+        raise DataFormatError(f"conversation has {len(ids)} tokens, more than max_seq_len={max_seq_len}")
+    if all(lab == IGNORE_INDEX for lab in labels):
+        raise DataFormatError("no assistant tokens to train on")
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 
 def _check_roles(messages, allowed=("system", "user", "assistant", "tool")):
@@ -115,49 +129,135 @@ class DefaultTemplate(SegmentChatTemplate):
 
 
 @CHAT_TEMPLATE_REGISTRY.register("tokenizer")
-class TokenizerTemplate(SegmentChatTemplate):
-    """The tokenizer's own HF jinja template; ids equal `apply_chat_template`, labels cover assistant replies.
+class TokenizerTemplate(ChatTemplate):
+    """The tokenizer's own HF jinja template, rendered once per conversation (as `apply_chat_template` does).
 
-    Turn boundaries come from rendering growing prefixes of the conversation, which needs a template whose
-    rendering of a prefix is a prefix of the whole (true of ChatML, Llama-3 and most others).
+    Ids are the tokens of that one rendering, so they equal `tokenizer.apply_chat_template(messages, tools=...)`
+    token for token, whatever the template does to earlier turns (drop their reasoning, add a default system
+    prompt, change a turn's end when another follows). Labels cover each assistant turn as the template renders it
+    -- its reasoning if rendered, its content, its tool calls -- and the end-of-turn token; everything else is
+    IGNORE_INDEX. Earlier turns' reasoning is trained on exactly when the template renders it (Qwen3's drops it for
+    every turn before the last user query); `last_turn_only=True` trains on the last assistant turn alone.
+
+    How the assistant spans are found in the rendered text (character offsets -> tokens by offset mapping):
+    - a template with `{% generation %}` blocks marks them itself: HF's assistant mask is used as is;
+    - otherwise the messages are aligned in order with the rendering. Each non-assistant message's content must
+      appear (stripped) after the previous match; each assistant turn starts right after the next occurrence of the
+      template's generation prompt (the text `add_generation_prompt=True` appends, e.g. `<|im_start|>assistant\\n`),
+      contains its visible answer (or its tool-call names), and ends with the next end-of-turn marker (the first
+      special token the template writes after an assistant reply). Every piece is matched in order and the spans
+      cannot overlap another message's content, so a template this cannot align raises DataFormatError (skippable
+      with data.skip_bad_samples) instead of mis-labelling a sample.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, last_turn_only: bool = False):
         super().__init__(tokenizer)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat template 'tokenizer' needs a tokenizer with a chat_template")
+        self.last_turn_only = last_turn_only
+        self.uses_generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.chat_template) is not None
+        self.generation_prompt, self.end_of_turn = self._probe_turn_markers()
 
-    def _render(self, messages, generation_prompt=False) -> str:
-        if not messages and not generation_prompt:
-            return ""
+    def _render(self, messages, tools=None, generation_prompt=False) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=generation_prompt
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt
         )
 
-    def render_segments(self, messages):
-        out: List[Segment] = []
-        done = ""
-        for i, m in enumerate(messages):
-            whole = self._render(messages[: i + 1])
-            if not whole.startswith(done):
-                raise DataFormatError("the tokenizer's chat template does not render conversations prefix-stably")
-            if m["role"] == "assistant":
-                header = self._render(messages[:i], generation_prompt=True)
-                if not (header.startswith(done) and whole.startswith(header)):
-                    raise DataFormatError("the tokenizer's chat template has no stable generation prompt")
-                reply = whole[len(header) :]
-                body = reply.rstrip()
-                out += [(header[len(done) :], False), (body, True), (reply[len(body) :], False)]
-            else:
-                out.append((whole[len(done) :], False))
-            done = whole
-        return out
+    def _probe_turn_markers(self) -> Tuple[str, str]:
+        """The generation prompt and the end-of-turn marker, read off a one-exchange probe rendering."""
+        user, reply = "VEOMNI_PROBE_QUESTION", "VEOMNI_PROBE_ANSWER"
+        asked = [{"role": "user", "content": user}]
+        before, prompted = self._render(asked), self._render(asked, generation_prompt=True)
+        if not prompted.startswith(before) or prompted == before:
+            raise ValueError("the tokenizer's chat template has no generation prompt to find assistant turns by")
+        whole = self._render(asked + [{"role": "assistant", "content": reply}])
+        after = whole[whole.rindex(reply) + len(reply) :]
+        specials = sorted((t for t in self.tokenizer.get_added_vocab() if t and t in after), key=after.index)
+        if not specials:
+            raise ValueError("the tokenizer's chat template writes no special end-of-turn token after a reply")
+        return prompted[len(before) :], specials[0]
 
     def get_jinja_template(self) -> str:
         return self.tokenizer.chat_template
 
+    def encode_messages(self, messages, max_seq_len: int = 8192, tools=None) -> Dict[str, List[int]]:
+        messages = list(messages)
+        if self.uses_generation_tags:
+            enc = self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+            if self.last_turn_only:
+                mask = _last_run_only(mask)
+            labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+        else:
+            text = self._render(messages, tools)
+            spans = self._assistant_spans(text, messages)
+            if self.last_turn_only:
+                spans = spans[-1:]
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            labels = label_tokens_in_spans(ids, enc["offset_mapping"], spans)
+        return _checked(ids, labels, max_seq_len)
 
-def build_chat_template(name: str, tokenizer) -> ChatTemplate:
+    def _assistant_spans(self, text: str, messages) -> List[Tuple[int, int]]:
+        spans, cursor = [], 0
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                content = m.get("content")
+                anchor = content.strip() if isinstance(content, str) else ""
+                if anchor:
+                    found = text.find(anchor, cursor)
+                    if found < 0:
+                        raise DataFormatError(f"message {i} ({m.get('role')}) is not rendered where expected")
+                    cursor = found + len(anchor)
+                continue
+            start = text.find(self.generation_prompt, cursor)
+            if start < 0:
+                raise DataFormatError(f"assistant message {i}: no generation prompt in the rendered text")
+            start += len(self.generation_prompt)
+            end = start
+            for anchor in _assistant_anchors(m):
+                found = text.find(anchor, end)
+                if found < 0:
+                    raise DataFormatError(f"assistant message {i}: its content is not rendered after its header")
+                end = found + len(anchor)
+            marker = text.find(self.end_of_turn, end)
+            if marker < 0:
+                raise DataFormatError(f"assistant message {i}: no end-of-turn {self.end_of_turn!r} after it")
+            cursor = marker + len(self.end_of_turn)
+            spans.append((start, cursor))
+        return spans
+
+
+def _assistant_anchors(message) -> List[str]:
+    """Texts every template renders verbatim (up to surrounding whitespace) for an assistant message, in order."""
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        raise DataFormatError("assistant content must be a string (or null with tool_calls)")
+    if "reasoning_content" not in message and "</think>" in content:
+        content = content.split("</think>")[-1]  # the answer; the reasoning may be dropped by the template
+    anchors = [content.strip()] if content.strip() else []
+    for call in message.get("tool_calls") or []:
+        name = (call.get("function") or call).get("name")
+        if name:
+            anchors.append(name)
+    if not anchors:
+        raise DataFormatError("assistant message has neither content nor tool calls: nothing to train on")
+    return anchors
+
+
+def _last_run_only(mask: List[int]) -> List[int]:
+    """Keep the last contiguous run of ones (the last assistant turn)."""
+    out, i = [0] * len(mask), len(mask) - 1
+    while i >= 0 and not mask[i]:
+        i -= 1
+    while i >= 0 and mask[i]:
+        out[i], i = 1, i - 1
+    return out
+
+
+def build_chat_template(name: str, tokenizer, **kwargs) -> ChatTemplate:
     """A registered template by name: `chatml`, `default`, `tokenizer`, or one added with
-    `@CHAT_TEMPLATE_REGISTRY.register(name)`."""
-    return CHAT_TEMPLATE_REGISTRY.get(name)(tokenizer)
+    `@CHAT_TEMPLATE_REGISTRY.register(name)`; keywords go to its constructor (`last_turn_only` for `tokenizer`)."""
+    return CHAT_TEMPLATE_REGISTRY.get(name)(tokenizer, **kwargs)

@@ -19,7 +19,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..utils.logging import get_logger
 from .data_collator import MainCollator
-from .dataset import samples_many, shuffled_shard_keys
+from .dataset import StreamingDataset, samples_many, shuffled_shard_keys
+from .global_batches import GlobalBatchStream, SampleIndex
 
 logger = get_logger(__name__)
 
@@ -38,20 +39,34 @@ class _MapStyle:
 
 
 class _PlainIterable:
-    """A user's iterable dataset without keys: shard by position; resume replays (and drops) consumed items."""
+    """A user's iterable dataset without keys or state: shard by position. A resume re-iterates the dataset from
+    its start and skips what was consumed (so it must be re-iterable and yield the same items in order)."""
 
     def __init__(self, dataset):
-        self.dataset, self._items = dataset, {}
+        self.dataset, self._items, self._expected = dataset, {}, set()
+
+    def expect(self, keys) -> None:
+        """Keys of a resumed buffer: keep their items while skipping ahead."""
+        self._expected |= set(keys)
 
     def iter_keys(self, epoch, shard, num_shards, state):
         state.setdefault("count", 0)
+        resume_at, i = state["count"], -1
         for i, item in enumerate(self.dataset):
-            if i < state["count"]:
+            if i < resume_at:
+                if (i,) in self._expected:
+                    self._items[(i,)] = item
                 continue
             state["count"] = i + 1
             if i % num_shards == shard:
                 self._items[(i,)] = item
                 yield (i,)
+        if i + 1 < resume_at:
+            raise RuntimeError(
+                f"cannot resume {type(self.dataset).__name__}: it yielded {i + 1} items, fewer than the {resume_at} "
+                "already consumed. A plain IterableDataset is resumed by iterating it again from the start and "
+                "skipping; make it re-iterable in the same order, or give it iter_keys/samples (see dataset.py)"
+            )
 
     def samples(self, key):
         return _as_list(self._items.pop(tuple(key)))
@@ -124,13 +139,18 @@ class MicroBatchStream(IterableDataset):
     def _micro_batches(self, worker_id: int, num_workers: int, collate_fn: Callable) -> Iterator[Any]:
         """The batching plan of one worker; `count_loader_steps` runs it with a collate that only counts."""
         shard, num_shards = worker_id * self.dp_size + self.dp_rank, num_workers * self.dp_size
-        state = {"epoch": self.epoch, "source": {}, "buffer": [], "produced": 0, "skipped": 0}
+        state = {"epoch": self.epoch, "source": {}, "buffer": [], "produced": 0, "skipped": 0, "empty": 0}
+        state.update(samples=0, group=0, dropped=0)
         if self._resume is not None and self._resume.get("epoch") == self.epoch:
             state.update(self._resume)
         self._resume = None
         self._state = state
         source = self.source
-        skipped_before = getattr(source, "skipped", 0) - state["skipped"]
+        # the source's counters run over its lifetime: the state holds this epoch's share
+        base = {c: getattr(source, c, 0) - state[c] for c in ("skipped", "empty")}
+        buffer = state["buffer"]  # entries: [*key, piece index, length]
+        if buffer and hasattr(source, "expect"):
+            source.expect({tuple(e[:-2]) for e in buffer})  # a resumed buffer: its records must be read again
         keys = source.iter_keys(self.epoch, shard, num_shards, state["source"])
         cache: Dict[Tuple[int, ...], List[Dict[str, Any]]] = {}
 
@@ -139,7 +159,6 @@ class MicroBatchStream(IterableDataset):
                 cache[key] = source.samples(key)
             return cache[key]
 
-        buffer = state["buffer"]  # entries: [*key, piece index, length]
         while True:
             exhausted = False
             while len(buffer) < self.buffer_size and not exhausted:
@@ -148,9 +167,18 @@ class MicroBatchStream(IterableDataset):
                 for key, samples in zip(chunk, samples_many(source, chunk)):
                     cache[key] = samples
                     buffer.extend([*key, k, len(p["input_ids"])] for k, p in enumerate(samples))
-            if not buffer or (
-                exhausted and self.drop_last and not self.dyn_bsz and len(buffer) < self.micro_batch_size
-            ):
+            for c in base:
+                state[c] = getattr(source, c, 0) - base[c]
+            short = exhausted and self.drop_last and not self.dyn_bsz and len(buffer) < self.micro_batch_size
+            if not buffer or short:
+                # what drop_last leaves out: a short micro-batch, and the micro-batches of an incomplete step
+                # (the DataLoader drops those): counted in the state, reported by `data_report`
+                state["dropped"] = (len(buffer) + state["group"]) if self.drop_last else 0
+                state["samples"] -= state["group"] if self.drop_last else 0  # never handed out
+                buffer.clear()
+                state["group"] = 0
+                if state["dropped"]:
+                    logger.warning(f"drop_last: {state['dropped']} samples of the epoch's last batch left out")
                 return
             step = (state["produced"] // self.dataloader_batch_size) * num_workers + worker_id
             chosen = self._choose(buffer, self._token_budget(step))
@@ -162,7 +190,9 @@ class MicroBatchStream(IterableDataset):
             for key in [k for k in cache if k not in live]:
                 del cache[key]
             state["produced"] += 1
-            state["skipped"] = getattr(source, "skipped", 0) - skipped_before
+            state["samples"] += len(samples)
+            full_step = state["produced"] % self.dataloader_batch_size == 0
+            state["group"] = 0 if full_step else state["group"] + len(samples)
             yield collate_fn(samples)
 
     def _choose(self, buffer: List[List[int]], budget: int) -> List[int]:
@@ -193,6 +223,8 @@ def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: in
     Exact for map-style data without workers: records are dealt out strided, so what all old ranks consumed is
     a prefix of the epoch's order, which the new ranks continue from (buffered, unconsumed records are re-read).
     """
+    if _has_global_position(states[0]):  # a global position is the same on every rank: valid for any world size
+        return copy.deepcopy(states[0])
     datasets = [s.get("dataset_state") for s in states]
     if any(not d or "cursor" not in d.get("source", {}) for d in datasets):
         raise NotImplementedError("the data position can only be resharded for map-style data without workers")
@@ -255,17 +287,80 @@ def count_loader_steps(loader, limit: Optional[int] = None) -> Optional[int]:
     return steps
 
 
+def _has_global_position(node) -> bool:
+    if isinstance(node, dict):
+        return bool(node.get("global_position")) or any(_has_global_position(v) for v in node.values())
+    return False
+
+
+def _stream_states(node) -> List[Dict[str, Any]]:
+    """The states of the stream in each worker, found in a loader's state."""
+    if isinstance(node, dict):
+        if "produced" in node and "skipped" in node:
+            return [node]
+        return [s for v in node.values() for s in _stream_states(v)]
+    return []
+
+
 def skipped_samples(loader) -> int:
-    """Bad samples skipped so far, summed over the loader's workers (read from its state)."""
+    """Bad samples skipped so far (read from the loader's state). Global-batch loaders index all records up
+    front, so every worker reports the same whole-dataset count."""
+    states = _stream_states(loader.state_dict())
+    if any(s.get("global_position") for s in states):
+        return max((s["skipped"] for s in states), default=0)
+    return sum(s["skipped"] for s in states)
 
-    def walk(node):
-        if isinstance(node, dict):
-            if "produced" in node and "skipped" in node:
-                return node["skipped"]
-            return sum(walk(v) for v in node.values())
-        return 0
 
-    return walk(loader.state_dict())
+def data_report(loader, count_unread: bool = True) -> Dict[str, Any]:
+    """This rank's account of the current epoch, so that nothing is lost silently: `samples` handed out in steps
+    (a step fetched on one rank when another rank has run out is among them, and is not trained on),
+    `skipped` bad records, `empty` records that gave no sample (empty text), `blank` lines, `dropped` samples
+    (drop_last, or a tail that fits no full step), and for streamed files `unread`: records of this rank's share
+    not reached when the epoch stopped (ranks whose share is larger go on only as long as every rank has data;
+    counting reads the rest of this rank's share without parsing it, so `count_unread=False` skips it)."""
+    stream = getattr(loader, "stream", None)
+    report = {"samples": 0, "skipped": 0, "empty": 0, "blank": 0, "dropped": 0}
+    states = _stream_states_by_worker(loader.state_dict())
+    for state in states.values():
+        for name in ("samples", "skipped", "empty", "dropped"):
+            report[name] += state.get(name, 0)
+        report["blank"] += state.get("source", {}).get("blank", 0)
+    if states and any(s.get("global_position") for s in states.values()):  # whole-dataset counts, once
+        for name in ("skipped", "empty", "dropped"):
+            report[name] = max(s.get(name, 0) for s in states.values())
+    source = getattr(stream, "source", None)
+    if isinstance(source, StreamingDataset) and count_unread:
+        workers = max(loader.num_workers, 1)
+        report["unread"] = 0
+        for worker in range(workers):
+            state = states.get(worker, {})
+            shard = worker * stream.dp_size + stream.dp_rank
+            units = source.shard_units(stream.epoch, shard, workers * stream.dp_size)
+            src = state.get("source", {})
+            at, position = src.get("unit", 0), src.get("position")
+            left = sum(source.reader.count_unit(u) for u in units[at + 1 :])
+            left += source.reader.count_unit(units[at], position) if at < len(units) else 0
+            report["unread"] += (
+                left + len(src.get("buffer", [])) + len({tuple(e[:-2]) for e in state.get("buffer", [])})
+            )
+    return report
+
+
+def _stream_states_by_worker(node, worker: int = 0) -> Dict[int, Dict[str, Any]]:
+    if isinstance(node, dict):
+        if "produced" in node and "skipped" in node:
+            return {worker: node}
+        worker = node.get("worker_id", worker)  # a worker's snapshot names its worker
+        found = {}
+        for value in node.values():
+            found.update(_stream_states_by_worker(value, worker))
+        return found
+    return {}
+
+
+def dropped_samples(loader) -> int:
+    """Samples of the current epoch's tail that fit no full global step (drop_last, or too few to split)."""
+    return max((s.get("dropped", 0) for s in _stream_states(loader.state_dict())), default=0)
 
 
 def build_dataloader(
@@ -304,22 +399,41 @@ def build_dataloader(
         if not build_collate_fn:
             raise ValueError("build_collate_fn=False needs an explicit collate_fn")
         collate_fn = MainCollator(max_seq_len=max_seq_len, **(collate_fn_kwargs or {}))
-    stream = MicroBatchStream(
-        dataset,
-        collate_fn,
-        micro_batch_size=micro_batch_size,
-        max_seq_len=max_seq_len,
-        dataloader_batch_size=dataloader_batch_size,
-        dyn_bsz=dyn_bsz,
-        buffer_size=dyn_bsz_buffer_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=seed,
-        shuffle=shuffle,
-        warmup_steps=int(train_steps * bsz_warmup_ratio),
-        warmup_init_tokens=bsz_warmup_init_mbtoken,
-        drop_last=drop_last,
-    )
+    warmup_steps = int(train_steps * bsz_warmup_ratio)
+    if is_sized(dataset):  # global batches independent of the world size (see global_batches.py)
+        index = SampleIndex(as_resumable(dataset, seed, shuffle))
+        index.order(0)  # transform every record once, here, so that loader workers inherit the samples
+        stream = GlobalBatchStream(
+            index,
+            collate_fn,
+            micro_batch_size=micro_batch_size,
+            max_seq_len=max_seq_len,
+            dataloader_batch_size=dataloader_batch_size,
+            dyn_bsz=dyn_bsz,
+            buffer_size=dyn_bsz_buffer_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            warmup_steps=warmup_steps,
+            warmup_init_tokens=bsz_warmup_init_mbtoken,
+            drop_last=drop_last,
+        )
+    else:
+        stream = MicroBatchStream(
+            dataset,
+            collate_fn,
+            micro_batch_size=micro_batch_size,
+            max_seq_len=max_seq_len,
+            dataloader_batch_size=dataloader_batch_size,
+            dyn_bsz=dyn_bsz,
+            buffer_size=dyn_bsz_buffer_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+            shuffle=shuffle,
+            warmup_steps=warmup_steps,
+            warmup_init_tokens=bsz_warmup_init_mbtoken,
+            drop_last=drop_last,
+        )
     extra = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor else {}
     loader = StatefulDataLoader(
         stream,
@@ -330,7 +444,27 @@ def build_dataloader(
         pin_memory=pin_memory and torch.cuda.is_available(),
         **extra,
     )
+    loader.stream = stream
     loader.set_epoch = stream.set_epoch  # the trainer reshuffles per epoch through the loader
-    # exact steps of this epoch (map-style data), for the trainer's step count and LR schedule
-    loader.num_batches = lambda limit=None: count_loader_steps(loader, limit)
+    # optimizer steps in an epoch (the same on every rank): the global plan's length for sized data, a dry run of
+    # the micro-batch plan otherwise (None for streamed data, whose length is unknown)
+    loader.num_batches = lambda limit=None: _num_batches(loader, stream, limit)
     return loader
+
+
+def is_sized(dataset) -> bool:
+    """Map-style, pre-tokenised and interleaved-mapping data: records that can all be indexed up front."""
+    if isinstance(dataset, IterableDataset) and not hasattr(dataset, "iter_keys"):
+        return False  # a user's plain iterable dataset
+    try:
+        len(dataset)
+    except TypeError:  # streamed sources have no length
+        return False
+    return hasattr(dataset, "__getitem__") or hasattr(dataset, "iter_keys")
+
+
+def _num_batches(loader, stream, limit: Optional[int] = None) -> Optional[int]:
+    if hasattr(stream, "num_steps"):
+        steps = stream.num_steps()
+        return min(steps, limit) if limit else steps
+    return count_loader_steps(loader, limit)

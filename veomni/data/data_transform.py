@@ -1,5 +1,7 @@
 """Sample transforms: raw records -> token sequences with labels (HF convention: labels aligned to input_ids)."""
 
+import json
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 IGNORE_INDEX = -100
@@ -106,7 +108,9 @@ _SHAREGPT_ROLES = {
 }
 
 
-def _messages_of(example: Dict[str, Any], text_keys: Union[str, Sequence[str]]) -> List[Dict[str, str]]:
+def _messages_of(example: Dict[str, Any], text_keys: Union[str, Sequence[str]]) -> List[Dict[str, Any]]:
+    """OpenAI messages pass through with all their keys (tool_calls, tool_call_id, reasoning_content, ...);
+    ShareGPT `from/value` become `role/content`."""
     keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
     keys += [k for k in ("messages", "conversations") if k not in keys]
     raw = next((example[k] for k in keys if k in example), None)
@@ -120,12 +124,26 @@ def _messages_of(example: Dict[str, Any], text_keys: Union[str, Sequence[str]]) 
             raise DataFormatError(f"message {i} is {type(m).__name__}, expected an object")
         role = m.get("role", m.get("from"))
         content = m.get("content", m.get("value"))
-        if role not in _SHAREGPT_ROLES or not isinstance(content, str):
+        tool_call = role in ("assistant", "gpt") and content is None and m.get("tool_calls")
+        if role not in _SHAREGPT_ROLES or not (isinstance(content, str) or tool_call):
             raise DataFormatError(f"message {i} needs a known role and string content, got {sorted(m)}")
-        messages.append({"role": _SHAREGPT_ROLES[role], "content": content})
+        rest = {k: v for k, v in m.items() if k not in ("from", "value", "role", "content")}
+        messages.append({"role": _SHAREGPT_ROLES[role], "content": content, **rest})
     if not any(m["role"] == "assistant" for m in messages):
         raise DataFormatError("conversation has no assistant message: nothing to train on")
     return messages
+
+
+def _tools_of(example: Dict[str, Any]) -> Optional[List[Any]]:
+    tools = example.get("tools")
+    if isinstance(tools, str):  # datasets often store the schemas as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as err:
+            raise DataFormatError(f"'tools' is not valid JSON ({err.msg})") from None
+    if tools is not None and not isinstance(tools, list):
+        raise DataFormatError(f"'tools' must be a list of function schemas, got {type(tools).__name__}")
+    return tools or None
 
 
 def process_sft_example(
@@ -133,11 +151,23 @@ def process_sft_example(
     chat_template,
     max_seq_len: int,
     text_keys: Union[str, Sequence[str]] = "messages",
+    truncate: bool = False,
     **kwargs,
 ) -> List[Dict[str, List[int]]]:
-    """Encode one conversation (OpenAI `role/content` or ShareGPT `from/value`); loss on assistant tokens only.
+    """Encode one conversation (OpenAI `role/content` with optional `tools` and `tool_calls`, or ShareGPT
+    `from/value`); loss on assistant tokens only.
 
-    A conversation longer than `max_seq_len` is an error (never silently truncated): skip such samples with
-    `data.skip_bad_samples`.
+    A conversation longer than `max_seq_len` is an error by default (skip such samples with
+    `data.skip_bad_samples`); `truncate=True` keeps its first `max_seq_len` tokens, labelled as in the full
+    conversation (an error if no assistant token is left).
     """
-    return [chat_template.encode_messages(_messages_of(example, text_keys), max_seq_len=max_seq_len)]
+    tools = _tools_of(example)
+    extra = {"tools": tools} if tools else {}
+    messages = _messages_of(example, text_keys)
+    if not truncate:
+        return [chat_template.encode_messages(messages, max_seq_len=max_seq_len, **extra)]
+    enc = chat_template.encode_messages(messages, max_seq_len=sys.maxsize, **extra)
+    enc = {k: v[:max_seq_len] for k, v in enc.items()}
+    if all(lab == IGNORE_INDEX for lab in enc["labels"]):
+        raise DataFormatError(f"no assistant token in the first max_seq_len={max_seq_len} tokens")
+    return [enc]

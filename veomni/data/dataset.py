@@ -7,8 +7,10 @@ A dataset that the loader can resume exactly offers
 Keys are tuples of ints, so the loader's resume state is a few integers per buffered sample.
 
 - MappingDataset: records in memory (small data); a seeded permutation per epoch.
-- StreamingDataset: files read lazily (bounded memory) through a seeded shuffle buffer.
-- InterleavedDataset: several of either, drawn by weight.
+- StreamingDataset (public name `IterativeDataset`): files read lazily (bounded memory) through a seeded shuffle
+  buffer.
+- InterleavedDataset (`InterleavedMappingDataset` / `InterleavedIterableDataset`): several of either, drawn by
+  weight.
 Every shard (data-parallel rank x dataloader worker) sees a disjoint part; together they see each record of an
 epoch exactly once.
 """
@@ -22,7 +24,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ..utils.logging import get_logger
 from .data_transform import DataFormatError
-from .readers import RecordFiles, read_all_records, resolve_data_files
+from .readers import BLANK, RecordFiles, read_all_records, resolve_data_files
 
 logger = get_logger(__name__)
 Key = Tuple[int, ...]
@@ -89,7 +91,8 @@ class _Transforming:
 
     transform: Optional[Callable]
     skip_bad_samples: bool
-    skipped: int = 0
+    skipped: int = 0  # bad records skipped (data.skip_bad_samples)
+    empty: int = 0  # records that gave no sample (empty text, a one-token document): counted, not errors
 
     def _apply(self, record: Any, where: str) -> List[Dict[str, Any]]:
         try:
@@ -104,7 +107,9 @@ class _Transforming:
             if self.skipped <= 5:
                 logger.warning(f"skipped bad sample: {message}")
             return []
-        return out if isinstance(out, list) else [out]
+        out = out if isinstance(out, list) else [out]
+        self.empty += not out
+        return out
 
     def _apply_many(self, records: List[Any], wheres: List[str]) -> List[List[Dict[str, Any]]]:
         """`_apply` over many records, through the transform's batched form when it has one."""
@@ -115,7 +120,9 @@ class _Transforming:
         results: List[Any] = list(records)
         for i, res in zip(ok, batched([records[i] for i in ok])):  # a transform's error gets its record's location
             results[i] = DataFormatError(f"{wheres[i]}: {res}") if isinstance(res, DataFormatError) else res
-        return [self._apply(res, w) if isinstance(res, DataFormatError) else res for res, w in zip(results, wheres)]
+        out = [self._apply(res, w) if isinstance(res, DataFormatError) else res for res, w in zip(results, wheres)]
+        self.empty += sum(not isinstance(res, DataFormatError) and not o for res, o in zip(results, out))
+        return out
 
 
 def _batched_form(transform: Optional[Callable]) -> Optional[Callable]:
@@ -168,7 +175,13 @@ def _iterate_samples(self):
 
 # ---------------------------------------------------------------------------------------------- streaming
 class StreamingDataset(IterableDataset, _Transforming):
-    """Records streamed from files: memory is one shuffle buffer, whatever the data size."""
+    """Records streamed from files: memory is one shuffle buffer, whatever the data size.
+
+    The files are cut into units (jsonl byte ranges, parquet row groups; see readers.py); each epoch deals a
+    seeded permutation of the units round-robin to the shards (data-parallel rank x loader worker), so a reader
+    parses only its own units, and a seeded shuffle buffer mixes their records. Blank lines are skipped and
+    counted (`blank` in the loader state).
+    """
 
     def __init__(
         self,
@@ -177,34 +190,48 @@ class StreamingDataset(IterableDataset, _Transforming):
         seed: int = 42,
         shuffle_buffer_size: int = 1000,
         skip_bad_samples: bool = False,
+        unit_bytes: Optional[int] = None,
     ):
         self.files, self.transform, self.seed = files, transform, seed
         self.shuffle_buffer_size, self.skip_bad_samples = shuffle_buffer_size, skip_bad_samples
         self.reader = RecordFiles(files)
+        self.units = self.reader.units(unit_bytes)
         self._pending: Dict[Key, Tuple[Any, str]] = {}
 
+    def shard_units(self, epoch: int, shard: int, num_shards: int) -> List[Tuple[int, int, int]]:
+        import torch
+
+        order = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        return [self.units[u] for u in order[shard::num_shards]]
+
     def iter_keys(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> Iterator[Key]:
-        state.setdefault("next", [0, 0])  # where the file stream continues
-        state.setdefault("count", 0)  # records read so far (all shards): record i belongs to shard i % num_shards
+        units = self.shard_units(epoch, shard, num_shards)
+        state.setdefault("unit", 0)  # the unit being read (index into this shard's units)
+        state.setdefault("position", None)  # where that unit continues (None: at its start)
         state.setdefault("buffer", [])  # keys waiting in the shuffle buffer
         state.setdefault("popped", 0)
+        state.setdefault("blank", 0)
         for key in state["buffer"]:  # a resumed buffer: read its records again
             key = tuple(key)
             if key not in self._pending:
                 self._pending[key] = (self._fetch(key), self.reader.location(key))
-        stream = self.reader.iter_from(*state["next"])
+        stream = None
         while True:
-            if len(state["buffer"]) < self.shuffle_buffer_size:
+            if len(state["buffer"]) < self.shuffle_buffer_size and state["unit"] < len(units):
+                if stream is None:
+                    stream = self.reader.iter_unit(units[state["unit"]], state["position"])
                 item = next(stream, None)
-                if item is not None:
-                    key, record, where, next_key = item
-                    mine = state["count"] % num_shards == shard
-                    state["count"] += 1
-                    state["next"] = list(next_key)
-                    if mine:
-                        self._pending[key] = (record, where)
-                        state["buffer"].append(list(key))
+                if item is None:
+                    state["unit"], state["position"], stream = state["unit"] + 1, None, None
                     continue
+                key, record, where, next_key = item
+                state["position"] = next_key[1]
+                if record is BLANK:
+                    state["blank"] += 1
+                    continue
+                self._pending[key] = (record, where)
+                state["buffer"].append(list(key))
+                continue
             if not state["buffer"]:
                 return
             pick = mix(self.seed, epoch, shard, state["popped"]) % len(state["buffer"])
@@ -294,6 +321,10 @@ class InterleavedDataset(IterableDataset):
     def skipped(self) -> int:
         return sum(getattr(s, "skipped", 0) for s in self.sources)
 
+    @property
+    def empty(self) -> int:
+        return sum(getattr(s, "empty", 0) for s in self.sources)
+
 
 def samples_many(source, keys: List[Key]) -> List[List[Dict[str, Any]]]:
     """Samples of many records at once (batched transforms), for any source of the protocol."""
@@ -328,6 +359,7 @@ def build_iterable_dataset(
     source_name: Optional[str] = None,
     skip_bad_samples: bool = False,
     shuffle_buffer_size: int = 1000,
+    unit_bytes: Optional[int] = None,
     **kwargs,
 ) -> StreamingDataset:
     return StreamingDataset(
@@ -336,25 +368,59 @@ def build_iterable_dataset(
         seed=seed,
         shuffle_buffer_size=shuffle_buffer_size,
         skip_bad_samples=skip_bad_samples,
+        unit_bytes=unit_bytes,
     )
 
 
 def load_interleave_spec(path: str) -> Dict[str, Any]:
-    """A dataset.yaml: `sources: [{path, weight}]` (paths relative to the yaml), optional `stopping_strategy`."""
+    """A dataset.yaml, in either schema (paths relative to the yaml):
+    ours      `sources: [{path, weight, name}]`, optional `stopping_strategy`;
+    VeOmni's  `sources: [path, ...]`, `names: [...]`, `schedule: [{schedule_type: const, weights: [...]}]`,
+              optional `stopping_strategy` (its `level`, `upstream_sharded` and `val_sources` are not used here).
+    Returns ours: `{"sources": [{path, weight, name}], "stopping_strategy": ...}`."""
     with open(path) as f:
         spec = yaml.safe_load(f) or {}
     sources = spec.get("sources")
     if not isinstance(sources, list) or not sources:
         raise ValueError(f"{path}: expected a non-empty list under 'sources'")
+    if all(isinstance(s, str) for s in sources):
+        sources = _veomni_sources(path, spec, sources)
     base = os.path.dirname(os.path.abspath(path))
     for i, src in enumerate(sources):
         if not isinstance(src, dict) or "path" not in src:
-            raise ValueError(f"{path}: sources[{i}] needs a 'path'")
+            raise ValueError(f"{path}: sources[{i}] needs a 'path' (or list paths with VeOmni's names/schedule)")
         unknown = set(src) - {"path", "weight", "name"}
         if unknown:
             raise ValueError(f"{path}: sources[{i}] has unknown keys {sorted(unknown)}; allowed: path, weight, name")
         src["path"] = src["path"] if os.path.isabs(src["path"]) else os.path.join(base, src["path"])
-    return spec
+    return {"sources": sources, "stopping_strategy": spec.get("stopping_strategy", "all_exhausted")}
+
+
+def _veomni_sources(path: str, spec: Dict[str, Any], paths: List[str]) -> List[Dict[str, Any]]:
+    names = spec.get("names") or [os.path.basename(p.rstrip("/")) for p in paths]
+    schedule = spec.get("schedule") or [{"schedule_type": "const", "weights": [1.0] * len(paths)}]
+    if len(names) != len(paths):
+        raise ValueError(f"{path}: {len(names)} names for {len(paths)} sources")
+    if len(schedule) != 1 or schedule[0].get("schedule_type") != "const":
+        raise ValueError(f"{path}: only one `schedule_type: const` entry is supported, got {schedule}")
+    weights = schedule[0].get("weights")
+    if not isinstance(weights, list) or len(weights) != len(paths):
+        raise ValueError(f"{path}: schedule weights {weights} must list one weight per source ({len(paths)})")
+    if spec.get("level", "sample") != "sample":
+        logger.warning(f"{path}: level={spec['level']!r} is read as per-sample weights")
+    return [{"path": p, "weight": float(w), "name": n} for p, w, n in zip(paths, weights, names)]
+
+
+class InterleavedMappingDataset(InterleavedDataset):
+    """Interleaved in-memory sources (the seed's name): sized, so its global batches do not depend on the world
+    size."""
+
+
+class InterleavedIterableDataset(InterleavedDataset):
+    """Interleaved streamed sources (the seed's name)."""
+
+
+IterativeDataset = StreamingDataset  # the seed's name for the streaming dataset
 
 
 def build_interleave_dataset(
@@ -366,11 +432,12 @@ def build_interleave_dataset(
         builder(train_path=s["path"], transform=transform, seed=seed + i, **kwargs)
         for i, s in enumerate(spec["sources"])
     ]
-    return InterleavedDataset(
+    kind = InterleavedMappingDataset if datasets_type == "mapping" else InterleavedIterableDataset
+    return kind(
         sources,
         [float(s.get("weight", 1.0)) for s in spec["sources"]],
         seed=seed,
-        stopping_strategy=spec.get("stopping_strategy", "all_exhausted"),
+        stopping_strategy=spec["stopping_strategy"],
         names=[s.get("name", s["path"]) for s in spec["sources"]],
     )
 

@@ -2,6 +2,10 @@
 
 A key is `(file index, position)`: the byte offset of a jsonl line, or the row / item index of a parquet, arrow
 or json file. `RecordFiles.fetch(key)` re-reads one record; iteration can start at any position.
+
+For streaming, the files are cut into *units* of work that readers share out without reading each other's:
+byte ranges of jsonl files (a line belongs to the range it starts in), row groups of parquet files, row ranges
+of json / arrow files. A reader seeks to its units and parses only them.
 """
 
 import bisect
@@ -9,12 +13,14 @@ import glob
 import json
 import os
 from functools import lru_cache
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .data_transform import DataFormatError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 Key = Tuple[int, int]
+Unit = Tuple[int, int, int]  # (file index, start, end): bytes of a jsonl file, rows of the others
+BLANK = object()  # yielded for a blank jsonl line, so that readers count what they skip
 
 
 def resolve_data_files(train_path: str) -> List[str]:
@@ -90,6 +96,67 @@ class RecordFiles:
                 for row in range(start, len(rows)):
                     yield (fi, row), rows[row], f"{path}:row {row}", (fi, row + 1)
 
+    def iter_unit(self, unit: Unit, position: Optional[int] = None):
+        """The records that start inside `unit` (from `position`, a record start, when resuming), as `iter_from`."""
+        fi, start, end = unit
+        path = self.files[fi]
+        if not path.endswith(".jsonl"):
+            rows = self._rows(fi)
+            for row in range(start if position is None else position, end):
+                yield (fi, row), rows[row], f"{path}:row {row}", (fi, row + 1)
+            return
+        if position is None:
+            position = start
+            if start > 0:  # the line that straddles `start` belongs to the previous unit
+                with open(path, "rb") as f:
+                    f.seek(start - 1)
+                    position = start - 1 + len(f.readline())
+        for item in self._iter_jsonl(fi, path, position):
+            if item[0][1] >= end:
+                return
+            yield item
+
+    def count_unit(self, unit: Unit, position: Optional[int] = None) -> int:
+        """Records left in a unit from `position` (blank lines not counted), without parsing them."""
+        fi, start, end = unit
+        if not self.files[fi].endswith(".jsonl"):
+            return end - (start if position is None else position)
+        return sum(1 for key, record, _, _ in self._iter_lines(unit, position) if record is not BLANK)
+
+    def units(self, unit_bytes: Optional[int] = None, unit_rows: int = 50_000) -> List[Unit]:
+        """The files cut into units of work (in file order). `unit_bytes` defaults to 1/256 of the jsonl data,
+        clamped to [4 KiB, 64 MiB]: enough units to share among many readers, few enough to keep seeks rare."""
+        sizes = {fi: os.path.getsize(p) for fi, p in enumerate(self.files) if p.endswith(".jsonl")}
+        if unit_bytes is None:
+            unit_bytes = min(max(sum(sizes.values()) // 256, 4 << 10), 64 << 20)
+        units: List[Unit] = []
+        for fi, path in enumerate(self.files):
+            if path.endswith(".jsonl"):
+                units += [(fi, a, min(a + unit_bytes, sizes[fi])) for a in range(0, sizes[fi], unit_bytes)]
+            elif path.endswith(".parquet"):
+                starts = self._rows(fi).starts
+                units += [(fi, a, b) for a, b in zip(starts[:-1], starts[1:])]
+            else:
+                n = len(self._rows(fi))
+                units += [(fi, a, min(a + unit_rows, n)) for a in range(0, n, unit_rows)]
+        return units
+
+    def _iter_lines(self, unit: Unit, position: Optional[int]):
+        fi, start, end = unit
+        with open(self.files[fi], "rb") as f:
+            if position is None:
+                position = start
+                if start > 0:
+                    f.seek(start - 1)
+                    position = start - 1 + len(f.readline())
+            f.seek(position)
+            while position < end:
+                line = f.readline()
+                if not line:
+                    return
+                yield (fi, position), (BLANK if not line.strip() else line), "", (fi, position + len(line))
+                position += len(line)
+
     def _iter_jsonl(self, fi: int, path: str, offset: int):
         with open(path, "rb") as f:
             f.seek(offset)
@@ -102,6 +169,7 @@ class RecordFiles:
                 if lineno is not None:
                     lineno += 1
                 if not line.strip():
+                    yield (fi, here), BLANK, "", (fi, offset)
                     continue
                 where = f"{path}:{lineno}" if lineno is not None else self.location((fi, here))
                 try:
@@ -176,6 +244,8 @@ def read_all_records(files: List[str], skip_bad: bool = False) -> Tuple[List[Any
     `skip_bad` is kept as its DataFormatError, to be skipped and counted when accessed."""
     records, locations = [], []
     for _, record, where, _ in RecordFiles(files).iter_from():
+        if record is BLANK:
+            continue
         if isinstance(record, DataFormatError) and not skip_bad:
             raise DataFormatError(f"{record} (set data.skip_bad_samples to skip such samples)")
         records.append(record)

@@ -4,7 +4,7 @@ from functools import partial
 
 from ..data import build_dataloader, build_dataset
 from ..data.chat_template import build_chat_template
-from ..data.data_loader import skipped_samples
+from ..data.data_loader import data_report
 from ..data.data_transform import process_pretrain_example, process_sft_example
 from ..models import build_tokenizer
 from ..utils.logging import get_logger
@@ -61,6 +61,8 @@ class TextTrainer(BaseTrainer):
         )
 
     def on_train_end(self) -> None:
-        skipped = skipped_samples(self.train_dataloader)
-        if skipped:
-            logger.warning(f"skipped {skipped} bad samples on this rank (data.skip_bad_samples)")
+        report = data_report(self.train_dataloader, count_unread=False)
+        if report["skipped"]:
+            logger.warning(f"skipped {report['skipped']} bad samples on this rank (data.skip_bad_samples)")
+        if report["empty"] or report["blank"] or report["dropped"]:
+            logger.warning(f"data of the last epoch on this rank, not trained on: {report}")

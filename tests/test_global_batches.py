@@ -1,0 +1,101 @@
+"""Global batches independent of the world size: the samples of each global step are the same on 1, 2 and 4
+ranks (and any number of loader workers), with documents longer than max_seq_len; a resume on another world size
+continues the same sequence. (2 real ranks vs 1 process on such data: tests/test_parity_data_parallel.py, whose
+documents are longer than max_seq_len.)"""
+
+import json
+import random
+from functools import partial
+
+import pytest
+import torch
+
+from veomni.data import build_dataloader, build_dataset
+from veomni.data.data_loader import reshard_loader_state
+from veomni.data.data_transform import process_pretrain_example
+
+MAX_LEN = 32
+GLOBAL = 8  # samples per global step (without dyn_bsz)
+
+
+@pytest.fixture(scope="module")
+def long_docs(tmp_path_factory):
+    """Pre-tokenised documents of 5..120 tokens (many longer than MAX_LEN, so they split into several samples);
+    token t of document d is d * 1000 + t, so a sample names its document and piece by its first token."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("long") / "docs.jsonl"
+    with open(path, "w") as f:
+        for d in range(1, 61):
+            f.write(json.dumps({"input_ids": [d * 1000 + t for t in range(rng.randint(5, 120))]}) + "\n")
+    return str(path)
+
+
+def _loader(path, rank, dp, dyn, workers=0, micro=2):
+    dataset = build_dataset(
+        train_path=path,
+        datasets_type="mapping",
+        transform=partial(process_pretrain_example, tokenizer=None, max_seq_len=MAX_LEN),
+        seed=5,
+    )
+    loader = build_dataloader(
+        dataset=dataset,
+        micro_batch_size=micro,
+        dataloader_batch_size=GLOBAL // (micro * dp),
+        max_seq_len=MAX_LEN,
+        dyn_bsz=dyn,
+        num_workers=workers,
+        drop_last=False,
+        dp_rank=rank,
+        dp_size=dp,
+        dyn_bsz_buffer_size=16,
+        seed=5,
+    )
+    loader.set_epoch(0)
+    return loader
+
+
+def _samples(micro_batch):
+    """The first tokens (document * 1000 + offset) of the samples packed in a micro-batch."""
+    ids, pos = micro_batch["input_ids"][0], micro_batch["position_ids"][0]
+    return tuple(int(ids[i]) for i in torch.nonzero(pos == 0).flatten())
+
+
+def _global_steps(loaders, start=0, count=None):
+    """Per global step: the micro-batches of all ranks in rank order."""
+    per_rank = [[[_samples(mb) for mb in step] for step in loader] for loader in loaders]
+    steps = [sum((rank[s] for rank in per_rank), []) for s in range(len(per_rank[0]))]
+    return steps[start:] if count is None else steps[start : start + count]
+
+
+@pytest.mark.parametrize("dyn", [False, True])
+def test_global_steps_identical_on_1_2_4_ranks_and_with_workers(long_docs, dyn):
+    one = _global_steps([_loader(long_docs, 0, 1, dyn)])
+    assert len(one) >= 8
+    assert any(s % 1000 for step in one for mb in step for s in mb)  # long documents did split into pieces
+    for dp in (2, 4):
+        assert _global_steps([_loader(long_docs, r, dp, dyn) for r in range(dp)]) == one, f"{dp} ranks"
+    assert _global_steps([_loader(long_docs, r, 2, dyn, workers=2) for r in range(2)]) == one, "2 ranks x 2 workers"
+    if not dyn:  # another micro-batch split of the same global batch: same samples per step
+        regrouped = _global_steps([_loader(long_docs, 0, 1, dyn, micro=4)])
+        full = [sorted(sum(s, ())) for s in one if len(sum(s, ())) == GLOBAL]  # the tail may split differently
+        assert [sorted(sum(s, ())) for s in regrouped][: len(full)] == full
+    loader = _loader(long_docs, 0, 1, dyn)
+    assert loader.num_batches() == len(one)
+
+
+@pytest.mark.parametrize("dyn", [False, True])
+def test_resume_on_another_world_size_continues_the_sequence(long_docs, dyn):
+    one = _global_steps([_loader(long_docs, 0, 1, dyn)])
+    saved = []
+    for r in range(2):  # 2 ranks train 3 steps and save
+        loader = _loader(long_docs, r, 2, dyn)
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        saved.append(loader.state_dict())
+    resumed = []
+    for r in range(4):  # 4 ranks resume from the 2-rank states
+        loader = _loader(long_docs, r, 4, dyn)
+        loader.load_state_dict(reshard_loader_state(saved, r, 4, produced=3 * 2))
+        resumed.append(loader)
+    assert _global_steps(resumed) == one[3:]

@@ -1,0 +1,221 @@
+"""Global batches for sized (mapping, pre-tokenised, interleaved-mapping) datasets: the samples of global step N
+are a function of the data, the seed and the batch shape only -- not of the world size or the number of workers.
+
+Design, and why:
+1. Split records into samples first, once: every record in the epoch's seeded record order (one global order, as
+   one process sees it) is transformed, and a long document becomes its consecutive pieces. This is the *global
+   sample order*; it does not depend on who reads it. (Sharding records before the transform, as streaming does,
+   makes a rank's share depend on how many pieces its records split into: 1 and 2 processes then train on
+   different global batches.) Samples are kept compactly (int32 arrays), so each record is transformed once.
+2. Cut the global order into micro-batches with a rule every rank computes identically: `micro_batch_size`
+   samples each, or with dyn_bsz first-fit into a token budget of `micro_batch_size * max_seq_len` (from a buffer
+   of `dyn_bsz_buffer_size` samples; lengths are known from step 1, so this is cheap). Samples reach the collate
+   function with int64 numpy arrays where the transform gave lists of ints.
+3. A global step is the next `global_batch_size / micro_batch_size` micro-batches (= dp_size * dataloader_batch_size);
+   rank r takes micro-batches [r * a, (r+1) * a) of it, a = dataloader_batch_size. Loader worker w produces the
+   global steps w, w + W, ...; the DataLoader's round robin over workers returns them in order.
+So a global step holds the same samples on 1, 2 or 4 ranks and with any number of workers; with dyn_bsz it holds
+the same micro-batches when `micro_batch_size` (the token budget) and `global_batch_size` are kept. The loader
+state is a global position (epoch, step, micro-batch), valid for any world size: a resume on another number of
+ranks continues the same sample sequence.
+
+The tail of an epoch: the micro-batches left after the last full step are kept when they can be split (never
+merged, so the token budget holds) into one micro-batch per rank and accumulation slot; otherwise, or with
+drop_last, they are dropped and counted (`dropped_samples(loader)`).
+"""
+
+import copy
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .dataset import samples_many
+
+Key = Tuple[int, ...]
+
+
+def _compact(sample: Dict[str, Any]) -> Dict[str, Any]:
+    out = {}
+    for k, v in sample.items():
+        if isinstance(v, list) and v and all(isinstance(x, int) for x in v[:4]):
+            v = np.asarray(v, dtype=np.int32)  # token ids fit; a quarter of a Python list's memory
+        out[k] = v
+    return out
+
+
+def _expand(sample: Dict[str, Any]) -> Dict[str, Any]:
+    """Token lists come back as int64 numpy arrays: the collator turns them into tensors without a copy per
+    element (lists cost more than the tokenizer's share of the time on raw text)."""
+    return {k: v.astype(np.int64) if isinstance(v, np.ndarray) else v for k, v in sample.items()}
+
+
+class SampleIndex:
+    """The transformed samples of every record of a resumable source, and each epoch's global sample order."""
+
+    def __init__(self, source, chunk: int = 512):
+        self.source, self.chunk = source, chunk
+        self._samples: Dict[Key, List[Dict[str, Any]]] = {}
+        self._order: Dict[int, Tuple[List[Tuple[Key, int]], List[int]]] = {}
+
+    def order(self, epoch: int) -> Tuple[List[Tuple[Key, int]], List[int]]:
+        """`(entries, lengths)`: (record key, piece) of every sample of the epoch in global order, and lengths."""
+        if epoch not in self._order:
+            keys = list(self.source.iter_keys(epoch, 0, 1, {}))
+            missing = [k for k in keys if k not in self._samples]
+            for i in range(0, len(missing), self.chunk):  # batched transform (one tokenizer call per chunk)
+                part = missing[i : i + self.chunk]
+                for key, samples in zip(part, samples_many(self.source, part)):
+                    self._samples[key] = [_compact(s) for s in samples]
+            entries = [(k, j) for k in keys for j in range(len(self._samples[k]))]
+            lengths = [len(self._samples[k][j]["input_ids"]) for k, j in entries]
+            self._order = {epoch: (entries, lengths)}  # one epoch at a time
+        return self._order[epoch]
+
+    def sample(self, entry: Tuple[Key, int]) -> Dict[str, Any]:
+        return _expand(self._samples[entry[0]][entry[1]])
+
+    @property
+    def skipped(self) -> int:
+        return getattr(self.source, "skipped", 0)
+
+    @property
+    def empty(self) -> int:
+        return getattr(self.source, "empty", 0)
+
+
+def plan_micro_batches(
+    lengths: List[int],
+    per_step: int,
+    micro_batch_size: int,
+    dyn_bsz: bool,
+    budget: Callable[[int], int],
+    buffer_size: int,
+    drop_last: bool,
+) -> Tuple[List[List[List[int]]], int]:
+    """Global steps of `per_step` micro-batches (lists of sample positions), and the number of samples dropped."""
+    micro: List[List[int]] = []
+    if not dyn_bsz:
+        micro = [
+            list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)
+        ]
+    else:
+        buffer: List[int] = []
+        nxt = 0
+        while nxt < len(lengths) or buffer:
+            while len(buffer) < buffer_size and nxt < len(lengths):
+                buffer.append(nxt)
+                nxt += 1
+            limit, chosen, used = budget(len(micro) // per_step), [], 0
+            for i, pos in enumerate(buffer):  # first fit in arrival order
+                if used + lengths[pos] <= limit or not chosen:
+                    chosen.append(i)
+                    used += lengths[pos]
+                    if used >= limit:
+                        break
+            micro.append([buffer[i] for i in chosen])
+            for i in reversed(chosen):
+                del buffer[i]
+    complete = len(micro) if dyn_bsz else len(lengths) // micro_batch_size  # a short last micro-batch is tail
+    full = complete // per_step
+    steps = [micro[s * per_step : (s + 1) * per_step] for s in range(full)]
+    tail = micro[full * per_step :]
+    if tail and not drop_last:
+        while len(tail) < per_step:  # split (never merge) the fullest micro-batch: budgets still hold
+            big = max(range(len(tail)), key=lambda i: len(tail[i]))
+            if len(tail[big]) < 2:
+                break
+            half = len(tail[big]) // 2
+            tail[big : big + 1] = [tail[big][:half], tail[big][half:]]
+        if len(tail) == per_step:
+            steps.append(tail)
+            tail = []
+    return steps, sum(len(mb) for mb in tail)
+
+
+class GlobalBatchStream(IterableDataset):
+    """Yields this rank's collated micro-batches of each global step (see the module doc)."""
+
+    def __init__(
+        self,
+        index: SampleIndex,
+        collate_fn: Callable,
+        micro_batch_size: int,
+        max_seq_len: int,
+        dataloader_batch_size: int,
+        dyn_bsz: bool,
+        buffer_size: int,
+        dp_rank: int,
+        dp_size: int,
+        warmup_steps: int = 0,
+        warmup_init_tokens: int = 0,
+        drop_last: bool = False,
+    ):
+        self.index, self.collate_fn = index, collate_fn
+        self.micro_batch_size, self.max_seq_len = micro_batch_size, max_seq_len
+        self.accum = dataloader_batch_size
+        self.dyn_bsz, self.buffer_size = dyn_bsz, max(buffer_size, micro_batch_size)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.warmup_steps, self.warmup_init_tokens = warmup_steps, warmup_init_tokens
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._plans: Dict[int, Tuple[List[List[List[int]]], int]] = {}
+        self._resume: Optional[Dict[str, Any]] = None
+        self._state: Dict[str, Any] = {}
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _token_budget(self, step: int) -> int:
+        full = self.micro_batch_size * self.max_seq_len
+        if self.warmup_steps == 0 or step >= self.warmup_steps:
+            return full
+        start = min(self.warmup_init_tokens, full)
+        return int(start + (full - start) * step / self.warmup_steps)
+
+    def plan(self, epoch: int) -> Tuple[List[List[List[int]]], int]:
+        """The epoch's global steps (each: dp_size * dataloader_batch_size micro-batches) and dropped samples."""
+        if epoch not in self._plans:
+            _, lengths = self.index.order(epoch)
+            per_step = self.dp_size * self.accum
+            plan = plan_micro_batches(
+                lengths, per_step, self.micro_batch_size, self.dyn_bsz, self._token_budget, self.buffer_size,
+                self.drop_last,
+            )  # fmt: skip
+            self._plans = {epoch: plan}
+        return self._plans[epoch]
+
+    def num_steps(self, epoch: Optional[int] = None) -> int:
+        return len(self.plan(self.epoch if epoch is None else epoch)[0])
+
+    def state_dict(self) -> Dict[str, Any]:
+        return copy.deepcopy(self._state)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._resume = copy.deepcopy(state) if state else None
+
+    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        steps, dropped = self.plan(self.epoch)
+        entries, _ = self.index.order(self.epoch)
+        # a global position, the same on every rank: any rank's state resumes any world size
+        state = {"global_position": True, "epoch": self.epoch, "step": worker, "micro": 0, "produced": 0}
+        if self._resume is not None and self._resume.get("epoch") == self.epoch:
+            state.update({k: self._resume[k] for k in ("step", "micro", "produced", "samples") if k in self._resume})
+        self._resume = None
+        state.setdefault("samples", 0)
+        state.update(skipped=self.index.skipped, empty=self.index.empty, dropped=dropped)
+        self._state = state
+        mine = slice(self.dp_rank * self.accum, (self.dp_rank + 1) * self.accum)
+        while state["step"] < len(steps):
+            micro_batches = steps[state["step"]][mine]
+            batch = micro_batches[state["micro"]]
+            if state["micro"] + 1 < len(micro_batches):  # the state names what comes after this yield
+                state["micro"] += 1
+            else:
+                state["step"], state["micro"] = state["step"] + workers, 0
+            state["produced"] += 1
+            state["samples"] += len(batch)
+            yield self.collate_fn([self.index.sample(entries[p]) for p in batch])
