@@ -206,8 +206,9 @@ def _exchange_all_gather(mats: List[_Matrix], group, size: int, rank: int, ns, d
     flat = torch.cat([m.shard.reshape(-1) for m in mats])
     send = torch.zeros(width, dtype=dtype, device=flat.device)
     send[: flat.numel()] = flat
-    recv = torch.empty(size, width, dtype=dtype, device=flat.device)
+    recv = torch.empty(size * width, dtype=dtype, device=flat.device)  # flat: gloo wants chunks shaped like `send`
     dist.all_gather_into_tensor(recv, send, group=group)
+    recv = recv.view(size, width)
     offsets, whole = [0] * size, []
     for m in mats:
         pieces = []
