@@ -111,6 +111,7 @@ def run_case(case, strategy, dirs, refs, warnings):
         moved = max((full[n] - p).abs().max().item() for n, p in build(model_dir, kind).named_parameters())
         assert moved > 1e-3, f"{case}: parameters barely moved ({moved})"
     counts = {path: list(paths.values()).count(path) for path in sorted(set(paths.values()))}
+    dist.barrier()  # no rank reports success before rank 0 has compared with the reference
     print(f"MUON_CASE_OK {case}:{strategy} world={world} paths={counts} loss={losses[-1]:.6f}", flush=True)
 
 
