@@ -269,12 +269,14 @@ class DistributedMuon(torch.optim.Optimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
         )
-        super().__init__(params, defaults)
         self.ns_dtype, self.strategy, self.bucket_numel = ns_dtype, strategy, bucket_numel
         self._plans: Dict[torch.Tensor, MuonPlan] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._plans[p] = classify_param(p)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:  # the layout is fixed once sharded: classify once
+            self._plans[p] = classify_param(p)
 
     def path_of(self, param: torch.Tensor) -> str:
         return self._plans[param].path
