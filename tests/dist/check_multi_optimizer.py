@@ -1,5 +1,5 @@
-"""Under torchrun: a MultiOptimizer (two AdamW over disjoint parameters) on an FSDP2 model survives a DCP
-save/load and an offload/onload round trip exactly. argv: model_dir, checkpoint output dir."""
+"""Under torchrun: a MultiOptimizer (two AdamW over disjoint parameters, and Muon + AdamW from build_optimizer) on
+an FSDP2 model survives a DCP save/load and an offload/onload round trip exactly. argv: model_dir, output dir."""
 
 import sys
 
@@ -10,17 +10,23 @@ from veomni.distributed import destroy_parallel_state, init_parallel_state
 from veomni.distributed.offload import load_veomni_optimizer, offload_veomni_optimizer
 from veomni.distributed.torch_parallelize import build_parallelize_model
 from veomni.models import build_foundation_model
-from veomni.optim.multi_optimizer import MultiOptimizer
+from veomni.optim import MultiOptimizer, build_optimizer
 
 
-def build(model_dir):
+def build(model_dir, kind):
     torch.manual_seed(0)
     model = build_foundation_model(model_dir, torch_dtype="float32")
     model = build_parallelize_model(model, basic_modules=["Qwen2DecoderLayer"])
+    if kind == "muon":
+        return model, build_optimizer(model, lr=3e-3, weight_decay=0.1, optimizer_type="muon", muon_weight_decay=0.01)
     matrices = [p for p in model.parameters() if p.ndim == 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
-    opt = MultiOptimizer({"matrices": torch.optim.AdamW(matrices, lr=1e-2, weight_decay=0.1),
-                          "vectors": torch.optim.AdamW(vectors, lr=3e-3)})
+    opt = MultiOptimizer(
+        {
+            "matrices": torch.optim.AdamW(matrices, lr=1e-2, weight_decay=0.1),
+            "vectors": torch.optim.AdamW(vectors, lr=3e-3),
+        }
+    )
     return model, opt
 
 
@@ -33,9 +39,8 @@ def step(model, opt, seed):
     return loss.item()
 
 
-def main(model_dir, out):
-    init_parallel_state()
-    model, opt = build(model_dir)
+def check(model_dir, out, kind):
+    model, opt = build(model_dir, kind)
     for s in range(3):
         step(model, opt, s)
     ckpt = Checkpointer(out)
@@ -44,12 +49,18 @@ def main(model_dir, out):
     load_veomni_optimizer(opt)
     expected = [step(model, opt, s) for s in range(3, 6)]
 
-    model2, opt2 = build(model_dir)
+    model2, opt2 = build(model_dir, kind)
     ckpt.load(f"{out}/checkpoints/global_step_3", model2, opt2)
     got = [step(model2, opt2, s) for s in range(3, 6)]
     assert got == expected, (got, expected)
-    assert len(opt2.optimizers_dict["vectors"].state) > 0
-    print(f"MULTI_OPTIMIZER_OK {expected}", flush=True)
+    assert all(len(inner.state) > 0 for inner in opt2.optimizers_dict.values())
+    return expected
+
+
+def main(model_dir, out):
+    init_parallel_state()
+    results = {kind: check(model_dir, f"{out}/{kind}", kind) for kind in ("adamw", "muon")}
+    print(f"MULTI_OPTIMIZER_OK {results}", flush=True)  # one line per rank
     destroy_parallel_state()
 
 

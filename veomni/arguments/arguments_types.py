@@ -101,17 +101,26 @@ class OptimizerArguments:
     betas: List[float] = _doc("Adam betas.", default_factory=lambda: [0.9, 0.999])
     eps: float = _doc("Adam epsilon.", default=1e-8)
     max_grad_norm: float = _doc("Clip the global grad norm to this; <= 0 disables clipping.", default=1.0)
-    muon_lr: float = _doc("Muon group learning rate.", default=2e-2)
-    muon_momentum: float = _doc("Muon momentum.", default=0.95)
+    # muon_* keys are read only when type == "muon": Muon trains 2-D hidden weights and 3-D expert stacks, and an
+    # AdamW sibling (lr, weight_decay, betas, eps above) trains embeddings, lm_head, biases and norms.
+    muon_lr: float = _doc("Muon group learning rate (follows the lr schedule from its own base).", default=2e-2)
+    muon_momentum: float = _doc("Muon momentum factor.", default=0.95)
     muon_nesterov: bool = _doc("Nesterov momentum for Muon.", default=True)
-    muon_weight_decay: float = _doc("Muon decoupled weight decay.", default=0.0)
+    muon_weight_decay: float = _doc("Decoupled weight decay of the Muon group.", default=0.0)
     muon_ns_steps: int = _doc("Newton-Schulz iterations.", default=5)
     muon_ns_coefficients: List[float] = _doc(
-        "Quintic NS coefficients.", default_factory=lambda: [3.4445, -4.7750, 2.0315]
+        "Quintic Newton-Schulz coefficients (a, b, c).", default_factory=lambda: [3.4445, -4.7750, 2.0315]
     )
-    muon_eps: float = _doc("Muon normalisation epsilon.", default=1e-7)
-    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = _doc("Per-matrix lr rule.", default="match_rms_adamw")
-    muon_expert_zero_comm: bool = _doc("Shard experts whole per rank for Muon (MoE).", default=False)
+    muon_eps: float = _doc("Epsilon of the norm that scales each matrix before Newton-Schulz.", default=1e-7)
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = _doc(
+        "Per-matrix lr: original = sqrt(max(1, rows/cols)); match_rms_adamw = 0.2 * sqrt(max(rows, cols)).",
+        default="match_rms_adamw",
+    )
+    muon_expert_zero_comm: bool = _doc(
+        "MoE with EP: FSDP shards whole experts (dim 0) over ep_fsdp so Muon needs no communication for them; "
+        "needs (num_experts / ep_size) % ep_fsdp_size == 0, else a warning and the dim-1 (gather) layout.",
+        default=False,
+    )
 
 
 @dataclass

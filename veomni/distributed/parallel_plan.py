@@ -67,6 +67,11 @@ def apply_expert_parallel(model: nn.Module, state: ParallelState) -> List[nn.Mod
     return owners
 
 
-def expert_shard_placement(param: torch.Tensor):
-    """FSDP shards local experts on their hidden dim, so whole experts stay on their ep rank."""
-    return Shard(1)
+def expert_shard_placement(param: torch.Tensor, zero_comm: bool = False, ep_fsdp_size: int = 1):
+    """FSDP shards local experts on their hidden dim (dim 1) by default, so whole experts stay on their ep rank.
+
+    `zero_comm` (optimizer.muon_expert_zero_comm) shards on dim 0 instead: each ep_fsdp rank holds whole experts,
+    so Muon orthogonalises them with no communication. It needs the local experts to split evenly over ep_fsdp.
+    """
+    local_experts = (param.to_local() if isinstance(param, DTensor) else param).shape[0]
+    return Shard(0) if zero_comm and local_experts % ep_fsdp_size == 0 else Shard(1)

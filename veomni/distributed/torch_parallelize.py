@@ -1,6 +1,7 @@
 """`build_parallelize_model`: FSDP2 (or DDP), mixed precision, activation checkpointing, CPU offload, and
 meta-device materialisation with weights read on rank 0 and broadcast."""
 
+from functools import partial
 from typing import Any, List, Optional, Sequence
 
 from torch import nn
@@ -65,6 +66,7 @@ def build_parallelize_model(
     enable_forward_prefetch: bool = True,
     broadcast_model_weights_from_rank0: bool = True,
     max_load_broadcast_size: int = 2**30,
+    expert_zero_comm: bool = False,
 ) -> nn.Module:
     """Wrap `model` for data-parallel training per the parallel state's mode; returns the same module object.
 
@@ -72,6 +74,8 @@ def build_parallelize_model(
     `enable_full_shard=False` keeps parameters gathered between forward and backward (ZeRO-2 style).
     A model built on `meta` is materialised after sharding, so no rank ever holds the full model unless it reads
     the checkpoint (rank 0 with `broadcast_model_weights_from_rank0`).
+    `expert_zero_comm` (optimizer.muon_expert_zero_comm): with expert parallel, FSDP shards whole experts (dim 0)
+    over ep_fsdp instead of their hidden dim, when the local experts split evenly (else a warning, and dim 1).
     """
     state = get_parallel_state()
     if state.sp_enabled:
@@ -107,8 +111,17 @@ def build_parallelize_model(
         kwargs["offload_policy"] = offload
     if state.ep_enabled:  # experts first: sharded over ep by the plan, then FSDP over ep_fsdp
         ep_fsdp = state.extra_mesh("ep")["ep_fsdp"]
+        placement = partial(expert_shard_placement, zero_comm=expert_zero_comm, ep_fsdp_size=ep_fsdp.size())
+        uneven = False
         for experts in apply_expert_parallel(model, state):
-            fully_shard(experts, **dict(kwargs, mesh=ep_fsdp), shard_placement_fn=expert_shard_placement)
+            if expert_zero_comm and not uneven and any(placement(p).dim != 0 for p in experts.parameters(False)):
+                uneven = True  # warn once, not once per layer
+                logger.warning(
+                    f"muon_expert_zero_comm: {type(experts).__name__}'s local experts do not split evenly over "
+                    f"ep_fsdp={ep_fsdp.size()} ((num_experts / ep_size) % ep_fsdp_size != 0): sharding their "
+                    "hidden dim instead; Muon gathers them over ep_fsdp (moe_gather_3d)"
+                )
+            fully_shard(experts, **dict(kwargs, mesh=ep_fsdp), shard_placement_fn=placement)
     units = _basic_module_instances(model, basic_modules or [])
     for unit in units:
         fully_shard(unit, **kwargs)

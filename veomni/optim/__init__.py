@@ -2,6 +2,17 @@
 
 from .anyprecision_adamw import AnyPrecisionAdamW
 from .lr_scheduler import build_lr_scheduler
+from .multi_optimizer import MultiOptimizer
+from .muon import DistributedMuon, Muon, classify_param, zeropower_via_newtonschulz
 from .optimizer import build_optimizer
 
-__all__ = ["AnyPrecisionAdamW", "build_lr_scheduler", "build_optimizer"]
+__all__ = [
+    "AnyPrecisionAdamW",
+    "DistributedMuon",
+    "Muon",
+    "MultiOptimizer",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "classify_param",
+    "zeropower_via_newtonschulz",
+]

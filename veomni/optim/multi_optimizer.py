@@ -1,22 +1,36 @@
 """MultiOptimizer: several optimizers over disjoint parameter sets, driven as one (e.g. Muon + AdamW)."""
 
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
 
 class MultiOptimizer(torch.optim.Optimizer):
     """Steps, zeroes and schedules its inner optimizers together; `optimizers_dict` names them for checkpoints
-    and offloading, which handle each one separately."""
+    and offloading, which handle each one separately.
+
+    `param_groups` is the live concatenation of the inner optimizers' groups (in `optimizers_dict` order), so an
+    LR scheduler built on the MultiOptimizer drives every group from its own initial lr, and keeps doing so after
+    an inner `load_state_dict` has replaced that optimizer's group dicts.
+    """
 
     def __init__(self, optimizers: Dict[str, torch.optim.Optimizer]):
         if not optimizers:
             raise ValueError("MultiOptimizer needs at least one optimizer")
         self.optimizers_dict = dict(optimizers)
-        # param_groups is the concatenation, so LR schedulers see every group (in a stable order)
-        self.param_groups = [g for opt in self.optimizers_dict.values() for g in opt.param_groups]
+        seen = set()
+        for name, opt in self.optimizers_dict.items():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) in seen:
+                        raise ValueError(f"a parameter is given to more than one optimizer (again in {name!r})")
+                    seen.add(id(p))
         self.defaults = {}
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    @property
+    def param_groups(self) -> List[dict]:
+        return [g for opt in self.optimizers_dict.values() for g in opt.param_groups]
 
     @property
     def state(self):
@@ -25,8 +39,15 @@ class MultiOptimizer(torch.optim.Optimizer):
             merged.update(opt.state)
         return merged
 
+    def named_lrs(self) -> Dict[str, float]:
+        """Current lr of each inner optimizer (its first group), for logging: {"adamw": ..., "muon": ...}."""
+        return {name: opt.param_groups[0]["lr"] for name, opt in self.optimizers_dict.items()}
+
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for opt in self.optimizers_dict.values():
             opt.step()
         return loss

@@ -1,11 +1,17 @@
-"""`build_optimizer`: AdamW variants with no weight decay on biases and norms (Muon plugs in here too)."""
+"""`build_optimizer`: AdamW variants with no weight decay on biases and norms, and Muon (+ AdamW) as a
+MultiOptimizer."""
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Set
 
 import torch
 from torch import nn
 
+from ..utils.logging import get_logger
 from .anyprecision_adamw import AnyPrecisionAdamW
+from .multi_optimizer import MultiOptimizer
+from .muon import DEFAULT_NS_COEFFICIENTS, PATHS, DistributedMuon
+
+logger = get_logger(__name__)
 
 
 def is_no_decay(name: str, param: torch.Tensor) -> bool:
@@ -13,10 +19,10 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
     return param.ndim < 2 or name.endswith(".bias") or "norm" in name.lower()
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
+def param_groups(model: nn.Module, weight_decay: float, exclude: Set[int] = frozenset()) -> List[Dict]:
     decay, no_decay = [], []
     for name, param in model.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad and id(param) not in exclude:
             (no_decay if is_no_decay(name, param) else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
@@ -32,8 +38,83 @@ def _anyprecision_adamw(model, lr, weight_decay, betas, eps, **kwargs):
     return AnyPrecisionAdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps, **kwargs)
 
 
-def _muon(model, lr, weight_decay, betas, eps, **kwargs):
-    raise NotImplementedError("optimizer type 'muon' is not implemented yet; use 'adamw' or 'anyprecision_adamw'")
+def _embedding_ids(model: nn.Module) -> Set[int]:
+    """Input embeddings and lm_head (tied or not): matrices, but not hidden ones, so AdamW trains them."""
+    ids = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)() if hasattr(model, getter) else None
+        except NotImplementedError:
+            module = None
+        if module is not None:
+            ids.update(id(p) for p in module.parameters())
+    for name, param in model.named_parameters():  # models without the HF getters
+        if "embed" in name or name.startswith("lm_head") or ".lm_head." in name:
+            ids.add(id(param))
+    return ids
+
+
+def muon_params(model: nn.Module) -> List[torch.Tensor]:
+    """What Muon trains: 2-D hidden weights and 3-D expert stacks. Not embeddings, lm_head, biases or norms."""
+    embeddings = _embedding_ids(model)
+    return [
+        p
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.ndim in (2, 3) and id(p) not in embeddings and not is_no_decay(name, p)
+    ]
+
+
+def _muon(
+    model,
+    lr,
+    weight_decay,
+    betas,
+    eps,
+    muon_lr: float = 2e-2,
+    muon_momentum: float = 0.95,
+    muon_nesterov: bool = True,
+    muon_weight_decay: float = 0.0,
+    muon_ns_steps: int = 5,
+    muon_ns_coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS,
+    muon_eps: float = 1e-7,
+    muon_adjust_lr_fn: str = "match_rms_adamw",
+    muon_expert_zero_comm: bool = False,
+    **muon_options,
+):
+    """MultiOptimizer {"adamw": AdamW(lr, weight_decay, betas, eps), "muon": DistributedMuon(muon_*)}.
+
+    `muon_expert_zero_comm` is honoured where the model is sharded (build_parallelize_model's expert_zero_comm):
+    here it only reports expert stacks that still need communication. `muon_options` go to DistributedMuon
+    (ns_dtype, strategy, bucket_numel).
+    """
+    matrices = muon_params(model)
+    taken = {id(p) for p in matrices}
+    optimizers = {}
+    rest = param_groups(model, weight_decay, exclude=taken)
+    if rest:
+        optimizers["adamw"] = torch.optim.AdamW(rest, lr=lr, betas=tuple(betas), eps=eps, foreach=True)
+    if matrices:
+        muon = DistributedMuon(
+            matrices,
+            lr=muon_lr,
+            weight_decay=muon_weight_decay,
+            momentum=muon_momentum,
+            nesterov=muon_nesterov,
+            ns_coefficients=tuple(muon_ns_coefficients),
+            eps=muon_eps,
+            ns_steps=muon_ns_steps,
+            adjust_lr_fn=muon_adjust_lr_fn,
+            **muon_options,
+        )
+        counts = {path: sum(muon.path_of(p) == path for p in matrices) for path in PATHS}
+        logger.info(f"Muon on {len(matrices)} matrices/expert stacks ({counts}); AdamW on the other parameters")
+        if muon_expert_zero_comm and counts["moe_gather_3d"]:
+            logger.warning(
+                f"muon_expert_zero_comm is on but {counts['moe_gather_3d']} expert stacks are split inside their "
+                "matrices (moe_gather_3d): their Newton-Schulz communicates over ep_fsdp"
+            )
+        optimizers["muon"] = muon
+    return MultiOptimizer(optimizers)
 
 
 OPTIMIZERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {

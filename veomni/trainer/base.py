@@ -128,6 +128,7 @@ class BaseTrainer:
             enable_forward_prefetch=fsdp.forward_prefetch,
             broadcast_model_weights_from_rank0=args.train.broadcast_model_weights_from_rank0,
             max_load_broadcast_size=fsdp.max_load_broadcast_size,
+            expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
         )
         self.model.train()
         self.num_params = sum(p.numel() for p in self.model.parameters())
@@ -192,8 +193,16 @@ class BaseTrainer:
 
     def build_optimizer(self) -> None:
         opt = self.args.train.optimizer
+        # the muon_* keys are Muon's (its AdamW sibling group takes lr / weight_decay / betas / eps)
+        muon = {k: v for k, v in dataclasses.asdict(opt).items() if k.startswith("muon_")} if opt.type == "muon" else {}
         self.optimizer = build_optimizer(
-            self.model, lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps, optimizer_type=opt.type
+            self.model,
+            lr=opt.lr,
+            weight_decay=opt.weight_decay,
+            betas=opt.betas,
+            eps=opt.eps,
+            optimizer_type=opt.type,
+            **muon,
         )
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer,
@@ -282,6 +291,9 @@ class BaseTrainer:
         dist.all_reduce(loss_sum, group=state.dp_group)
         loss = (loss_sum / max(totals["loss_tokens"], 1)).item()
         lr = self.lr_scheduler.get_last_lr()[0]
+        # a MultiOptimizer also logs each inner optimizer's lr of this step (lr_adamw, lr_muon)
+        named = getattr(self.optimizer, "named_lrs", None)
+        group_lrs = {f"lr_{name}": value for name, value in named().items()} if named else {}
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
@@ -293,7 +305,7 @@ class BaseTrainer:
             self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped}
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped, **group_lrs}
 
     # --------------------------------------------------------------------------------------------- loop
     def _fire(self, event: str, *extra) -> None:
