@@ -18,11 +18,10 @@ STOP_EXIT_CODES = {int(signal.SIGINT): 130, int(signal.SIGTERM): 143, int(signal
 
 
 def _recorded(failure) -> str:
-    """The one-line message a worker recorded (veomni.utils.lifecycle), or ''."""
+    """The one-line message a worker recorded (veomni.utils.lifecycle), or ''. torchrun makes up a plain-string
+    message ("Signal 15 (SIGTERM) received by PID ...") for a rank without a record: that is not one."""
     message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    return "" if not message or "To enable traceback" in str(message) else str(message)
+    return str(message.get("message", "")) if isinstance(message, dict) else ""
 
 
 def _is_echo(failure) -> bool:

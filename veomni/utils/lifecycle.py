@@ -215,11 +215,12 @@ def _is_collective_failure(err: BaseException) -> bool:
     )
 
 
-def _claim_report() -> bool:
-    """True on the first rank to fail (the store decides); every rank that cannot ask reports by itself."""
+def _claim_report() -> Optional[bool]:
+    """True on the first rank to fail (the store decides), False on later ones; None before the process group
+    exists (no echoes yet: every failing rank read the same inputs, and local rank 0 says it)."""
     store = _default_store()
-    if store is None:  # failed before the process group: every rank parsed the same inputs; one per node says it
-        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if store is None:
+        return None
     try:
         return store.add("veomni/failures", 1) == 1
     except Exception:
@@ -250,12 +251,14 @@ def describe_error(err: BaseException, probe_peers: bool = True) -> str:
 
 
 def _write_error_file(message: str, trace: str, secondary: bool) -> None:
-    """torchrun's error record: its summary shows `py_callstack` and picks the earliest timestamp as root
-    cause (1-s resolution, ties to the lowest rank), so a secondary failure is dated a second later."""
+    """torchrun's error record: its summary shows `py_callstack` and names the earliest failure as the root cause,
+    at 1-s resolution with ties going to the lowest rank. A rank it SIGTERMs while tearing down is dated when it
+    is seen dead (no record), often the same second as the real cause on a higher rank; so the real cause is
+    dated a second early and an echo of it (a peer's lost connection) a second late."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    stamp = int(time.time()) + (1 if secondary else 0)
+    stamp = int(time.time()) + (1 if secondary else -1)
     info = {"py_callstack": trace or message, "timestamp": stamp, "veomni_secondary": secondary}
     record = {"message": {"message": message, "extraInfo": info}}
     try:
@@ -268,12 +271,13 @@ def _write_error_file(message: str, trace: str, secondary: bool) -> None:
 def report_error(err: BaseException) -> None:
     """Say what went wrong, once over all ranks, as this rank's last output."""
     _state["exiting"] = True
-    reporter = _claim_report()
+    claim = _claim_report()
+    reporter = claim if claim is not None else int(os.environ.get("LOCAL_RANK", "0")) == 0
     message = describe_error(err, probe_peers=reporter)  # a later failure is an echo: no time spent on it
     # a user's mistake or a lost peer is said in one line; a traceback only helps with a bug in the code
     plain = isinstance(err, _user_error_types()) or _is_collective_failure(err)
     trace = "" if plain else "".join(traceback.format_exception(err))
-    _write_error_file(message, trace, secondary=not reporter)
+    _write_error_file(message, trace, secondary=claim is False)
     if not reporter:
         return
     if trace:
