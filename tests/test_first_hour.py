@@ -85,6 +85,9 @@ def test_rerun_resumes_counts_exactly_and_overwrite_moves_the_old_run_aside(tmp_
     again = read_metrics(out)
     assert [m["step"] for m in again] == list(range(1, counted + 1)) and again[:3] == first  # continued
     assert "ran out of data" not in proc.stdout and counted > 3
+    # progress for a log file: the start line with the set-up time, then step/total with elapsed and ETA
+    assert f"training starts (resumed at step 3): steps 4..{counted}; set-up took" in proc.stdout
+    assert f"step {counted}/{counted}: loss" in proc.stdout and "elapsed, ETA 0:00" in proc.stdout
 
     proc = _train(config, out, "--train.max_steps", "1", "--train.checkpoint.overwrite", "true")
     (old,) = glob.glob(f"{out}.old-*")
