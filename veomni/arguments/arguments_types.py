@@ -17,8 +17,14 @@ def _doc(text: str, **kwargs):
 # --------------------------------------------------------------------------------------------------- model
 @dataclass
 class OpsImplementation:
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = _doc(
-        "Attention kernel. `sdpa` handles packed (varlen) batches on every device.", default="sdpa"
+    attn_implementation: Literal[
+        "veomni_varlen", "flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention"
+    ] = _doc(
+        "Attention kernel. `veomni_varlen` (default): packed documents attend only within themselves using "
+        "cu_seq_lens, never an (S x S) mask -- flash-attn varlen on CUDA when installed, else torch varlen / flex "
+        "attention, on CPU one causal SDPA per document. `flash_attention_2/3` without their package fall back to "
+        "`veomni_varlen` (one log line). `sdpa`/`eager` are transformers' own (packed rows get a block-diagonal mask).",
+        default="veomni_varlen",
     )
     moe_implementation: Literal["eager", "fused"] = _doc("Mixture-of-experts kernel.", default="eager")
 
