@@ -27,6 +27,12 @@ class OpsImplementation:
         default="veomni_varlen",
     )
     moe_implementation: Literal["eager", "fused"] = _doc("Mixture-of-experts kernel.", default="eager")
+    loss_chunk_size: int = _doc(
+        "Tokens per chunk of the training loss: the output head and cross-entropy run on this many tokens at a "
+        "time (recomputed in backward), so the full (tokens x vocab) fp32 logits never exist. 0: plain loss on "
+        "full logits.",
+        default=1024,
+    )
 
 
 @dataclass

@@ -24,7 +24,7 @@ from ..data.data_loader import reshard_loader_state
 from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.torch_parallelize import build_parallelize_model
 from ..models import build_foundation_model
-from ..ops import causal_lm_loss_sum, count_loss_tokens
+from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
 from ..optim import build_lr_scheduler, build_optimizer
 from ..utils.device import get_device, get_device_type, synchronize
 from ..utils.logging import get_logger
@@ -182,8 +182,13 @@ class BaseTrainer:
         """Summed token loss of one micro-batch; override for custom losses."""
         labels = micro_batch["labels"]
         inputs = {k: v for k, v in micro_batch.items() if k not in _NOT_MODEL_INPUTS}
-        outputs = self.model(**inputs, use_cache=False)
-        loss_sum, tokens = causal_lm_loss_sum(outputs.logits, labels)
+        chunk = self.args.model.ops_implementation.loss_chunk_size
+        with chunked_lm_head_loss(self.model, labels, chunk) as head_loss:  # never the full fp32 logits
+            outputs = self.model(**inputs, use_cache=False)
+        if head_loss is not None:  # the head returned the summed loss in place of the logits
+            loss_sum, tokens = outputs.logits, head_loss["tokens"]
+        else:
+            loss_sum, tokens = causal_lm_loss_sum(outputs.logits, labels)
         aux = getattr(outputs, "aux_loss", None)
         if aux is not None:  # MoE load balancing (output_router_logits), weighted like this micro-batch's tokens
             loss_sum = loss_sum + self.model.config.router_aux_loss_coef * aux * tokens
