@@ -176,7 +176,12 @@ class BaseTrainer:
 
     # -------------------------------------------------------------------------------------------- step
     def _to_device(self, micro_batch: Dict[str, Any]) -> Dict[str, Any]:
-        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
+        # pinned host memory makes the copy truly asynchronous on CUDA (on CPU there is nothing to copy)
+        pin = self.device.type == "cuda"
+        return {
+            k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+            for k, v in micro_batch.items()
+        }
 
     def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
         """Summed token loss of one micro-batch; override for custom losses."""
@@ -210,10 +215,11 @@ class BaseTrainer:
         scale = state.dp_size / max(totals["loss_tokens"], 1)
         ddp = state.mode == "ddp"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, micro_batch in enumerate(micro_batches):
+        on_device = [self._to_device(mb) for mb in micro_batches]  # all copies queued before the first forward
+        for i, micro_batch in enumerate(on_device):
             if ddp:  # all-reduce gradients once per step, on the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            micro_loss = self.forward_loss_sum(self._to_device(micro_batch))
+            micro_loss = self.forward_loss_sum(micro_batch)
             (micro_loss * scale).backward()
             loss_sum += micro_loss.detach().double()
         grad_norm = clip_grad_norm(self.model, self.args.train.optimizer.max_grad_norm)
