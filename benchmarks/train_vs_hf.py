@@ -164,7 +164,9 @@ def main():
             "hf_flat": partial(hf, collator=DataCollatorWithFlattening()),
         }
         line = []
-        for name, run in runs.items():
+        order = list(runs) if repeat % 2 == 0 else list(runs)[::-1]  # alternate the order: load drifts
+        for name in order:
+            run = runs[name]
             useful, wall, cpu = run()
             results[name].append((useful / wall, useful / cpu))
             line.append(f"{name} {useful / wall:6.0f} tok/s, {useful / cpu:6.0f} tok/CPU-s ({useful} tokens)")
