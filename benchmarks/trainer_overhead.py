@@ -18,14 +18,20 @@ sys.path.insert(0, ".")
 from veomni.arguments import VeOmniArguments, parse_args  # noqa: E402
 from veomni.distributed import destroy_parallel_state  # noqa: E402
 from veomni.models import build_foundation_model  # noqa: E402
-from veomni.ops import causal_lm_loss_sum, count_loss_tokens  # noqa: E402
+from veomni.ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens  # noqa: E402
 from veomni.trainer import TextTrainer  # noqa: E402
 from veomni.utils.demo_assets import ensure_demo_assets  # noqa: E402
 
 
 def bare_loop(args, batches, warmup):
     torch.manual_seed(args.train.seed)
-    model = build_foundation_model(args.model.config_path, torch_dtype="float32", attn_implementation="sdpa")
+    ops = args.model.ops_implementation  # the trainer's own kernels and loss, so only the loop differs
+    model = build_foundation_model(
+        args.model.config_path,
+        torch_dtype="float32",
+        attn_implementation=ops.attn_implementation,
+        moe_implementation=ops.moe_implementation,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.train.optimizer.lr, foreach=True)
     times, tokens = [], []
     for i, micro_batches in enumerate(batches):
@@ -33,7 +39,9 @@ def bare_loop(args, batches, warmup):
         n = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches)
         for mb in micro_batches:
             inputs = {k: v for k, v in mb.items() if k != "labels"}
-            loss, _ = causal_lm_loss_sum(model(**inputs, use_cache=False).logits, mb["labels"])
+            with chunked_lm_head_loss(model, mb["labels"], ops.loss_chunk_size) as head:
+                out = model(**inputs, use_cache=False)
+            loss = out.logits if head is not None else causal_lm_loss_sum(out.logits, mb["labels"])[0]
             (loss / n).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

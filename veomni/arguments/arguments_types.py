@@ -19,10 +19,26 @@ def _doc(text: str, **kwargs):
 class OpsImplementation:
     """Which kernels the model runs."""
 
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = _doc(
-        "Attention kernel. `sdpa` handles packed (varlen) batches on every device.", default="sdpa"
+    attn_implementation: Literal[
+        "veomni_varlen", "flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention"
+    ] = _doc(
+        "Attention kernel. `veomni_varlen` (default): packed documents attend only within themselves using "
+        "cu_seq_lens, never an (S x S) mask -- flash-attn varlen on CUDA when installed, else torch varlen / flex "
+        "attention, on CPU one causal SDPA per document. `flash_attention_2/3` without their package fall back to "
+        "`veomni_varlen` (one log line). `sdpa`/`eager` are transformers' own (packed rows get a block-diagonal mask).",
+        default="veomni_varlen",
     )
-    moe_implementation: Literal["eager", "fused"] = _doc("Mixture-of-experts kernel.", default="eager")
+    moe_implementation: Literal["eager", "fused"] = _doc(
+        "Mixture-of-experts kernel: `fused` (tokens sorted by expert, batched/grouped matmuls; as fast as eager on "
+        "CPU, much faster on CUDA) or `eager` (transformers' per-expert loop, the reference).",
+        default="fused",
+    )
+    loss_chunk_size: int = _doc(
+        "Tokens per chunk of the training loss: the output head and cross-entropy run on this many tokens at a "
+        "time (recomputed in backward), so the full (tokens x vocab) fp32 logits never exist. 0: plain loss on "
+        "full logits.",
+        default=1024,
+    )
 
 
 @dataclass

@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from ..ops.attention import VARLEN, resolve_attn_implementation
 from ..ops.moe import experts_implementation
 from ..utils.logging import get_logger
 from .loader import init_empty_weights, load_weights, num_experts_of
@@ -53,7 +54,7 @@ def build_foundation_model(
     weights_path: Optional[str] = None,
     init_device: str = "cpu",
     torch_dtype: Union[str, torch.dtype] = "bfloat16",
-    attn_implementation: Optional[str] = "sdpa",
+    attn_implementation: Optional[str] = VARLEN,
     moe_implementation: Optional[str] = None,
     config_kwargs: Optional[Dict[str, Any]] = None,
     trust_remote_code: bool = False,
@@ -72,7 +73,12 @@ def build_foundation_model(
     if num_experts_of(config):
         config._experts_implementation = experts_implementation(moe_implementation)
     dtype = to_dtype(torch_dtype)
-    kwargs = {"attn_implementation": attn_implementation, "dtype": dtype, "trust_remote_code": trust_remote_code}
+    # veomni_varlen (default): packed documents attend only within themselves, with no (S x S) mask
+    kwargs = {
+        "attn_implementation": resolve_attn_implementation(attn_implementation),
+        "dtype": dtype,
+        "trust_remote_code": trust_remote_code,
+    }
     if init_device == "meta":
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, **kwargs)

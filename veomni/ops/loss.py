@@ -1,9 +1,19 @@
-"""Causal-LM loss as a token *sum*, so the trainer can normalise by the global number of loss tokens."""
+"""Causal-LM loss as a token *sum*, so the trainer can normalise by the global number of loss tokens.
 
-from typing import Tuple
+`causal_lm_loss_sum` takes full logits. `chunked_lm_head_loss` never materialises them: inside the model's
+forward it takes over the output head, applies it to `chunk_size` tokens at a time under activation
+checkpointing, and sums the cross-entropy, so the (tokens x vocab) fp32 logits of only one chunk live at once
+(in forward, and again in backward, where each chunk is recomputed). The head is called as a module, so FSDP's
+hooks and tied embeddings behave as in the plain forward.
+"""
+
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 
@@ -19,3 +29,72 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torc
     shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
     loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss, (shift_labels != IGNORE_INDEX).sum()
+
+
+def _next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """targets[..., t] = labels[..., t + 1]; the last position of each row predicts nothing."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[..., :-1] = labels[..., 1:]
+    return targets
+
+
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_head_loss_sum(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`causal_lm_loss_sum(head(hidden), labels)` with the logits of at most `chunk_size` tokens alive at once."""
+    targets = _next_token_targets(labels.to(hidden.device)).reshape(-1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    total = flat.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat.shape[0], chunk_size):
+        h, t = flat[start : start + chunk_size], targets[start : start + chunk_size]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss, head, h, t, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(head, h, t)
+    return total, (targets != IGNORE_INDEX).sum()
+
+
+def supports_chunked_loss(model: nn.Module) -> bool:
+    """Models whose logits are exactly `get_output_embeddings()(hidden)` (no soft-capping or scaling after it)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return False
+    return isinstance(getattr(model, "get_output_embeddings", lambda: None)(), nn.Linear)
+
+
+@contextmanager
+def chunked_lm_head_loss(model: nn.Module, labels: torch.Tensor, chunk_size: int) -> Iterator[Optional[Dict[str, Any]]]:
+    """Within the block, `model(...)` computes the loss chunk by chunk at its output head instead of full logits.
+
+    The summed loss comes back *as* `outputs.logits` (a 0-dim tensor): taking it from the model's own output lets
+    FSDP see the backward reach the model and unshard the root's parameters before the chunks are recomputed.
+    Yields a dict that holds `tokens` (loss tokens) once the forward has run, or None when the model cannot be
+    chunked (`chunk_size <= 0`, soft-capped logits, ...): then `outputs.logits` are the plain logits.
+    """
+    if chunk_size <= 0 or not supports_chunked_loss(model):
+        yield None
+        return
+    head = model.get_output_embeddings()
+    result: Dict[str, Any] = {}
+    inside = [False]
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if inside[0]:  # a chunk calling the head through its module (hooks included): the real projection
+            return type(head).forward(head, hidden)
+        inside[0] = True
+        try:
+            loss_sum, result["tokens"] = chunked_head_loss_sum(head, hidden, labels, chunk_size)
+        finally:
+            inside[0] = False
+        return loss_sum
+
+    head.forward = forward
+    try:
+        yield result
+    finally:
+        del head.forward

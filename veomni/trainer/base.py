@@ -26,7 +26,7 @@ from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.mixed_precision import resolve_precision
 from ..distributed.torch_parallelize import build_parallelize_model
 from ..models import build_foundation_model
-from ..ops import causal_lm_loss_sum, count_loss_tokens
+from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
 from ..utils import lifecycle
@@ -235,14 +235,24 @@ class BaseTrainer:
 
     # -------------------------------------------------------------------------------------------- step
     def _to_device(self, micro_batch: Dict[str, Any]) -> Dict[str, Any]:
-        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
+        # pinned host memory makes the copy truly asynchronous on CUDA (on CPU there is nothing to copy)
+        pin = self.device.type == "cuda"
+        return {
+            k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+            for k, v in micro_batch.items()
+        }
 
     def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
         """Summed token loss of one micro-batch; override for custom losses."""
         labels = micro_batch["labels"]
         inputs = {k: v for k, v in micro_batch.items() if k not in _NOT_MODEL_INPUTS}
-        outputs = self.model(**inputs, use_cache=False)
-        loss_sum, _ = causal_lm_loss_sum(outputs.logits, labels)
+        chunk = self.args.model.ops_implementation.loss_chunk_size
+        with chunked_lm_head_loss(self.model, labels, chunk) as head_loss:  # never the full fp32 logits
+            outputs = self.model(**inputs, use_cache=False)
+        if head_loss is not None:  # the head returned the summed loss in place of the logits
+            loss_sum = outputs.logits
+        else:
+            loss_sum, _ = causal_lm_loss_sum(outputs.logits, labels)
         router_logits = getattr(outputs, "router_logits", None)
         if router_logits:  # MoE load balancing (output_router_logits): per document, so no layout moves it
             config = self.model.config
@@ -280,10 +290,11 @@ class BaseTrainer:
         scale = state.dp_size / max(totals["loss_tokens"], 1)
         ddp = state.mode == "ddp"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, micro_batch in enumerate(micro_batches):
+        on_device = [self._to_device(mb) for mb in micro_batches]  # all copies queued before the first forward
+        for i, micro_batch in enumerate(on_device):
             if ddp:  # all-reduce gradients once per step, on the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            micro_loss = self.forward_loss_sum(self._to_device(micro_batch))
+            micro_loss = self.forward_loss_sum(micro_batch)
             (micro_loss * scale).backward()
             loss_sum += micro_loss.detach().double()
         lifecycle.set_progress(self.global_step + 1, "grad-norm and loss all-reduce")
