@@ -31,8 +31,9 @@ if [ -z "${MASTER_PORT:-}" ]; then
   # several single-node jobs on one machine do not collide
   if [ "$NNODES" -gt 1 ]; then MASTER_PORT=29500; else MASTER_PORT=$(( 20000 + RANDOM % 20000 )); fi
 fi
-if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
-  echo "train.sh: NNODES=$NNODES needs MASTER_ADDR (the address of node 0), set on every node" >&2
+if [ "$NNODES" -gt 1 ] && { [ -z "${MASTER_ADDR:-}" ] || [ -z "${NODE_RANK:-}" ]; }; then
+  echo "train.sh: NNODES=$NNODES needs MASTER_ADDR (the address of node 0) on every node and NODE_RANK" \
+    "(0..$((NNODES - 1)), a different one on each node)" >&2
   exit 2
 fi
 # veomni.launch is torchrun that ends with one line: the root cause of a failure, or nothing after a stop

@@ -47,12 +47,14 @@ def test_multi_node_uses_one_fixed_port(tmp_path):
 def test_single_node_port_is_random_and_override_wins(tmp_path):
     ports = {_port(_launch(tmp_path)) for _ in range(4)}
     assert all(20000 <= p < 40000 for p in ports) and len(ports) > 1
-    assert _port(_launch(tmp_path, NNODES="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="31234")) == 31234
+    assert _port(_launch(tmp_path, NNODES="2", NODE_RANK="0", MASTER_ADDR="10.0.0.1", MASTER_PORT="31234")) == 31234
 
 
-def test_multi_node_without_master_addr_says_so(tmp_path):
-    proc = _launch(tmp_path, NNODES="2")
+def test_multi_node_without_master_addr_or_node_rank_says_so(tmp_path):
+    proc = _launch(tmp_path, NNODES="2", NODE_RANK="1")
     assert proc.returncode == 2 and "MASTER_ADDR" in proc.stderr
+    proc = _launch(tmp_path, NNODES="2", MASTER_ADDR="10.0.0.1")  # every node would claim node rank 0
+    assert proc.returncode == 2 and "NODE_RANK" in proc.stderr
 
 
 def test_torch_is_a_range_not_a_pin():
@@ -64,5 +66,5 @@ def test_torch_is_a_range_not_a_pin():
 
 @pytest.mark.parametrize("nnodes", ["1", "2"])
 def test_node_count_reaches_torchrun(tmp_path, nnodes):
-    proc = _launch(tmp_path, NNODES=nnodes, MASTER_ADDR="10.0.0.1")
+    proc = _launch(tmp_path, NNODES=nnodes, NODE_RANK="0", MASTER_ADDR="10.0.0.1")
     assert f"--nnodes={nnodes}" in proc.stdout

@@ -126,7 +126,7 @@ def test_chunked_loss_under_fsdp2_matches_plain(tmp_path):
     from torch.distributed.fsdp import fully_shard
 
     if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
+        raise AssertionError("a process group leaked from an earlier test")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -166,7 +167,7 @@ def _check_shards(path: str, reader) -> None:
     """Every file the DCP metadata points to exists and is long enough (a crash or a full disk truncates)."""
     try:
         metadata = reader.read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError) as err:  # the allow-list's refusals included
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError) as err:  # the allow-list's refusals included
         file = os.path.join(path, "model_optimizer", ".metadata")
         raise CheckpointError(f"checkpoint {path} is damaged: {file}: {err}; {_previous_good(path)}") from err
     needed: Dict[str, int] = {}
@@ -182,10 +183,15 @@ def _check_shards(path: str, reader) -> None:
 
 def _save_failure(err: BaseException, folder: str) -> CheckpointError:
     """Name the folder and the cause; torch.save reports a full disk as `unexpected pos N vs M`."""
-    chain, cause = [], err
-    while cause is not None and len(chain) < 8:
+    chain, pending = [], [err]
+    while pending and len(chain) < 16:
+        cause = pending.pop(0)
         chain.append(cause)
-        cause = cause.__cause__ or cause.__context__
+        # DCP wraps each rank's failure in CheckpointException.failures: {rank: (exception, traceback)}
+        pending += [pair[0] for pair in getattr(cause, "failures", {}).values()]
+        nxt = cause.__cause__ or cause.__context__
+        if nxt is not None:
+            pending.append(nxt)
     text = " ".join(str(c) for c in chain)
     try:
         free = shutil.disk_usage(os.path.dirname(folder) or ".").free
@@ -236,7 +242,7 @@ class Checkpointer:
         tmp = final + ".tmp"
         try:
             return self._save(step, model, optimizer, extra_state, meta, attach, final, tmp)
-        except (OSError, RuntimeError) as err:  # disk full, permissions, a torn write: say where and why
+        except (OSError, RuntimeError, CheckpointException) as err:  # disk full, permissions, a torn write
             if dist.get_rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # the half-written save only takes space
             raise _save_failure(err, tmp) from err
@@ -276,7 +282,12 @@ class Checkpointer:
             return
         future, tmp, final, meta = self._pending
         self._pending = None
-        future.result()
+        try:
+            future.result()
+        except (OSError, RuntimeError, CheckpointException) as err:
+            if dist.get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise _save_failure(err, tmp) from err
         self._publish(tmp, final, meta)
 
     def _publish(self, tmp: str, final: str, meta: Dict[str, Any]) -> None:
@@ -309,8 +320,9 @@ class Checkpointer:
         _check_shards(path, reader)
         try:
             dcp.load(state, checkpoint_id=os.path.join(path, "model_optimizer"), storage_reader=reader)
-        except (OSError, RuntimeError, EOFError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        except (OSError, RuntimeError, EOFError, ValueError, CheckpointException) as err:
+            inner = next(iter(getattr(err, "failures", {}).values()), (err,))[0]  # DCP wraps per-rank failures
+            first = f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
             raise CheckpointError(f"checkpoint {path} could not be read ({first}); {_previous_good(path)}") from err
         set_model_state_dict(model, state["model"])
         for name, opt in named_optimizers(optimizer).items():

@@ -191,9 +191,16 @@ class RecordFiles:
 
     # ---------------------------------------------------------------------------------------- random access
     def location(self, key: Key) -> str:
-        """Where a record lives, for messages (line numbers are only known when reading from the start)."""
+        """Where a record lives, for messages: `file:line` (1-based) for jsonl, `file:row N` otherwise.
+
+        Readers keep byte offsets, not line numbers; an error is rare, so the line is counted only here."""
         path = self.files[key[0]]
-        return f"{path}@byte {key[1]}" if path.endswith(".jsonl") else f"{path}:row {key[1]}"
+        if not path.endswith(".jsonl"):
+            return f"{path}:row {key[1]}"
+        try:
+            return f"{path}:{_line_at(path, key[1])}"
+        except OSError:
+            return f"{path}@byte {key[1]}"
 
     def fetch(self, key: Key) -> Dict[str, Any]:
         fi, position = key
@@ -251,3 +258,16 @@ def read_all_records(files: List[str], skip_bad: bool = False) -> Tuple[List[Any
         records.append(record)
         locations.append(where)
     return records, locations
+
+
+def _line_at(path: str, offset: int) -> int:
+    """1-based number of the line that starts at byte `offset` (counted in 1 MiB blocks)."""
+    newlines, left = 0, offset
+    with open(path, "rb") as f:
+        while left > 0:
+            block = f.read(min(left, 1 << 20))
+            if not block:
+                break
+            newlines += block.count(b"\n")
+            left -= len(block)
+    return newlines + 1

@@ -268,7 +268,9 @@ class BaseTrainer:
         The same all-reduce carries the stop requests (SIGINT/SIGTERM/SIGHUP) of every rank, so all ranks agree, at no
         extra cost, to make this step their last; `self.stop_signal` holds the outcome.
         """
-        have = micro_batches is not None
+        # a short last batch (streamed data without drop_last) counts as out of data: each micro-batch's backward
+        # issues its own FSDP reduce-scatters, so every rank must run the same number of them
+        have = micro_batches is not None and len(micro_batches) == self.args.train.dataloader_batch_size
         loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches) if have else 0
         tokens = sum(mb["input_ids"].numel() for mb in micro_batches) if have else 0
         asked = lifecycle.stop_requested()
@@ -445,12 +447,13 @@ class BaseTrainer:
                     moved = move_run_aside(self.output_dir)
                     path = remap_into(path, self.output_dir, moved)
                 answer = [(path, moved, plan.message, None)]
-            except (RunDirError, FileNotFoundError) as err:
+            except Exception as err:  # every rank must leave the broadcast below, with the same error
                 answer = [(None, None, None, (type(err).__name__, str(err)))]
         dist.broadcast_object_list(answer, src=0)
         path, moved, message, error = answer[0]
         if error is not None:
-            raise {"RunDirError": RunDirError, "FileNotFoundError": FileNotFoundError}[error[0]](error[1])
+            known = {"RunDirError": RunDirError, "FileNotFoundError": FileNotFoundError}
+            raise known.get(error[0], RuntimeError)(error[1] if error[0] in known else f"{error[0]}: {error[1]}")
         logger.info(message + (f"; previous run moved to {moved}" if moved else ""))
         return path
 

@@ -1,6 +1,23 @@
-"""Utilities: device and backend selection, rank-aware logging."""
+"""Utilities: device and backend selection, rank-aware logging, process lifecycle.
 
-from .device import get_device, get_device_type, get_dist_backend, get_nccl_backend
-from .logging import get_logger
+Names are imported lazily so that light modules (the lifecycle wrapper that every task runs under) do not pull in
+torch before the arguments are parsed: `--help` and config mistakes answer at once.
+"""
 
-__all__ = ["get_device", "get_device_type", "get_dist_backend", "get_logger", "get_nccl_backend"]
+import importlib
+
+_LAZY = {
+    "get_device": "device",
+    "get_device_type": "device",
+    "get_dist_backend": "device",
+    "get_nccl_backend": "device",
+    "get_logger": "logging",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

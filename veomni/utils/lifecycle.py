@@ -315,6 +315,12 @@ def run_worker(main: Callable[[], object]) -> None:
             where = f"at step {_state['step']}" if _state["step"] else "during set-up"
             _say(f"{signal.Signals(stop.signum).name}: stopped {where}; nothing was saved")
         _exit(STOP_EXIT_CODES.get(stop.signum, 128 + stop.signum))
+    except SystemExit as done:
+        if done.code not in (0, None):  # sys.exit(message or code) is a failure like any other
+            report_error(done)
+            _exit(done.code if isinstance(done.code, int) else ERROR_EXIT_CODE)
+        beat_stop.set()
+        _exit(0)  # e.g. --help: a clean, successful exit
     except BaseException as err:  # noqa: BLE001 - every failure must end the process, KeyboardInterrupt too
         report_error(err)
         _exit(ERROR_EXIT_CODE)
