@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from helpers import write_model_config, write_tokenizer
-from veomni.checkpoint import CheckpointError, Checkpointer, dcp_to_hf, resolve_checkpoint
+from veomni.checkpoint import Checkpointer, CheckpointError, dcp_to_hf, resolve_checkpoint
 from veomni.models import build_config, build_foundation_model, build_tokenizer
 
 
