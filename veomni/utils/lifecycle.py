@@ -140,11 +140,14 @@ def install_stop_handlers() -> None:
 
 # ------------------------------------------------------------------------------------------- heartbeat
 def _default_store():
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
+    # never import torch from here: the heartbeat thread starts before the task imports it, and a second thread
+    # importing a half-initialised torch raises (which silently killed the heartbeat). No torch, no group, no store.
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
         return None
     try:
+        if not dist.is_available() or not dist.is_initialized():
+            return None
         return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
