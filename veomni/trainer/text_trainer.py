@@ -65,4 +65,8 @@ class TextTrainer(BaseTrainer):
         if report["skipped"]:
             logger.warning(f"skipped {report['skipped']} bad samples on this rank (data.skip_bad_samples)")
         if report["empty"] or report["blank"] or report["dropped"]:
-            logger.warning(f"data of the last epoch on this rank, not trained on: {report}")
+            logger.warning(
+                f"data of the last epoch on this rank left out: {report['empty']} empty records, {report['blank']} "
+                f"blank lines, {report['dropped']} samples of a tail too small for a step "
+                f"({report['samples']} samples handed out)"
+            )
