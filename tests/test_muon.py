@@ -108,8 +108,11 @@ def test_build_optimizer_puts_hidden_matrices_and_experts_in_muon(tmp_path):
     assert isinstance(opt, MultiOptimizer) and list(opt.optimizers_dict) == ["adamw", "muon"]
     muon, adamw, in_muon, in_adamw = _split(opt)
     names = dict(model.named_parameters())
+    routers = {n for n in names if n.endswith(".mlp.gate.weight")}  # 2-D [num_experts, hidden], one per layer
+    assert len(routers) == 2 and all(names[n].shape == (8, 64) for n in routers)
     for name, p in names.items():
-        hidden = p.ndim >= 2 and "embed" not in name and "lm_head" not in name
+        # MoE routers are classifier heads over the experts: AdamW, like embeddings and lm_head
+        hidden = p.ndim >= 2 and "embed" not in name and "lm_head" not in name and name not in routers
         assert (id(p) in in_muon) == hidden and (id(p) in in_adamw) == (not hidden), name
     assert muon.path_of(names["model.layers.0.mlp.experts.gate_up_proj"]) == "local"
     assert names["model.layers.0.mlp.experts.gate_up_proj"].ndim == 3
@@ -120,7 +123,12 @@ def test_build_optimizer_puts_hidden_matrices_and_experts_in_muon(tmp_path):
     decay, no_decay = adamw.param_groups
     assert decay["lr"] == 1e-3 and decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert decay["betas"] == (0.8, 0.9) and decay["eps"] == 1e-6
-    assert {id(p) for p in decay["params"]} == {id(names["model.embed_tokens.weight"]), id(names["lm_head.weight"])}
+    assert {id(p) for p in decay["params"]} == {
+        id(names[n]) for n in ("model.embed_tokens.weight", "lm_head.weight", *routers)
+    }  # routers take weight decay like the other AdamW matrices
+    dense = build_foundation_model(write_model_config(str(tmp_path / "dense")), torch_dtype="float32")
+    in_muon = _split(build_optimizer(dense, optimizer_type="muon"))[2]
+    assert id(dict(dense.named_parameters())["model.layers.0.mlp.gate_proj.weight"]) in in_muon  # not a router
 
 
 def test_muon_keys_reach_the_optimizer_and_schedule_per_group(tmp_path):

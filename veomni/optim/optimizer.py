@@ -54,13 +54,34 @@ def _embedding_ids(model: nn.Module) -> Set[int]:
     return ids
 
 
+# MoE routers: transformers names them `<Family>TopKRouter` (mlp.gate), plus Qwen2-MoE's `shared_expert_gate`
+_ROUTER_ATTRS = ("gate", "router", "shared_expert_gate")
+
+
+def _router_ids(model: nn.Module) -> Set[int]:
+    """MoE router (gate) weights: matrices, but classifier heads over the experts, so AdamW trains them.
+
+    Muon's update orthogonalises a matrix, i.e. gives every direction of the [num_experts, hidden] router the
+    same step size; that is meant for hidden weights, not for a head whose rows are per-expert scores (the
+    reason embeddings and lm_head stay on AdamW, as in Keller Jordan's and Moonlight's recipes). MoE trainers
+    that split Muon from AdamW by role keep the router on AdamW as well. Dense MLPs' `gate_proj` is not a router.
+    """
+    ids = set()
+    for name, module in model.named_modules():
+        attr = name.rsplit(".", 1)[-1]
+        if "router" in type(module).__name__.lower() or attr in _ROUTER_ATTRS:
+            ids.update(id(p) for p in module.parameters())
+    return ids
+
+
 def muon_params(model: nn.Module) -> List[torch.Tensor]:
-    """What Muon trains: 2-D hidden weights and 3-D expert stacks. Not embeddings, lm_head, biases or norms."""
-    embeddings = _embedding_ids(model)
+    """What Muon trains: 2-D hidden weights and 3-D expert stacks. Not embeddings, lm_head, MoE routers, biases
+    or norms."""
+    excluded = _embedding_ids(model) | _router_ids(model)
     return [
         p
         for name, p in model.named_parameters()
-        if p.requires_grad and p.ndim in (2, 3) and id(p) not in embeddings and not is_no_decay(name, p)
+        if p.requires_grad and p.ndim in (2, 3) and id(p) not in excluded and not is_no_decay(name, p)
     ]
 
 
