@@ -225,6 +225,7 @@ class Checkpointer:
         self._async_group = None
         self._storage_checked = False  # every rank sees rank 0's files (checked collectively at the first save)
         self.storage_patience_s = 10.0  # how long a network filesystem may take to show rank 0's probe file
+        self._warned_abandoned = False  # checkpoints numbered after this run's saves were reported once
 
     # ------------------------------------------------------------------------------------------ save
     def save(
@@ -298,14 +299,30 @@ class Checkpointer:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _write_atomic(os.path.join(self.root, "latest"), os.path.basename(final))
-            self._retire_old()
+            self._retire_old(meta["step"])
             logger.info(f"saved checkpoint {final}")
         dist.barrier()
 
-    def _retire_old(self) -> None:
+    def _retire_old(self, saved_step: int) -> None:
+        """Keep the `save_total_limit` newest checkpoints of this run's timeline: those up to the one just saved.
+
+        Steps only grow within a run, so a folder numbered after the checkpoint just saved belongs to a timeline
+        this run abandoned (it resumed from an older checkpoint by an explicit load_path): it neither counts
+        against the limit (which would retire the new checkpoints first) nor is deleted here; this run replaces
+        it when it saves that step itself."""
         if self.save_total_limit <= 0:
             return
-        for step in list_checkpoints(self.root)[: -self.save_total_limit]:
+        steps = list_checkpoints(self.root)
+        mine = [s for s in steps if s <= saved_step]
+        abandoned = [s for s in steps if s > saved_step]
+        if abandoned and not self._warned_abandoned:
+            self._warned_abandoned = True
+            logger.warning(
+                f"checkpoints of steps {abandoned} in {self.root} come after this run's step {saved_step} (an "
+                "abandoned timeline): kept, not counted by save_total_limit; this run replaces each when it saves "
+                "that step"
+            )
+        for step in mine[: -self.save_total_limit]:
             shutil.rmtree(os.path.join(self.root, f"global_step_{step}"), ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ load
