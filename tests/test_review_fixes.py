@@ -46,3 +46,101 @@ def test_retention_after_resuming_an_older_checkpoint_keeps_the_new_timeline(tmp
     assert list_checkpoints(root) == [30]
     with open(os.path.join(root, "global_step_30", "extra_state", "rank_0.pt"), "rb"):
         pass
+
+
+# ------------------------------------------------------------------ batch-size warmup follows the global step
+def _token_docs(path, n=80, seed=0, longest=40):
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for d in range(n):
+            f.write(json.dumps({"input_ids": [3 + (d * 7 + t) % 500 for t in range(rng.randint(4, longest))]}) + "\n")
+    return str(path)
+
+
+def _warmup_loader(path, kind, warmup_ratio):
+    from functools import partial
+
+    from veomni.data import build_dataloader, build_dataset
+    from veomni.data.data_transform import process_pretrain_example
+
+    dataset = build_dataset(
+        train_path=path,
+        datasets_type=kind,
+        transform=partial(process_pretrain_example, tokenizer=None, max_seq_len=32),
+        seed=5,
+    )
+    return build_dataloader(
+        dataset=dataset,
+        micro_batch_size=2,
+        dataloader_batch_size=2,
+        max_seq_len=32,
+        dyn_bsz=True,
+        drop_last=False,
+        dp_rank=0,
+        dp_size=1,
+        dyn_bsz_buffer_size=8,
+        train_steps=20,
+        bsz_warmup_ratio=warmup_ratio,
+        bsz_warmup_init_mbtoken=8,
+        seed=5,
+    )
+
+
+def _micro_batch_tokens(loader, epoch, first_step):
+    loader.set_epoch(epoch, first_step=first_step)
+    return [tuple(mb["input_ids"][0].tolist()) for step in loader for mb in step]
+
+
+@pytest.mark.parametrize("kind", ["mapping", "iterable"])  # global-batch plan / per-rank micro-batch stream
+def test_bsz_warmup_follows_the_global_step_not_the_epoch(tmp_path, kind):
+    """A 10-step token-budget warmup (ratio 0.5 of 20 steps): the second epoch, starting at global step 30, has
+    full budgets, i.e. the very micro-batches of a run without warmup; the first epoch does warm up."""
+    path = _token_docs(tmp_path / "docs.jsonl")
+    warm, plain = _warmup_loader(path, kind, 0.5), _warmup_loader(path, kind, 0.0)
+    assert _micro_batch_tokens(warm, 0, 0) != _micro_batch_tokens(plain, 0, 0)  # the warmup is on
+    assert _micro_batch_tokens(warm, 1, 30) == _micro_batch_tokens(plain, 1, 30)
+    # an epoch starting mid-warmup continues it (budgets of steps 5.. of the warmup, not 0..)
+    assert _micro_batch_tokens(warm, 1, 5) not in (_micro_batch_tokens(warm, 1, 0), _micro_batch_tokens(plain, 1, 5))
+
+
+# ------------------------------------------------------------ dynamic batching: every epoch's steps, counted
+def _steps_of_each_epoch(loader, epochs):
+    """What the loader really yields per epoch, each epoch starting at the run's global step so far."""
+    steps = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch, first_step=sum(steps))
+        steps.append(sum(1 for _ in loader))
+    loader.set_epoch(0, first_step=0)
+    return steps
+
+
+@pytest.mark.parametrize("warmup_ratio", [0.0, 0.5])
+def test_dyn_bsz_schedule_spans_the_steps_each_epoch_really_has(tmp_path, one_process_group, warmup_ratio):
+    """The trainer's step count (hence the LR schedule) is the sum of what every epoch yields: dynamic batching
+    packs each epoch's shuffle into a different number of micro-batches, and a warmup only lengthens the first."""
+    from types import SimpleNamespace
+
+    from veomni.trainer.base import BaseTrainer
+
+    path = _token_docs(tmp_path / "docs.jsonl", n=60, seed=1, longest=64)  # epochs of 18, 17, 18, 18 steps
+    train = SimpleNamespace(max_steps=None, bsz_warmup_ratio=warmup_ratio, num_train_epochs=4, dyn_bsz=True)
+    train.train_steps = 0
+    trainer = BaseTrainer.__new__(BaseTrainer)
+    trainer.args = SimpleNamespace(train=train)
+    trainer.device, trainer.parallel_state = torch.device("cpu"), SimpleNamespace(dp_group=None)
+
+    def build():  # as TextTrainer does: the warmup length follows the counted steps
+        loader = _warmup_loader(path, "mapping", warmup_ratio)
+        loader.stream.warmup_steps = int(train.train_steps * warmup_ratio)
+        return loader
+
+    trainer.build_dataloader = build
+    trainer.train_dataloader = build()
+    trainer.compute_train_steps()
+    real = _steps_of_each_epoch(trainer.train_dataloader, 4)
+    assert len(set(real)) > 1  # the epochs differ (else this test shows nothing)
+    assert trainer.total_steps == sum(real)
+    assert trainer.epoch_steps == real

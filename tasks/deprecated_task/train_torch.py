@@ -127,7 +127,7 @@ def main():
     step = 0
     model.train()
     for epoch in range(args.train.num_train_epochs):
-        train_dataloader.set_epoch(epoch)
+        train_dataloader.set_epoch(epoch, first_step=step)  # the bsz warmup follows the global step
         data_iterator = iter(train_dataloader)
         for _ in range(train_steps):
             lifecycle.set_progress(step + 1, "training step")  # named if a collective fails or a peer stalls

@@ -112,8 +112,8 @@ class RankShare:
         for micro_batches in self.loader:
             yield micro_batches[self.dp_rank :: self.dp_size]
 
-    def set_epoch(self, epoch):
-        self.loader.set_epoch(epoch)
+    def set_epoch(self, epoch, first_step=0):
+        self.loader.set_epoch(epoch, first_step)
 
     def state_dict(self):
         return self.loader.state_dict()

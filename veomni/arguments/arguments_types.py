@@ -249,7 +249,10 @@ class TrainingArguments:
         default=None,
     )
     dyn_bsz: bool = _doc("Pack micro-batches up to a token budget instead of a sample count.", default=True)
-    bsz_warmup_ratio: float = _doc("Fraction of steps over which the token budget warms up.", default=0.0)
+    bsz_warmup_ratio: float = _doc(
+        "Fraction of the first epoch's steps over which the token budget warms up (by global step: once per run).",
+        default=0.0,
+    )
     bsz_warmup_init_mbtoken: int = _doc("Micro-batch token budget at the start of bsz warmup.", default=200)
     dyn_bsz_buffer_size: int = _doc("Samples buffered to fill micro-batches.", default=200)
     init_device: Literal["cpu", "cuda", "meta"] = _doc("Where parameters are first built.", default="cpu")

@@ -109,12 +109,14 @@ class MicroBatchStream(IterableDataset):
         self.dyn_bsz, self.buffer_size = dyn_bsz, max(buffer_size, micro_batch_size)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.warmup_steps, self.warmup_init_tokens = warmup_steps, warmup_init_tokens
-        self.epoch = 0
+        self.epoch, self.first_step = 0, 0
         self._resume: Optional[Dict[str, Any]] = None
         self._state: Dict[str, Any] = {}
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, first_step: int = 0) -> None:
+        """`first_step`: optimizer steps of the run before this epoch; the token-budget warmup follows the run's
+        global step, so it does not start again with each epoch."""
+        self.epoch, self.first_step = epoch, first_step
 
     def _token_budget(self, step: int) -> int:
         full = self.micro_batch_size * self.max_seq_len
@@ -180,7 +182,7 @@ class MicroBatchStream(IterableDataset):
                 if state["dropped"]:
                     logger.warning(f"drop_last: {state['dropped']} samples of the epoch's last batch left out")
                 return
-            step = (state["produced"] // self.dataloader_batch_size) * num_workers + worker_id
+            step = self.first_step + (state["produced"] // self.dataloader_batch_size) * num_workers + worker_id
             chosen = self._choose(buffer, self._token_budget(step))
             picked = [buffer[i] for i in chosen]
             for i in reversed(chosen):

@@ -159,15 +159,18 @@ class GlobalBatchStream(IterableDataset):
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.warmup_steps, self.warmup_init_tokens = warmup_steps, warmup_init_tokens
         self.drop_last = drop_last
-        self.epoch = 0
-        self._plans: Dict[int, Tuple[List[List[List[int]]], int]] = {}
+        self.epoch, self.first_step = 0, 0
+        self._plans: Dict[Tuple[int, int], Tuple[List[List[List[int]]], int]] = {}
         self._resume: Optional[Dict[str, Any]] = None
         self._state: Dict[str, Any] = {}
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, first_step: int = 0) -> None:
+        """`first_step`: optimizer steps of the run before this epoch; the token-budget warmup follows the run's
+        global step, so it does not start again with each epoch."""
+        self.epoch, self.first_step = epoch, first_step
 
     def _token_budget(self, step: int) -> int:
+        """The micro-batch token budget of global step `step` (counted over the whole run)."""
         full = self.micro_batch_size * self.max_seq_len
         if self.warmup_steps == 0 or step >= self.warmup_steps:
             return full
@@ -176,18 +179,20 @@ class GlobalBatchStream(IterableDataset):
 
     def plan(self, epoch: int) -> Tuple[List[List[List[int]]], int]:
         """The epoch's global steps (each: dp_size * dataloader_batch_size micro-batches) and dropped samples."""
-        if epoch not in self._plans:
+        first = min(self.first_step, self.warmup_steps)  # past the warmup, where the epoch starts changes nothing
+        if (epoch, first) not in self._plans:
             _, lengths = self.index.order(epoch)
             per_step = self.dp_size * self.accum
             plan = plan_micro_batches(
-                lengths, per_step, self.micro_batch_size, self.dyn_bsz, self._token_budget, self.buffer_size,
-                self.drop_last,
+                lengths, per_step, self.micro_batch_size, self.dyn_bsz, lambda s: self._token_budget(first + s),
+                self.buffer_size, self.drop_last,
             )  # fmt: skip
-            self._plans = {epoch: plan}
-        return self._plans[epoch]
+            self._plans = {(epoch, first): plan}
+        return self._plans[(epoch, first)]
 
-    def num_steps(self, epoch: Optional[int] = None) -> int:
-        return len(self.plan(self.epoch if epoch is None else epoch)[0])
+    def num_steps(self) -> int:
+        """Steps of the epoch set by `set_epoch` (starting at its `first_step`)."""
+        return len(self.plan(self.epoch)[0])
 
     def state_dict(self) -> Dict[str, Any]:
         return copy.deepcopy(self._state)

@@ -9,6 +9,7 @@ so every token weighs the same whatever the packing, the micro-batch split or th
 """
 
 import dataclasses
+import inspect
 import math
 import os
 import time
@@ -164,19 +165,36 @@ class BaseTrainer:
             if not train.bsz_warmup_ratio or train.train_steps == before:
                 break
             self.train_dataloader = self.build_dataloader()
+        self.epoch_steps = [train.train_steps] * train.num_train_epochs
+        if counted is not None and train.dyn_bsz:
+            self.epoch_steps = self._count_later_epochs(train.train_steps)
+        self.total_steps = sum(self.epoch_steps)
         if train.max_steps and train.train_steps < train.max_steps:
             epochs = -(-train.max_steps // train.train_steps)
             logger.warning(
                 f"train.max_steps={train.max_steps} but one epoch of the data holds {train.train_steps} steps: "
-                f"training runs {train.train_steps * train.num_train_epochs} steps "
+                f"training runs {self.total_steps} steps "
                 f"({train.num_train_epochs} epoch(s)); for at least {train.max_steps} steps set "
                 f"--train.num_train_epochs {epochs}"
             )
-        self.total_steps = train.train_steps * train.num_train_epochs
+        per_epoch = " + ".join(map(str, self.epoch_steps)) if len(set(self.epoch_steps)) > 1 else train.train_steps
         logger.info(
-            f"{train.train_steps} steps per epoch ({how}), {self.total_steps} in total; "
+            f"{per_epoch} steps per epoch ({how}), {self.total_steps} in total; "
             f"the LR schedule spans {self.total_steps}"
         )
+
+    def _count_later_epochs(self, first: int) -> List[int]:
+        """Steps of every epoch, each counted from its own batching plan (and capped by max_steps): dynamic
+        batching packs each epoch's shuffle into a different number of micro-batches, and a token-budget warmup
+        that follows the global step leaves the budgets of later epochs full. So the LR schedule spans exactly the
+        steps that run. Collective (one all-reduce per epoch, on every rank alike)."""
+        train, steps = self.args.train, [first]
+        for epoch in range(1, train.num_train_epochs):
+            _set_epoch(self.train_dataloader, epoch, sum(steps))
+            counted = self._count_loader_steps(limit=train.max_steps)
+            steps.append(min(counted, train.max_steps) if train.max_steps else counted)
+        _set_epoch(self.train_dataloader, 0, 0)
+        return steps
 
     def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
         """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data.
@@ -339,11 +357,11 @@ class BaseTrainer:
         self._fire("on_train_begin")
         for epoch in range(self.epoch, train.num_train_epochs):
             self.epoch = epoch
-            self.train_dataloader.set_epoch(epoch)
+            _set_epoch(self.train_dataloader, epoch, self.global_step - self.epoch_step)
             rng = torch.get_rng_state()  # a new loader iterator draws its worker seed from the global generator:
             data_iterator = iter(self.train_dataloader)  # continues mid-epoch after a resume
             torch.set_rng_state(rng)  # keep that draw out of the training stream, so a resume replays dropout exactly
-            while self.epoch_step < train.train_steps and self.global_step < self.total_steps:
+            while self.epoch_step < self.epoch_steps[epoch] and self.global_step < self.total_steps:
                 tic = time.perf_counter()
                 lifecycle.set_progress(self.global_step + 1, "loading the next batch")
                 micro_batches = next(data_iterator, None)
@@ -489,6 +507,14 @@ class BaseTrainer:
         except NotImplementedError as err:
             logger.warning(f"{err}: epoch {self.epoch} starts its data again")
         set_rng_state(extras[0]["rng"])
+
+
+def _set_epoch(loader, epoch: int, first_step: int) -> None:
+    """Reshuffle for `epoch`; loaders that take it also learn the run's steps before the epoch (bsz warmup)."""
+    if "first_step" in inspect.signature(loader.set_epoch).parameters:
+        loader.set_epoch(epoch, first_step=first_step)
+    else:
+        loader.set_epoch(epoch)
 
 
 def _zero_steps_message(args, dataset) -> str:
