@@ -144,3 +144,56 @@ def test_dyn_bsz_schedule_spans_the_steps_each_epoch_really_has(tmp_path, one_pr
     assert len(set(real)) > 1  # the epochs differ (else this test shows nothing)
     assert trainer.total_steps == sum(real)
     assert trainer.epoch_steps == real
+
+
+# ------------------------------------------------------------------------------- stops through the launcher
+def test_launcher_gives_stopped_workers_time_to_save(monkeypatch):
+    """torchrun SIGKILLs workers 30 s after forwarding a stop; veomni.launch waits DEFAULT_STOP_GRACE_S unless
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT or --shutdown-timeout says otherwise."""
+    import torch.distributed.run as torchrun_module
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    from veomni import launch
+
+    granted = []
+    monkeypatch.setattr(
+        torchrun_module, "run", lambda args: granted.append(torchrun_module.config_from_args(args)[0].shutdown_timeout)
+    )
+    monkeypatch.setattr(PContext, "close", PContext.close)  # main() patches it: restored after the test
+    monkeypatch.setenv("VEOMNI_LAUNCHER", "1")
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    argv = ["--nproc_per_node=1", "task.py"]
+    assert launch.main(argv) == 0 and launch.main(["--shutdown-timeout=7", *argv]) == 0
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")
+    assert launch.main(argv) == 0
+    assert granted == [launch.DEFAULT_STOP_GRACE_S, 7, 45] and launch.DEFAULT_STOP_GRACE_S >= 600
+
+
+_REPEATED_STOP = """
+import os, signal, sys, time
+from veomni.utils import lifecycle
+lifecycle.REPEAT_WINDOW_S = 1.0
+lifecycle.install_stop_handlers()
+lifecycle.set_loop_active(True)
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGTERM)  # the same request by a second route (Slurm and the launcher)
+print("still saving", lifecycle.stop_requested() == signal.SIGTERM, flush=True)
+time.sleep(1.2)
+os.kill(os.getpid(), signal.SIGTERM)  # a deliberate second request: leave now
+time.sleep(5)
+print("not reached")
+"""
+
+
+def test_a_stop_told_twice_at_once_is_one_request_a_later_one_exits_now():
+    import subprocess
+    import sys
+
+    from helpers import REPO, child_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _REPEATED_STOP], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.stdout.split("\n")[0] == "still saving True", proc.stdout + proc.stderr
+    assert proc.returncode == 143 and "not reached" not in proc.stdout, proc.stdout + proc.stderr
+    assert "second SIGTERM: exiting now without saving" in proc.stderr

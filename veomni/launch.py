@@ -7,6 +7,12 @@ torchrun itself ends a failed job with a traceback of its own and a summary bloc
 - a stop (SIGINT/SIGTERM to the launcher or to the workers): the workers have saved and said where they stopped;
   the launcher exits quietly with 130 (SIGINT) or 143 (SIGTERM).
 Workers started by it leave the final error line to it (`VEOMNI_LAUNCHER=1`).
+
+The stop grace: a signal to the launcher is forwarded to every worker, which finishes its step and saves; torchrun
+SIGKILLs a worker still running after its shutdown timeout, 30 s by default, less than a big model's save takes.
+This launcher waits `DEFAULT_STOP_GRACE_S` (15 min) instead, unless `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (or torchrun's
+`--shutdown-timeout`) says otherwise. Set it below your scheduler's own kill delay (SLURM `KillWait`, Kubernetes
+`terminationGracePeriodSeconds`), and those above the time a checkpoint save takes.
 """
 
 import logging
@@ -15,6 +21,8 @@ import signal
 import sys
 
 STOP_EXIT_CODES = {int(signal.SIGINT): 130, int(signal.SIGTERM): 143, int(signal.SIGHUP): 129}
+DEFAULT_STOP_GRACE_S = 900  # how long stopped workers may take to finish their step and save, before SIGKILL
+FAILURE_GRACE_S = 30  # after a failure nothing is saved: frozen peers are killed this soon at the latest
 
 
 def _recorded(failure) -> str:
@@ -53,12 +61,12 @@ def _root_cause(err) -> str:
 def _bound_failure_teardown() -> None:
     """When one worker fails, torchrun stops the others with `close()` and a fixed 30 s grace before SIGKILL, so a
     frozen worker (SIGSTOP, a stuck driver) outlives the job by 30 s whatever `--shutdown-timeout` says. Make that
-    grace the configured shutdown timeout too (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30)."""
+    grace TORCH_ELASTIC_SHUTDOWN_TIMEOUT where it is shorter (a failure saves nothing: no reason to wait longer)."""
     try:
         from torch.distributed.elastic.multiprocessing.api import PContext
     except ImportError:
         return
-    grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    grace = min(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", FAILURE_GRACE_S)), FAILURE_GRACE_S)
     close = PContext.close
 
     def close_with_grace(self, death_sig=None, timeout=grace):
@@ -80,6 +88,8 @@ def main(argv=None) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     _bound_failure_teardown()
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
+        args.shutdown_timeout = DEFAULT_STOP_GRACE_S  # torchrun's 30 s would SIGKILL a save of a big model
     try:
         run(args)
     except SignalException as stop:

@@ -6,7 +6,9 @@
 - **stop on request**: the first SIGINT/SIGTERM/SIGHUP only sets a flag; the trainer all-reduces it with each
   step's totals (no extra collective), so every rank finishes the same step, saves one checkpoint together and
   exits with `128 + signal` (130 for SIGINT, 143 for SIGTERM, 129 after the launcher died; `STOP_EXIT_CODES`).
-  A second SIGINT/SIGTERM exits at once.
+  A second SIGINT/SIGTERM exits at once, unless it comes within `REPEAT_WINDOW_S` of the first: a scheduler that
+  signals every process of the job (SLURM) reaches each worker directly AND through the launcher, which forwards
+  it; that is one request, not two. The launcher waits for the save (see veomni/launch.py, the stop grace).
   Before training starts there is nothing to save: a signal ends the process at once with the same code.
 - **errors**: an exception ends this rank at once with exit code 1 (no barrier, no process-group teardown that
   could wait on a peer), so torchrun tears the other ranks down. The first rank to fail (agreed through the
@@ -32,10 +34,12 @@ from typing import Callable, Optional
 STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 ERROR_EXIT_CODE = 1
 _HEARTBEAT_SECONDS = 1.0
+REPEAT_WINDOW_S = 5.0  # a stop signal this soon after the first one is the same request, told twice
 _PR_SET_PDEATHSIG = 1
 
 _state = {
     "stop_signal": None,  # the first stop signal received, if any
+    "stop_time": 0.0,  # when it came (time.monotonic())
     "loop_active": False,  # a training loop is running and will honour a stop at its next step
     "exiting": False,  # this rank is reporting an error or leaving after a stop: further signals change nothing
     "step": 0,
@@ -121,15 +125,20 @@ def _on_stop_signal(signum, frame) -> None:
     name = signal.Signals(signum).name
     if signum == signal.SIGHUP and _state["stop_signal"] is not None:
         return  # the launcher's death, told again by another of its threads
-    if _state["stop_signal"] is not None:  # the second one: the user means it
-        _say(f"rank {_rank()}: second {name}: exiting now without saving")
+    if _state["stop_signal"] is not None:
+        if time.monotonic() - _state["stop_time"] < REPEAT_WINDOW_S:
+            return  # the same request by another route (the scheduler directly, and the launcher forwarding it)
+        _say(f"rank {_rank()}: second {name}: exiting now without saving")  # the user means it
         os._exit(STOP_EXIT_CODES.get(signum, 128 + signum))
-    _state["stop_signal"] = signum
+    _state["stop_signal"], _state["stop_time"] = signum, time.monotonic()
     if not _state["loop_active"]:
         raise StopBeforeTraining(signum)
     if _rank() == 0:
         what = "the launcher died (SIGHUP)" if signum == signal.SIGHUP else f"{name} received"
-        _say(f"{what}: finishing the current step, then saving a checkpoint (send SIGTERM again to exit now)")
+        _say(
+            f"{what}: finishing the current step, then saving a checkpoint (a second SIGTERM to the workers, "
+            f"{REPEAT_WINDOW_S:.0f} s or more later, exits at once)"
+        )
 
 
 def install_stop_handlers() -> None:
