@@ -25,7 +25,7 @@ from veomni.ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_toke
 from veomni.optim import build_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS, SAVE_AT, ROW, ROWS_PER_STEP, CHUNK = 10, 5, 384, 2, 256
+STEPS, SAVE_AT, ROW, ROWS_PER_STEP, CHUNK = 10, 5, 256, 2, 256
 FAMILIES = ("qwen2", "llama")
 
 
@@ -134,7 +134,7 @@ def main():
         model, optimizer = build(config)
         saver = Checkpointer(ckpt_dir) if mode == "tp2dp2" and family == "qwen2" else None
         results[family] = train(model, optimizer, steps, state, 1, STEPS, saver)
-        if mode == "tp2dp2":
+        if mode == "tp2dp2" and family == "qwen2":  # tied embeddings: the harder export
             results[family].update(export_check(model, steps, out, family))
         if mode != "tp2dp2" and family == "qwen2":  # resume the tp2 x dp2 checkpoint here, continue to the end
             model, optimizer = build(config)
