@@ -61,7 +61,7 @@ BAD = [
     ("train.accelerator.dp_size", "-2"),
     ("train.accelerator.dp_replicate_size", "0"),
     ("train.accelerator.dp_shard_size", "-3"),
-    ("train.accelerator.tp_size", "2"),
+    ("train.accelerator.tp_size", "0"),
     ("train.accelerator.pp_size", "0"),
     ("train.accelerator.cp_size", "2"),
     ("train.accelerator.ulysses_size", "0"),

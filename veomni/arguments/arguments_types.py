@@ -177,7 +177,15 @@ class AcceleratorArguments:
     dp_size: int = _doc("Data-parallel size; -1 derives it from the world size.", default=-1)
     dp_replicate_size: int = _doc("Replicated (HSDP) data-parallel size; -1 derives it.", default=-1)
     dp_shard_size: int = _doc("Sharded data-parallel size; -1 derives it.", default=-1)
-    tp_size: int = _doc("Tensor parallel size (not supported yet: must be 1).", default=1)
+    tp_size: int = _doc(
+        "Tensor parallel size: the innermost mesh dim (adjacent ranks, so TP stays inside a node). q/k/v and "
+        "gate/up are split column-wise, o and down row-wise, the embedding and lm_head over the vocabulary (the "
+        "loss never gathers full logits); FSDP2 then shards over dp_shard (2-D), HSDP over dp_replicate too. "
+        "Ranks of one tp group get the same batches. Heads, KV heads, intermediate and vocab size must divide "
+        "by it; plans exist for llama, qwen2, qwen3 (veomni.distributed.tensor_parallel.TP_PLANS). Needs "
+        "fsdp_mode fsdp2; not with ulysses_size > 1 or MoE models.",
+        default=1,
+    )
     pp_size: int = _doc("Pipeline parallel size (not supported yet: must be 1).", default=1)
     cp_size: int = _doc("Context parallel size (not supported yet: must be 1).", default=1)
     ulysses_size: int = _doc("Ulysses sequence parallel size.", default=1)

@@ -91,7 +91,7 @@ RULES: Dict[str, Rule] = {
     "train.accelerator.dp_size": auto_or(at_least(1)),
     "train.accelerator.dp_replicate_size": auto_or(at_least(1)),
     "train.accelerator.dp_shard_size": auto_or(at_least(1)),
-    "train.accelerator.tp_size": between(1, 1),  # not implemented yet: say so before anything starts
+    "train.accelerator.tp_size": at_least(1),
     "train.accelerator.pp_size": between(1, 1),
     "train.accelerator.cp_size": between(1, 1),
     "train.accelerator.ulysses_size": at_least(1),

@@ -176,11 +176,13 @@ class ParallelState:
 
 
 def _check_sizes(world_size, dp_size, dp_replicate_size, dp_shard_size, tp_size, pp_size, cp_size, ulysses_size):
-    for name, size in (("tp_size", tp_size), ("pp_size", pp_size), ("cp_size", cp_size)):
+    for name, size in (("pp_size", pp_size), ("cp_size", cp_size)):
         if size != 1:
             raise NotImplementedError(f"{name}={size} is not supported yet: set it to 1")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
     if dp_size == -1:
-        dp_size = world_size // ulysses_size
+        dp_size = world_size // (ulysses_size * tp_size)
     if dp_replicate_size == -1 and dp_shard_size == -1:
         dp_replicate_size, dp_shard_size = 1, dp_size
     elif dp_shard_size == -1:

@@ -13,6 +13,7 @@ from ..utils.logging import get_logger
 from .mixed_precision import resolve_precision
 from .parallel_plan import apply_expert_parallel, expert_shard_placement
 from .parallel_state import get_parallel_state
+from .tensor_parallel import apply_tensor_parallel
 from .weight_loading import materialize_meta_model
 
 logger = get_logger(__name__)
@@ -83,6 +84,10 @@ def build_parallelize_model(
             f"ulysses_size={state.ulysses_size}: sequence-parallel attention is not implemented yet (the collator "
             "already slices batches for it); set train.accelerator.ulysses_size to 1"
         )
+    if state.tp_enabled:  # TP first: FSDP2 then shards the tp DTensors over dp_shard (2-D parameters)
+        if state.mode == "ddp":
+            raise ValueError("tensor parallel (tp_size > 1) needs fsdp_mode=fsdp2, not ddp")
+        apply_tensor_parallel(model, state.tp_mesh)
     if enable_gradient_checkpointing:
         _enable_gradient_checkpointing(model, enable_reentrant)
     on_meta = init_device == "meta" or any(p.is_meta for p in model.parameters())
@@ -137,6 +142,6 @@ def build_parallelize_model(
     logger.info(
         f"FSDP2 over mesh {tuple(mesh.shape)} with {len(units)} units; reshard_after_forward={reshard}, "
         f"mixed_precision={mp_policy.param_dtype is not None}, offload={offload is not None}, "
-        f"expert_parallel={state.ep_size if state.ep_enabled else 1}"
+        f"expert_parallel={state.ep_size if state.ep_enabled else 1}, tensor_parallel={state.tp_size}"
     )
     return model

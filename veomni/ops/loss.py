@@ -13,7 +13,10 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+
+from .vocab_parallel_loss import vocab_parallel_cross_entropy_sum
 
 IGNORE_INDEX = -100
 
@@ -25,6 +28,9 @@ def count_loss_tokens(labels: torch.Tensor) -> int:
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum of next-token cross-entropy (fp32) and the number of tokens in it."""
+    if isinstance(logits, DTensor):  # a tensor-parallel head's vocab-sharded logits: reduced without gathering
+        targets = _next_token_targets(labels.to(logits.device))
+        return vocab_parallel_cross_entropy_sum(logits, targets), (targets != IGNORE_INDEX).sum()
     shift_logits = logits[..., :-1, :].reshape(-1, logits.size(-1)).float()
     shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
     loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -40,6 +46,8 @@ def _next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()
+    if isinstance(logits, DTensor):  # tensor parallel: this chunk's logits sharded on the vocabulary
+        return vocab_parallel_cross_entropy_sum(logits, targets)
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -89,6 +97,8 @@ def chunked_lm_head_loss(model: nn.Module, labels: torch.Tensor, chunk_size: int
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         if inside[0]:  # a chunk calling the head through its module (hooks included): the real projection
             return type(head).forward(head, hidden)
+        if isinstance(hidden, DTensor):  # a tensor-parallel head's input hook made it a replicated DTensor
+            hidden = hidden.to_local()  # each chunk's call of the head wraps its slice again
         inside[0] = True
         try:
             loss_sum, result["tokens"] = chunked_head_loss_sum(head, hidden, labels, chunk_size)

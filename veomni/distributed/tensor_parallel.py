@@ -1,0 +1,147 @@
+"""Tensor parallel plans as data: a module-name pattern -> a `torch.distributed.tensor.parallel` style.
+
+Megatron layout over the `tp` mesh dim, built with `parallelize_module` (no home-made layers):
+    q/k/v, gate/up   ColwiseParallel   weight (and bias) Shard(0): each rank computes its own heads / columns
+    o, down          RowwiseParallel   weight Shard(1): partial outputs, all-reduced to a replicated output
+    embed_tokens     RowwiseParallel   weight Shard(0) over the vocabulary (vocab-parallel embedding)
+    lm_head          VocabParallelHead weight Shard(0) over the vocabulary; its logits stay a DTensor sharded on
+                     the vocabulary, and the loss (veomni/ops/vocab_parallel_loss.py) never gathers them
+transformers' attention reshapes projections with `-1` heads, so each rank runs attention on its local heads
+(num_heads / tp and num_kv_heads / tp) with any attention implementation, veomni_varlen included.
+
+Sequence parallel on the norms is left out: transformers' decoder layers pass hidden states by keyword and take
+full-length rotary embeddings and masks, and packed rows have arbitrary lengths (uneven sequence shards), so it
+would need per-model input preparation for every attention and MLP call; norm activations are small next to
+the attention and MLP ones that TP already splits.
+
+A model family with other module names adds an entry to TP_PLANS (keyed by config.model_type) or sets
+`model._veomni_tp_plan`. Model types without an entry are tried with the dense decoder plan, and refused with
+the list of patterns that matched nothing.
+"""
+
+import fnmatch
+from typing import Dict, List
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class VocabParallelHead(ColwiseParallel):
+    """ColwiseParallel for the output head: logits come out as a DTensor sharded on the vocabulary.
+
+    The chunked loss (veomni/ops/loss.py) takes over the head's forward and returns the summed loss, a plain
+    tensor already reduced over the tp group: that output passes through untouched.
+    """
+
+    def __init__(self):
+        super().__init__(output_layouts=Shard(-1), use_local_output=False)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def dense_decoder_plan() -> Dict[str, ParallelStyle]:
+    """Llama / Qwen2 / Qwen2.5 / Qwen3 (and any model with the same module names)."""
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(),
+        "lm_head": VocabParallelHead(),
+    }
+
+
+TP_PLANS = {"llama": dense_decoder_plan, "qwen2": dense_decoder_plan, "qwen3": dense_decoder_plan}
+
+# (config attribute, what it is): each must divide by tp_size so every rank holds an equal share
+_DIVISIBLE = (
+    ("num_attention_heads", "attention heads"),
+    ("num_key_value_heads", "key/value heads"),
+    ("intermediate_size", "MLP intermediate size"),
+    ("vocab_size", "vocabulary size"),
+)
+
+
+def get_tp_plan(model: nn.Module) -> Dict[str, ParallelStyle]:
+    own = getattr(model, "_veomni_tp_plan", None)
+    if own is not None:
+        return own
+    return TP_PLANS.get(getattr(model.config, "model_type", ""), dense_decoder_plan)()
+
+
+def check_tp_divisibility(config, tp_size: int) -> None:
+    config = getattr(config, "get_text_config", lambda: config)()
+    bad = []
+    for attr, what in _DIVISIBLE:
+        value = getattr(config, attr, None)
+        if value is not None and value % tp_size:
+            bad.append(f"{what} ({attr}={value})")
+    if bad:
+        raise ValueError(
+            f"tensor parallel: {', '.join(bad)} must divide by train.accelerator.tp_size={tp_size}; "
+            "choose a tp_size that divides them"
+        )
+
+
+def _module_names(model: nn.Module) -> List[str]:
+    return [name for name, _ in model.named_modules() if name]
+
+
+def _shared_parameters(model: nn.Module) -> List[List[tuple]]:
+    """Groups of (module, attribute) that hold one Parameter object (tied embeddings)."""
+    owners: Dict[int, List[tuple]] = {}
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, attr))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard `model` in place over `tp_mesh` by its plan; returns it. Tied parameters stay tied."""
+    tp_size = tp_mesh.size()
+    if getattr(model.config, "num_experts", None) or any("experts" in n for n in _module_names(model)):
+        raise NotImplementedError(
+            f"tensor parallel for MoE models ({type(model).__name__}) is not supported: use expert parallel "
+            "(train.accelerator.extra_parallel_sizes / extra_parallel_names: [ep]) with tp_size=1"
+        )
+    check_tp_divisibility(model.config, tp_size)
+    plan = get_tp_plan(model)
+    names = _module_names(model)
+    missing = [pattern for pattern in plan if not any(fnmatch.fnmatchcase(n, pattern) for n in names)]
+    if missing:
+        raise ValueError(
+            f"no tensor-parallel plan fits {type(model).__name__} (model_type "
+            f"{getattr(model.config, 'model_type', None)!r}): these patterns of the plan match no module: "
+            f"{missing}. Plans exist for {sorted(TP_PLANS)}; add one to veomni.distributed.tensor_parallel.TP_PLANS "
+            "or set model._veomni_tp_plan"
+        )
+    shared = _shared_parameters(model)
+    parallelize_module(model, tp_mesh, plan)
+    for group in shared:  # each style made its own DTensor of a tied weight: point every owner at the first one
+        module, attr = group[0]
+        first = getattr(module, attr)
+        for other, other_attr in group[1:]:
+            mine = getattr(other, other_attr)
+            if isinstance(first, DTensor) != isinstance(mine, DTensor) or (
+                isinstance(first, DTensor) and first.placements != mine.placements
+            ):
+                raise ValueError(
+                    f"tied parameter {type(other).__name__}.{other_attr} gets placement "
+                    f"{getattr(mine, 'placements', 'replicated')} but its twin {getattr(first, 'placements', None)}"
+                )
+            setattr(other, other_attr, first)
+    logger.info(f"tensor parallel over tp={tp_size}: {len(plan)} plan entries, {len(shared)} tied parameter(s)")
+    return model
