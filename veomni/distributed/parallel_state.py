@@ -121,6 +121,15 @@ class ParallelState:
     def sp_enabled(self) -> bool:
         return self.ulysses_size > 1
 
+    @property
+    def dp_sp_group(self):
+        """Every rank that holds its own tokens (data x sequence parallel): global loss-token counts sum over it."""
+        return self.flat_meshes["dp_sp"].get_group()
+
+    @property
+    def dp_sp_size(self) -> int:
+        return self.dp_size * self.ulysses_size
+
     # ---------------------------------------------------------------- tensor parallel
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -259,6 +268,7 @@ def init_parallel_state(
     flat = {
         "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
         "dp_shard_sp": mesh["dp_shard", "ulysses"]._flatten("dp_shard_sp"),
+        "dp_sp": mesh["dp_replicate", "dp_shard", "ulysses"]._flatten("dp_sp"),
     }
     names = list(extra_parallel_names or [])
     extra = _build_extra_meshes(

@@ -13,6 +13,7 @@ from ..utils.logging import get_logger
 from .mixed_precision import resolve_precision
 from .parallel_plan import apply_expert_parallel, expert_shard_placement
 from .parallel_state import get_parallel_state
+from .sequence_parallel import apply_ulysses
 from .tensor_parallel import apply_tensor_parallel
 from .weight_loading import materialize_meta_model
 
@@ -79,11 +80,13 @@ def build_parallelize_model(
     over ep_fsdp instead of their hidden dim, when the local experts split evenly (else a warning, and dim 1).
     """
     state = get_parallel_state()
-    if state.sp_enabled:
+    if state.sp_enabled and state.tp_enabled:
         raise NotImplementedError(
-            f"ulysses_size={state.ulysses_size}: sequence-parallel attention is not implemented yet (the collator "
-            "already slices batches for it); set train.accelerator.ulysses_size to 1"
+            f"ulysses_size={state.ulysses_size} with tp_size={state.tp_size}: Ulysses sequence parallel and tensor "
+            "parallel do not compose yet; use one of them"
         )
+    if state.sp_enabled:  # attention gathers the sequence per head; parameters stay replicated over sp
+        apply_ulysses(model, async_enabled=state.async_enabled)
     if state.tp_enabled:  # TP first: FSDP2 then shards the tp DTensors over dp_shard (2-D parameters)
         if state.mode == "ddp":
             raise ValueError("tensor parallel (tp_size > 1) needs fsdp_mode=fsdp2, not ddp")
@@ -103,7 +106,8 @@ def build_parallelize_model(
                 model, weights_path, broadcast_model_weights_from_rank0, max_load_broadcast_size, reference_init
             )
         model.to(get_device())
-        replicate(model, device_mesh=state.dp_mesh)
+        # sequence-parallel ranks hold the same parameters but different tokens: their gradients are summed too
+        replicate(model, device_mesh=state.flat_meshes["dp_sp"] if state.sp_enabled else state.dp_mesh)
         logger.info(f"DDP over {state.dp_size} ranks")
         return model
 

@@ -52,10 +52,13 @@ def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) ->
 
 
 def chunked_head_loss_sum(
-    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int, labels_shifted: bool = False
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`causal_lm_loss_sum(head(hidden), labels)` with the logits of at most `chunk_size` tokens alive at once."""
-    targets = _next_token_targets(labels.to(hidden.device)).reshape(-1)
+    """`causal_lm_loss_sum(head(hidden), labels)` with the logits of at most `chunk_size` tokens alive at once.
+
+    `labels_shifted`: labels[t] is already the target of position t (sequence parallel shards, see MainCollator)."""
+    labels = labels.to(hidden.device)
+    targets = (labels if labels_shifted else _next_token_targets(labels)).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     total = flat.new_zeros((), dtype=torch.float32)
     for start in range(0, flat.shape[0], chunk_size):
@@ -79,7 +82,9 @@ def supports_chunked_loss(model: nn.Module) -> bool:
 
 
 @contextmanager
-def chunked_lm_head_loss(model: nn.Module, labels: torch.Tensor, chunk_size: int) -> Iterator[Optional[Dict[str, Any]]]:
+def chunked_lm_head_loss(
+    model: nn.Module, labels: torch.Tensor, chunk_size: int, labels_shifted: bool = False
+) -> Iterator[Optional[Dict[str, Any]]]:
     """Within the block, `model(...)` computes the loss chunk by chunk at its output head instead of full logits.
 
     The summed loss comes back *as* `outputs.logits` (a 0-dim tensor): taking it from the model's own output lets
@@ -101,7 +106,7 @@ def chunked_lm_head_loss(model: nn.Module, labels: torch.Tensor, chunk_size: int
             hidden = hidden.to_local()  # each chunk's call of the head wraps its slice again
         inside[0] = True
         try:
-            loss_sum, result["tokens"] = chunked_head_loss_sum(head, hidden, labels, chunk_size)
+            loss_sum, result["tokens"] = chunked_head_loss_sum(head, hidden, labels, chunk_size, labels_shifted)
         finally:
             inside[0] = False
         return loss_sum

@@ -2,8 +2,8 @@
 
 One optimizer step:
     micro_batches = next(loader)                       # dataloader_batch_size packed micro-batches
-    N = all_reduce(loss tokens of this step)           # over data-parallel ranks
-    for mb in micro_batches: (sum CE(mb) * dp / N).backward()   # FSDP/DDP average over dp: net sum / N
+    N = all_reduce(loss tokens of this step)           # over data- and sequence-parallel ranks
+    for mb in micro_batches: (sum CE(mb) * dp*sp / N).backward()   # FSDP/DDP average over dp*sp: net sum / N
     clip (DTensor-aware) -> optimizer.step -> scheduler.step -> zero_grad
 so every token weighs the same whatever the packing, the micro-batch split or the number of ranks.
 """
@@ -25,6 +25,7 @@ from ..checkpoint.run_dir import remap_into
 from ..data.data_loader import reshard_loader_state
 from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.mixed_precision import resolve_precision
+from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
 from ..distributed.torch_parallelize import build_parallelize_model
 from ..models import build_foundation_model
 from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
@@ -265,18 +266,25 @@ class BaseTrainer:
         labels = micro_batch["labels"]
         inputs = {k: v for k, v in micro_batch.items() if k not in _NOT_MODEL_INPUTS}
         chunk = self.args.model.ops_implementation.loss_chunk_size
-        with chunked_lm_head_loss(self.model, labels, chunk) as head_loss:  # never the full fp32 logits
+        sp = self.parallel_state.sp_enabled  # sequence shards carry labels the collator already shifted
+        with chunked_lm_head_loss(self.model, labels, chunk, labels_shifted=sp) as head_loss:  # no full fp32 logits
             outputs = self.model(**inputs, use_cache=False)
         if head_loss is not None:  # the head returned the summed loss in place of the logits
             loss_sum = outputs.logits
+        elif sp:
+            loss_sum, _ = shifted_lm_loss_sum(outputs.logits, labels)
         else:
             loss_sum, _ = causal_lm_loss_sum(outputs.logits, labels)
         router_logits = getattr(outputs, "router_logits", None)
         if router_logits:  # MoE load balancing (output_router_logits): per document, so no layout moves it
-            config = self.model.config
-            aux_sum = load_balancing_loss_sum(
-                router_logits, config.num_experts_per_tok, labels, inputs.get("position_ids")
-            )
+            config, position_ids = self.model.config, inputs.get("position_ids")
+            if sp:  # a document's router statistics are summed over the ranks that hold its tokens
+                group = self.parallel_state.sp_group
+                aux_sum = sp_load_balancing_loss_sum(
+                    router_logits, config.num_experts_per_tok, labels, position_ids, group
+                )
+            else:
+                aux_sum = load_balancing_loss_sum(router_logits, config.num_experts_per_tok, labels, position_ids)
             loss_sum = loss_sum + config.router_aux_loss_coef * aux_sum
         return loss_sum
 
@@ -289,25 +297,28 @@ class BaseTrainer:
         # a short last batch (streamed data without drop_last) counts as out of data: each micro-batch's backward
         # issues its own FSDP reduce-scatters, so every rank must run the same number of them
         have = micro_batches is not None and len(micro_batches) == self.args.train.dataloader_batch_size
-        loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches) if have else 0
+        count = count_loss_tokens_shifted if self.parallel_state.sp_enabled else count_loss_tokens
+        loss_tokens = sum(count(mb["labels"]) for mb in micro_batches) if have else 0
         tokens = sum(mb["input_ids"].numel() for mb in micro_batches) if have else 0
         asked = lifecycle.stop_requested()
         stops = [int(asked == sig) for sig in lifecycle.STOP_EXIT_CODES]  # which stop signal this rank got
         stats = torch.tensor([loss_tokens, tokens, int(have), *stops], dtype=torch.float64, device=self.device)
         lifecycle.set_progress(self.global_step + 1, "all-reduce of the step's token counts")
-        dist.all_reduce(stats, group=self.parallel_state.dp_group)
+        # over data AND sequence parallel ranks: each sequence shard holds its own loss tokens
+        dist.all_reduce(stats, group=self.parallel_state.dp_sp_group)
         lifecycle.set_progress(self.global_step + 1, "forward/backward and optimizer step")
         # every rank reaches the same verdict from the same sums: the first signal by precedence that any rank got
         seen = [sig for sig, count in zip(lifecycle.STOP_EXIT_CODES, stats[3:].tolist()) if count > 0]
         if seen:
             self.stop_signal = seen[0]
-        if int(stats[2]) < self.parallel_state.dp_size:
+        if int(stats[2]) < self.parallel_state.dp_sp_size:
             return None
         return {"loss_tokens": int(stats[0]), "tokens": int(stats[1])}
 
     def train_step(self, micro_batches: List[Dict[str, Any]], totals: Dict[str, int]) -> Dict[str, Any]:
         state = self.parallel_state
-        scale = state.dp_size / max(totals["loss_tokens"], 1)
+        # FSDP/DDP average gradients over the dp x sp ranks; each rank's summed loss over the global token count
+        scale = state.dp_sp_size / max(totals["loss_tokens"], 1)
         ddp = state.mode == "ddp"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         on_device = [self._to_device(mb) for mb in micro_batches]  # all copies queued before the first forward
@@ -319,7 +330,7 @@ class BaseTrainer:
             loss_sum += micro_loss.detach().double()
         lifecycle.set_progress(self.global_step + 1, "grad-norm and loss all-reduce")
         grad_norm = clip_grad_norm(self.model, self.args.train.optimizer.max_grad_norm)
-        dist.all_reduce(loss_sum, group=state.dp_group)
+        dist.all_reduce(loss_sum, group=state.dp_sp_group)
         loss = (loss_sum / max(totals["loss_tokens"], 1)).item()
         lr = self.lr_scheduler.get_last_lr()[0]
         # a MultiOptimizer also logs each inner optimizer's lr of this step (lr_adamw, lr_muon)
