@@ -9,4 +9,6 @@ __all__ = [
     "build_foundation_model",
     "build_processor",
     "build_tokenizer",
-    "iter_safetensors", "load_weights"]
+    "iter_safetensors",
+    "load_weights",
+]

@@ -116,7 +116,10 @@ def write_easy_vqa_jsonl(path: str, split: str = "train", limit: Optional[int] =
     with open(path, "w") as f:
         for row in rows:
             messages = [
-                {"role": "user", "content": [{"type": "image", "image": row["image"]}, {"type": "text", "text": row["question"]}]},
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "image": row["image"]}, {"type": "text", "text": row["question"]}],
+                },
                 {"role": "assistant", "content": row["answer"]},
             ]
             f.write(json.dumps({"messages": messages}) + "\n")
