@@ -1,5 +1,6 @@
-"""Consolidated HF-format folders (config.json, safetensors shards + index, tokenizer files), from a live
-(sharded) model or from a DCP checkpoint, loadable by plain `transformers.AutoModelForCausalLM.from_pretrained`."""
+"""Consolidated HF-format folders (config.json, safetensors shards + index, tokenizer / processor files), from a
+live (sharded) model or from a DCP checkpoint, loadable by plain `transformers.AutoModelForCausalLM.from_pretrained`
+(`AutoModelForImageTextToText` and `AutoProcessor` for vision/audio-language models)."""
 
 import copy
 import json
@@ -26,6 +27,11 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "generation_config.json",
+    # a multimodal processor saved beside the model: AutoProcessor.from_pretrained(out_dir) rebuilds it
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
 )
 
 
@@ -33,6 +39,8 @@ def export_config(config, out_dir: str, architecture: Optional[str] = None) -> N
     """The model config for inference: the cache back on, the real class name (not FSDP's wrapper)."""
     config = copy.deepcopy(config)
     config.use_cache = True
+    if getattr(config, "text_config", None) is not None:
+        config.text_config.use_cache = True
     if architecture:
         config.architectures = [architecture]
     config.save_pretrained(out_dir)
@@ -116,8 +124,9 @@ def dcp_to_hf(
     """Consolidate the model of a DCP checkpoint (any world size) into an HF folder, in one process. The metadata
     is read with the allow-list reader; a config naming custom code is refused unless `trust_remote_code`."""
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from ..models.multimodal import model_class_for
     from .safe_reader import SafeFileSystemReader
 
     config_dir = os.path.join(checkpoint_dir, "hf_config")
@@ -125,7 +134,7 @@ def dcp_to_hf(
         raise FileNotFoundError(f"{checkpoint_dir}: no hf_config/config.json; is this a veomni checkpoint?")
     config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        skeleton = model_class_for(config).from_config(config, trust_remote_code=trust_remote_code)
     tied = set(tied_parameter_names(skeleton))
     reader = SafeFileSystemReader(os.path.join(checkpoint_dir, "model_optimizer"))
     saved = reader.read_metadata().state_dict_metadata  # shapes and dtypes exactly as trained

@@ -12,6 +12,7 @@ from .dataset import (
     MappingDataset,
     build_dataset,
 )
+from .multimodal import build_multimodal_chat_template
 
 __all__ = [
     "CHAT_TEMPLATE_REGISTRY",
@@ -27,6 +28,7 @@ __all__ = [
     "build_chat_template",
     "build_dataloader",
     "build_dataset",
+    "build_multimodal_chat_template",
     "data_report",
     "process_pretrain_example",
     "process_sft_example",

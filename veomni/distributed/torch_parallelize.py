@@ -25,12 +25,34 @@ def _mixed_precision_policy(mixed_precision: Any) -> Optional[MixedPrecisionPoli
     return resolve_precision(mixed_precision, get_device_type(), get_parallel_state().mode).policy
 
 
+def no_split_module_names(model: nn.Module) -> List[str]:
+    """`_no_split_modules` of the model and of every sub-model in it (a VL model's vision tower and audio tower
+    name their own blocks), so encoder blocks become FSDP units as decoder layers do."""
+    names = []
+    for module in model.modules():
+        for name in getattr(type(module), "_no_split_modules", None) or []:
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def _basic_module_instances(model: nn.Module, basic_modules: Sequence[str]) -> List[nn.Module]:
+    """Instances of the named classes, deepest first: FSDP2 must wrap a unit's sub-units before the unit itself
+    (e.g. Omni's `Qwen2_5OmniVisionEncoder` around its `Qwen2_5OmniVisionBlock`s)."""
     names = set(basic_modules)
     found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
     if names and not found:
         raise ValueError(f"none of basic_modules {sorted(names)} occurs in {type(model).__name__}")
-    return found
+    depth = {id(m): name.count(".") for name, m in model.named_modules()}
+    return sorted(found, key=lambda m: -depth[id(m)])  # stable: forward order kept within a depth
+
+
+def _prefetch_chains(units: List[nn.Module]) -> List[List[nn.Module]]:
+    """Forward prefetch runs along each stack of same-class units (decoder layers, vision blocks), in model order."""
+    chains: dict = {}
+    for unit in units:
+        chains.setdefault(type(unit).__name__, []).append(unit)
+    return [chain for chain in chains.values() if len(chain) > 1]
 
 
 def _enable_gradient_checkpointing(model: nn.Module, reentrant: bool) -> None:
@@ -43,11 +65,11 @@ def _enable_gradient_checkpointing(model: nn.Module, reentrant: bool) -> None:
 
 def _reference_init(model: nn.Module):
     """Rank 0's full-size initialisation of a meta model trained from scratch."""
-    from transformers import AutoModelForCausalLM
+    from ..models.multimodal import model_class_for
 
     def build():
         dtype = next(model.parameters()).dtype
-        return AutoModelForCausalLM.from_config(
+        return model_class_for(model.config).from_config(
             model.config, attn_implementation=model.config._attn_implementation, dtype=dtype
         )
 
@@ -135,9 +157,10 @@ def build_parallelize_model(
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
-    if enable_forward_prefetch and len(units) > 1:
-        for current, following in zip(units, units[1:]):
-            current.set_modules_to_forward_prefetch([following])
+    if enable_forward_prefetch:
+        for chain in _prefetch_chains(units):
+            for current, following in zip(chain, chain[1:]):
+                current.set_modules_to_forward_prefetch([following])
 
     if on_meta:
         materialize_meta_model(

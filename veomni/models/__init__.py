@@ -1,6 +1,14 @@
-"""Models: HF models built from a config or safetensors weights (any init device), and their tokenizers."""
+"""Models: HF models built from a config or safetensors weights (any init device), their tokenizers and multimodal processors."""
 
 from .auto import build_config, build_foundation_model, build_tokenizer
 from .loader import iter_safetensors, load_weights
+from .processor import build_processor
 
-__all__ = ["build_config", "build_foundation_model", "build_tokenizer", "iter_safetensors", "load_weights"]
+__all__ = [
+    "build_config",
+    "build_foundation_model",
+    "build_processor",
+    "build_tokenizer",
+    "iter_safetensors",
+    "load_weights",
+]

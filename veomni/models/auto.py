@@ -4,12 +4,21 @@ import os
 from typing import Any, Dict, Optional, Union
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ..ops.attention import VARLEN, resolve_attn_implementation
 from ..ops.moe import experts_implementation
 from ..utils.logging import get_logger
 from .loader import init_empty_weights, load_weights, num_experts_of
+from .multimodal import (
+    adapt_multimodal_model,
+    attn_implementation_for,
+    bind_position_id_func,
+    is_multimodal,
+    model_class_for,
+    set_experts_implementation,
+    thinker_config,
+)
 
 logger = get_logger(__name__)
 
@@ -59,7 +68,10 @@ def build_foundation_model(
     config_kwargs: Optional[Dict[str, Any]] = None,
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
-    """Build a causal LM from an HF config, loading `weights_path` unless the model is built on `meta`.
+    """Build a causal LM, or a vision/audio-language model (Qwen2.5-VL, Qwen3-VL(-MoE), Qwen2.5-Omni / Qwen3-Omni-MoE
+    thinker; a full Omni config builds its thinker), from an HF config, loading `weights_path` unless the model is
+    built on `meta`. Every model gets `model.get_position_id_func()` (M-RoPE ids for multimodal models, None for
+    text); multimodal ones get the packing/FSDP adapter of veomni/models/multimodal.py.
 
     `init_device="meta"` allocates no parameter memory: `build_parallelize_model` materialises the shards and
     loads the weights (from rank 0, broadcast) afterwards. Without weights the model is initialised from the
@@ -69,24 +81,31 @@ def build_foundation_model(
     config_kwargs = dict(config_kwargs or {})
     trust_remote_code = bool(config_kwargs.pop("trust_remote_code", trust_remote_code))
     config = build_config(config_path or weights_path, trust_remote_code=trust_remote_code, **config_kwargs)
+    config = thinker_config(config)
     config.use_cache = False  # with a cache, transformers ignores packed position_ids and attends across documents
+    if getattr(config, "text_config", None) is not None:
+        config.text_config.use_cache = False
     if num_experts_of(config):
-        config._experts_implementation = experts_implementation(moe_implementation)
+        set_experts_implementation(config, experts_implementation(moe_implementation))
     dtype = to_dtype(torch_dtype)
+    auto_class = model_class_for(config)
     # veomni_varlen (default): packed documents attend only within themselves, with no (S x S) mask
     kwargs = {
-        "attn_implementation": resolve_attn_implementation(attn_implementation),
+        "attn_implementation": attn_implementation_for(config, resolve_attn_implementation(attn_implementation)),
         "dtype": dtype,
         "trust_remote_code": trust_remote_code,
     }
     if init_device == "meta":
         with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
+            model = auto_class.from_config(config, **kwargs)
     else:
         with torch.device(init_device):
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
+            model = auto_class.from_config(config, **kwargs)
         if weights_path is not None:
             load_weights(model, weights_path)
             logger.info(f"loaded weights from {weights_path}")
     model._veomni_weights_path = weights_path
+    if is_multimodal(config):
+        adapt_multimodal_model(model)
+    bind_position_id_func(model)
     return model

@@ -26,7 +26,7 @@ from ..data.data_loader import reshard_loader_state
 from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.mixed_precision import resolve_precision
 from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
-from ..distributed.torch_parallelize import build_parallelize_model
+from ..distributed.torch_parallelize import build_parallelize_model, no_split_module_names
 from ..models import build_foundation_model
 from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
 from ..ops.moe import load_balancing_loss_sum
@@ -116,6 +116,7 @@ class BaseTrainer:
             moe_implementation=args.model.ops_implementation.moe_implementation,
             trust_remote_code=args.model.trust_remote_code,
         )
+        model = self.prepare_model(model)
         self.model = build_parallelize_model(
             model,
             init_device=args.train.init_device,
@@ -125,7 +126,7 @@ class BaseTrainer:
             mixed_precision=fsdp.mixed_precision,
             enable_gradient_checkpointing=args.train.gradient_checkpointing.enable,
             enable_fsdp_offload=fsdp.offload,
-            basic_modules=list(set(getattr(model, "_no_split_modules", None) or []) | set(args.model.basic_modules)),
+            basic_modules=list(set(no_split_module_names(model)) | set(args.model.basic_modules)),
             enable_reentrant=args.train.gradient_checkpointing.enable_reentrant,
             enable_forward_prefetch=fsdp.forward_prefetch,
             broadcast_model_weights_from_rank0=args.train.broadcast_model_weights_from_rank0,
@@ -135,6 +136,10 @@ class BaseTrainer:
         self.model.train()
         self.num_params = sum(p.numel() for p in self.model.parameters())
         logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.1f}M parameters ({self.num_params:,})")
+
+    def prepare_model(self, model):
+        """Hook between building the model and sharding it (e.g. freezing a vision tower); returns the model."""
+        return model
 
     def build_dataset(self):
         raise NotImplementedError

@@ -1,0 +1,179 @@
+"""Multimodal sample transforms: one conversation -> the tensors a Qwen-VL / Qwen-Omni model trains on.
+
+    transform = partial(process_sample_qwen2_5_vl, processor=processor, chat_template=chat_template,
+                        position_id_func=model.get_position_id_func(), **mm_configs)
+    features = transform(sample)
+
+Steps: (1) normalise the conversation and load its media (preprocess.py); (2) run the processor's parts on the
+media: `image_processor` -> `pixel_values` (num_patches, patch_dim) + `image_grid_thw` (n_images, 3), videos as
+frames -> `pixel_values_videos` + `video_grid_thw` (+ seconds per temporal grid), `feature_extractor` ->
+`input_features` + `feature_attention_mask`; (3) expand each placeholder exactly as the HF processor does (one
+token per merged patch / per audio frame after the encoder's downsampling) and tokenise the conversation through
+the chat template (labels on assistant text only); (4) M-RoPE `position_ids` (3, L) from `position_id_func` and
+bool `image_mask` / `video_mask` / `audio_mask` (L,).
+
+`mm_configs` keys: `media_dir` (relative media paths), `video_fps` (frame rate of frame-list videos, default
+2.0; a sample's own `video_fps` wins), `max_seq_len`, `image_kwargs` / `audio_kwargs` (extra processor kwargs).
+Videos are lists of frames: transformers' video processor patches them where torchvision is installed; otherwise
+each frame goes through the image processor and consecutive frames are paired into temporal patches -- the same
+patch layout (t, h/m, w/m, m, m) x (C, temporal_patch, p, p), with the image processor's resizing.
+"""
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from ..data_transform import DataFormatError
+from .preprocess import AUDIO_SAMPLING_RATE, conversation_from_sample, media_of
+
+
+def _image_features(processor, images, image_kwargs) -> Dict[str, torch.Tensor]:
+    if not images:
+        return {}
+    out = processor.image_processor(images=images, return_tensors="pt", **(image_kwargs or {}))
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
+
+
+def _frames_to_patches(image_processor, frames) -> tuple:
+    """One video's (patches, grid_thw) through the image processor: each frame is patched alone (the processor
+    repeats it over the temporal patch), then the frames of each temporal patch are put side by side."""
+    tp = image_processor.temporal_patch_size
+    frames = list(frames) + [frames[-1]] * (-len(frames) % tp)  # pad by repeating the last frame, as HF does
+    out = image_processor(images=frames, return_tensors="pt")
+    grids = out["image_grid_thw"]
+    if not bool((grids == grids[0]).all()):
+        raise DataFormatError("all frames of a video must have the same size")
+    n = int(grids[0].prod())
+    channels = 3
+    per_frame = out["pixel_values"].reshape(len(frames), n, channels, tp, -1)[:, :, :, 0]  # (F, n, C, p*p)
+    paired = per_frame.reshape(len(frames) // tp, tp, n, channels, -1).permute(0, 2, 3, 1, 4)  # (T, n, C, tp, p*p)
+    grid = torch.tensor([len(frames) // tp, int(grids[0][1]), int(grids[0][2])])
+    return paired.reshape(grid[0] * n, -1), grid
+
+
+def _video_features(processor, videos, fps: float) -> Dict[str, torch.Tensor]:
+    if not videos:
+        return {}
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is not None:
+        arrays = [np.stack([np.asarray(f) for f in frames]) for frames in videos]
+        out = video_processor(videos=arrays, do_sample_frames=False, return_tensors="pt")
+        pixels, grids = out["pixel_values_videos"], out["video_grid_thw"].long()
+        temporal_patch = video_processor.temporal_patch_size
+    else:
+        pieces = [_frames_to_patches(processor.image_processor, frames) for frames in videos]
+        pixels = torch.cat([p for p, _ in pieces])
+        grids = torch.stack([g for _, g in pieces]).long()
+        temporal_patch = processor.image_processor.temporal_patch_size
+    seconds = torch.tensor([temporal_patch / fps] * len(videos), dtype=torch.float)
+    return {"pixel_values_videos": pixels, "video_grid_thw": grids, "second_per_grid_ts": seconds}
+
+
+def _audio_features(processor, audios, audio_kwargs) -> Dict[str, torch.Tensor]:
+    if not audios:
+        return {}
+    kwargs = dict(sampling_rate=AUDIO_SAMPLING_RATE, padding="max_length", return_attention_mask=True)
+    kwargs.update(audio_kwargs or {})  # Qwen-Omni processors pad to the extractor's 30 s window ("max_length")
+    out = processor.feature_extractor(audios, return_tensors="pt", **kwargs)
+    return {"input_features": out["input_features"], "feature_attention_mask": out["attention_mask"].long()}
+
+
+def audio_token_count(feature_lengths: torch.Tensor) -> torch.Tensor:
+    """Audio placeholder tokens per clip: the Whisper-style encoder's conv stride 2, then its 2x pooling."""
+    return ((feature_lengths - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def _merge_size(processor) -> int:
+    return processor.image_processor.merge_size
+
+
+def _replacements(processor, features, style: str, fps: float) -> Dict[str, List[str]]:
+    tok = processor.tokenizer
+    image_token, video_token = processor.image_token, processor.video_token
+    merge = _merge_size(processor) ** 2
+    out: Dict[str, List[str]] = {}
+    if "image_grid_thw" in features:
+        out["image"] = [image_token * int(g.prod() // merge) for g in features["image_grid_thw"]]
+    if "video_grid_thw" in features:
+        out["video"] = []
+        for grid in features["video_grid_thw"]:
+            if style == "qwen3":  # one `<t seconds>` + vision block per temporal patch (Qwen3VLProcessor's layout)
+                frames = int(grid[0]) * processor.image_processor.temporal_patch_size
+                stamps = processor._calculate_timestamps(list(range(frames)), fps, merge_size=frames // int(grid[0]))
+                per_frame = video_token * int(grid[1:].prod() // merge)
+                start, end = tok.convert_ids_to_tokens([processor.vision_start_token_id, processor.vision_end_token_id])
+                out["video"].append("".join(f"<{t:.1f} seconds>{start}{per_frame}{end}" for t in stamps))
+            else:
+                out["video"].append(video_token * int(grid.prod() // merge))
+    if "feature_attention_mask" in features:
+        counts = audio_token_count(features["feature_attention_mask"].sum(-1))
+        out["audio"] = [processor.audio_token * int(n) for n in counts]
+    return out
+
+
+def _process_sample(
+    sample: Dict[str, Any],
+    processor,
+    chat_template,
+    position_id_func,
+    style: str,
+    media_dir: Optional[str] = None,
+    video_fps: float = 2.0,
+    max_seq_len: int = 8192,
+    image_kwargs: Optional[Dict[str, Any]] = None,
+    audio_kwargs: Optional[Dict[str, Any]] = None,
+    **unused,
+) -> Dict[str, torch.Tensor]:
+    conversation = conversation_from_sample(sample, media_dir=media_dir)
+    media = media_of(conversation)
+    if media["audio"] and getattr(processor, "feature_extractor", None) is None:
+        raise DataFormatError("the sample has audio but the processor has no audio feature extractor")
+    fps = float(sample.get("video_fps") or video_fps)
+    features = {
+        **_image_features(processor, media["image"], image_kwargs),
+        **_video_features(processor, media["video"], fps),
+        **_audio_features(processor, media["audio"], audio_kwargs),
+    }
+    encoded = chat_template.encode_messages(
+        conversation, max_seq_len=max_seq_len, replacements=_replacements(processor, features, style, fps)
+    )
+    input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
+    out = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "labels": torch.tensor(encoded["labels"], dtype=torch.long),
+    }
+    if style == "qwen3":  # Qwen3-VL's M-RoPE uses the timestamps in the text, not seconds per grid
+        features.pop("second_per_grid_ts", None)
+    audio_seqlens = features["feature_attention_mask"].sum(-1) if "feature_attention_mask" in features else None
+    out["position_ids"] = position_id_func(
+        input_ids,
+        image_grid_thw=features.get("image_grid_thw"),
+        video_grid_thw=features.get("video_grid_thw"),
+        second_per_grid_ts=features.get("second_per_grid_ts"),
+        audio_seqlens=audio_seqlens,
+    )
+    if style == "omni" and "second_per_grid_ts" in features:  # the Omni thinker's forward keyword
+        features["video_second_per_grid"] = features.pop("second_per_grid_ts")
+    out.update(features)
+    for kind, token in (("image", "image_token_id"), ("video", "video_token_id"), ("audio", "audio_token_id")):
+        token_id = getattr(processor, token, None)
+        if token_id is not None:
+            out[f"{kind}_mask"] = input_ids == token_id
+    return out
+
+
+def process_sample_qwen2_5_vl(sample, processor, chat_template, position_id_func, **mm_configs):
+    """Qwen2-VL and Qwen2.5-VL: images, videos as frames (`second_per_grid_ts` for Qwen2.5-VL's M-RoPE)."""
+    return _process_sample(sample, processor, chat_template, position_id_func, style="qwen2", **mm_configs)
+
+
+def process_sample_qwen3_vl(sample, processor, chat_template, position_id_func, **mm_configs):
+    """Qwen3-VL dense and MoE: images, videos as frames with `<t seconds>` timestamps per temporal patch."""
+    return _process_sample(sample, processor, chat_template, position_id_func, style="qwen3", **mm_configs)
+
+
+def process_sample_qwen_omni(sample, processor, chat_template, position_id_func, **mm_configs):
+    """Qwen2.5-Omni and Qwen3-Omni-MoE thinkers: images, videos as frames, and audio (Whisper features)."""
+    return _process_sample(sample, processor, chat_template, position_id_func, style="omni", **mm_configs)

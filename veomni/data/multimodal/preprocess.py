@@ -1,0 +1,180 @@
+"""Conversations with images, videos and audio, from OpenAI or ShareGPT form, normalised to one structure.
+
+Accepted sample forms (one row of a jsonl / parquet file):
+- OpenAI: `{"messages": [{"role", "content": str | [part, ...]}]}`, a part being `{"type": "text", "text"}`,
+  `{"type": "image", "image": src}`, `{"type": "image_url", "image_url": {"url": src}}`,
+  `{"type": "video", "video": [frame src, ...] | folder of frames}`, `{"type": "audio", "audio": src}` or
+  `{"type": "input_audio", "input_audio": {"data": base64}}`;
+- ShareGPT: `{"conversations": [{"from": "human"|"gpt"|"system", "value": "...<image>..."}], "images": [src],
+  "videos": [[frame src, ...]], "audios": [src]}`; each `<image>` / `<video>` / `<audio>` marker takes the next
+  item of its list.
+
+Normalised form: `[{"role": "system"|"user"|"assistant", "content": [{"type": "text", "text"} |
+{"type": "image", "image": PIL.Image} | {"type": "video", "video": [PIL.Image, ...]} |
+{"type": "audio", "audio": float32 array at 16 kHz}]}]` -- exactly what HF processors' `apply_chat_template`
+takes. A media source is a local path (absolute, or relative to `media_dir`), raw bytes, a `data:` URI or plain
+base64 text, an HF-datasets `{"bytes", "path"}` struct (parquet image columns), a PIL image, or (audio) an array.
+"""
+
+import base64
+import io
+import os
+import re
+import wave
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ..data_transform import DataFormatError
+
+MEDIA_TYPES = ("image", "video", "audio")
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_MARKER = re.compile(r"(<image>|<video>|<audio>)")
+AUDIO_SAMPLING_RATE = 16000  # Whisper feature extractors (Qwen-Omni audio towers) take 16 kHz audio
+
+
+def _read_bytes(src, media_dir: Optional[str]) -> bytes:
+    if isinstance(src, (bytes, bytearray)):
+        return bytes(src)
+    if isinstance(src, dict):  # HF datasets' Image/Audio struct in parquet
+        if src.get("bytes") is not None:
+            return bytes(src["bytes"])
+        return _read_bytes(src.get("path") or src.get("url"), media_dir)
+    if not isinstance(src, str):
+        raise DataFormatError(f"unsupported media source of type {type(src).__name__}")
+    if src.startswith("data:"):
+        return base64.b64decode(src.split(",", 1)[1])
+    path = src[len("file://") :] if src.startswith("file://") else src
+    if media_dir and not os.path.isabs(path):
+        path = os.path.join(media_dir, path)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return f.read()
+    if re.fullmatch(r"[A-Za-z0-9+/=\s]{16,}", src):
+        return base64.b64decode(src)
+    raise DataFormatError(f"media file not found (and not base64): {src[:120]}")
+
+
+def load_image(src, media_dir: Optional[str] = None):
+    from PIL import Image
+
+    if isinstance(src, Image.Image):
+        return src.convert("RGB")
+    with Image.open(io.BytesIO(_read_bytes(src, media_dir))) as image:
+        return image.convert("RGB")
+
+
+def load_video(src, media_dir: Optional[str] = None) -> List[Any]:
+    """A video as its frames (a list of images, or a folder of image files in name order); decoding video files
+    needs a video library and is left to the data preparation step."""
+    if isinstance(src, str):
+        folder = os.path.join(media_dir, src) if media_dir and not os.path.isabs(src) else src
+        if not os.path.isdir(folder):
+            raise DataFormatError(f"a video must be a list of frames or a folder of frames: {src[:120]}")
+        src = [os.path.join(folder, name) for name in sorted(os.listdir(folder))]
+    frames = [load_image(frame, media_dir) for frame in src]
+    if not frames:
+        raise DataFormatError("a video without frames")
+    return frames
+
+
+def load_audio(src, media_dir: Optional[str] = None, sampling_rate: int = AUDIO_SAMPLING_RATE) -> np.ndarray:
+    """Mono float32 samples at `sampling_rate`; an array is taken as already at that rate, a WAV file (path,
+    bytes, base64) is read with the standard library and resampled linearly."""
+    if isinstance(src, np.ndarray) or isinstance(src, list):
+        return np.asarray(src, dtype=np.float32)
+    if isinstance(src, dict) and "array" in src:  # HF datasets' decoded Audio
+        return resample(np.asarray(src["array"], np.float32), int(src["sampling_rate"]), sampling_rate)
+    with wave.open(io.BytesIO(_read_bytes(src, media_dir))) as w:
+        width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
+        raw = w.readframes(w.getnframes())
+    if width != 2:
+        raise DataFormatError(f"only 16-bit PCM WAV audio is read here, got {8 * width}-bit")
+    samples = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+    samples = samples.reshape(-1, channels).mean(axis=1)
+    return resample(samples, rate, sampling_rate)
+
+
+def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
+    if rate == target:
+        return samples.astype(np.float32)
+    n = int(round(len(samples) * target / rate))
+    return np.interp(np.arange(n) * (rate / target), np.arange(len(samples)), samples).astype(np.float32)
+
+
+_LOADERS = {"image": load_image, "video": load_video, "audio": load_audio}
+
+
+def _openai_part(part, media_dir: Optional[str]) -> Dict[str, Any]:
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    kind = part.get("type") or next((k for k in ("text", *MEDIA_TYPES, "image_url") if k in part), None)
+    if kind == "text":
+        return {"type": "text", "text": part["text"]}
+    if kind in ("image_url", "audio_url", "video_url"):
+        url = part[kind]
+        src = url.get("url") if isinstance(url, dict) else url
+        kind = kind[: -len("_url")]
+    elif kind == "input_audio":
+        src, kind = part["input_audio"]["data"], "audio"
+    elif kind in MEDIA_TYPES:
+        src = part.get(kind) if part.get(kind) is not None else part.get("url", part.get("path"))
+    else:
+        raise DataFormatError(f"unsupported content part type {kind!r}")
+    return {"type": kind, kind: _LOADERS[kind](src, media_dir)}
+
+
+def _from_openai(messages, media_dir) -> List[Dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        role = _ROLES.get(m.get("role"))
+        if role is None:
+            raise DataFormatError(f"message {i} has role {m.get('role')!r}; expected system, user or assistant")
+        content = m.get("content")
+        parts = [content] if isinstance(content, str) else list(content or [])
+        out.append({"role": role, "content": [_openai_part(p, media_dir) for p in parts]})
+    return out
+
+
+def _from_sharegpt(sample, media_dir) -> List[Dict[str, Any]]:
+    pools = {kind: list(sample.get(f"{kind}s") or []) for kind in MEDIA_TYPES}
+    used = dict.fromkeys(MEDIA_TYPES, 0)
+    out = []
+    for i, turn in enumerate(sample["conversations"]):
+        role = _ROLES.get(turn.get("from", turn.get("role")))
+        if role is None:
+            raise DataFormatError(f"turn {i} is from {turn.get('from')!r}; expected human, gpt or system")
+        parts = []
+        for piece in _MARKER.split(turn.get("value", turn.get("content", ""))):
+            if piece in ("<image>", "<video>", "<audio>"):
+                kind = piece[1:-1]
+                if used[kind] >= len(pools[kind]):
+                    raise DataFormatError(f"more {piece} markers than {kind}s in the sample")
+                parts.append({"type": kind, kind: _LOADERS[kind](pools[kind][used[kind]], media_dir)})
+                used[kind] += 1
+            elif piece:
+                parts.append({"type": "text", "text": piece})
+        out.append({"role": role, "content": parts})
+    for kind in MEDIA_TYPES:
+        if used[kind] != len(pools[kind]):
+            raise DataFormatError(f"{len(pools[kind])} {kind}s but {used[kind]} <{kind}> markers")
+    return out
+
+
+def conversation_from_sample(sample: Dict[str, Any], media_dir: Optional[str] = None) -> List[Dict[str, Any]]:
+    """The sample's conversation in the normalised form above, media loaded."""
+    if "messages" in sample:
+        return _from_openai(sample["messages"], media_dir)
+    if "conversations" in sample:
+        return _from_sharegpt(sample, media_dir)
+    raise DataFormatError(f"a multimodal sample needs 'messages' or 'conversations', got keys {sorted(sample)}")
+
+
+def media_of(conversation) -> Dict[str, List[Any]]:
+    """The conversation's images, videos and audio clips, each list in order of appearance."""
+    media = {kind: [] for kind in MEDIA_TYPES}
+    for message in conversation:
+        for part in message["content"]:
+            if part["type"] in media:
+                media[part["type"]].append(part[part["type"]])
+    return media

@@ -1,0 +1,244 @@
+"""Vision/audio + language models (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-Omni / Qwen3-Omni-MoE thinkers)
+built by transformers' own classes, with a thin training adapter bound to each instance.
+
+The adapter (`adapt_multimodal_model`) changes no modeling code; it wraps the instance's `forward` to:
+
+* accept the collator's packed M-RoPE ids: MainCollator packs per-sample (3, L) ids to (1, 3, L); HF wants (3, 1, L).
+  The language model then attends per document through `cu_seq_lens_*` (veomni_varlen), and HF's M-RoPE rotates
+  with the given 3-row ids, so a packed row equals its samples run one by one.
+* run every encoder (image, video, audio) exactly once per forward, in a fixed order, on a 1-image (or 1-clip)
+  dummy input when the micro-batch has none, adding 0 x its output to the text embeddings. Under FSDP2 every rank
+  then all-gathers (and reduce-scatters) the same encoder units in the same order whatever its data, and every
+  encoder parameter gets a gradient (zero, not None) on every rank. HF's forward then reuses these outputs.
+* keep the language model's packing kwargs (cu_seq_lens_q, max_length_q, ...) out of the encoders, whose own
+  attention is per image / per audio window (HF's, with `sdpa` by default).
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+# model_type -> the encoder kinds its forward can consume, in the order the adapter runs them
+_ENCODER_INPUTS = {
+    "image": ("pixel_values", "image_grid_thw"),
+    "video": ("pixel_values_videos", "video_grid_thw"),
+    "audio": ("input_features", "feature_attention_mask"),
+}
+_GETTERS = {"image": "get_image_features", "video": "get_video_features", "audio": "get_audio_features"}
+MULTIMODAL_MODEL_TYPES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen2_5_omni_thinker",
+    "qwen3_omni_moe_thinker",
+)
+# full Omni configs (thinker + talker + vocoder): training uses the thinker only
+_THINKER_OF = {"qwen2_5_omni": "thinker_config", "qwen3_omni_moe": "thinker_config"}
+# the language model's packing kwargs: meaningful to the decoder only, never to an encoder
+_LM_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_ENCODER_SUBCONFIGS = ("vision_config", "audio_config")
+
+
+def thinker_config(config):
+    """A full Omni config trains its thinker: return that sub-config (other configs unchanged)."""
+    sub = _THINKER_OF.get(getattr(config, "model_type", ""))
+    return getattr(config, sub) if sub else config
+
+
+def is_multimodal(config) -> bool:
+    return getattr(thinker_config(config), "model_type", "") in MULTIMODAL_MODEL_TYPES
+
+
+def model_class_for(config):
+    """The transformers auto class that builds `config`: image-text-to-text for the VL / Omni thinker families."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_multimodal(config) else AutoModelForCausalLM
+
+
+def attn_implementation_for(config, language_model_attn: Optional[str]):
+    """The language model runs `language_model_attn` (veomni_varlen packs documents); the encoders keep HF's
+    per-image / per-window attention (`sdpa`, or the same flash kernel when one was asked for and is installed).
+    """
+    if not is_multimodal(config) or language_model_attn is None:
+        return language_model_attn
+    encoder_attn = language_model_attn if language_model_attn.startswith("flash_attention") else "sdpa"
+    mapping = {"": language_model_attn, "text_config": language_model_attn}
+    for name in _ENCODER_SUBCONFIGS:
+        if getattr(config, name, None) is not None:
+            mapping[name] = encoder_attn
+    return mapping
+
+
+def set_experts_implementation(config, implementation: Optional[str]) -> None:
+    """The MoE experts read `_experts_implementation` from their own (text) sub-config."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is not None:
+            cfg._experts_implementation = implementation
+
+
+# --------------------------------------------------------------------------------------------- dummy inputs
+def _dummy_visual_inputs(vision_config, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One image of merge x merge patches: the smallest input the vision tower (and its merger) accepts."""
+    m = vision_config.spatial_merge_size
+    dim = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+    grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
+    return torch.zeros(m * m, dim, dtype=dtype, device=device), grid
+
+
+def _dummy_audio_inputs(audio_config, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One clip of one attention window of mel frames, all valid."""
+    frames = 2 * getattr(audio_config, "n_window", 50)
+    features = torch.zeros(1, audio_config.num_mel_bins, frames, dtype=dtype, device=device)
+    return features, torch.ones(1, frames, dtype=torch.long, device=device)
+
+
+def _encoder_call(inner: nn.Module, kind: str, getter: Callable, batch: Dict[str, Any]):
+    """Run one encoder on the batch's inputs of `kind`, or on a dummy input when the batch has none.
+    Returns (outputs, is_dummy)."""
+    first, second = _ENCODER_INPUTS[kind]
+    if batch.get(first) is not None:
+        if kind == "audio":
+            return getter(
+                batch[first], batch.get(second), batch.get("audio_feature_lengths"), return_dict=True
+            ), False
+        return getter(batch[first], batch.get(second), return_dict=True), False
+    param = next(inner.parameters())
+    if kind == "audio":
+        features, mask = _dummy_audio_inputs(inner.config.audio_config, param.device, param.dtype)
+        return getter(features, mask, return_dict=True), True
+    pixels, grid = _dummy_visual_inputs(inner.config.vision_config, param.device, param.dtype)
+    return getter(pixels, grid, return_dict=True), True
+
+
+def _tensors(value) -> List[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict) or hasattr(value, "values"):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _zero_of(outputs) -> Optional[torch.Tensor]:
+    """0 x every output tensor of an encoder call, as one scalar on the autograd graph."""
+    parts = [t.float().sum() for t in _tensors(outputs) if t.is_floating_point() and t.requires_grad]
+    return sum(parts) * 0.0 if parts else None
+
+
+# ------------------------------------------------------------------------------------------------ adapter
+def encoder_kinds(model: nn.Module) -> List[str]:
+    inner = getattr(model, "model", model)
+    kinds = []
+    if getattr(inner, "visual", None) is not None:
+        kinds += ["image", "video"]
+    if getattr(inner, "audio_tower", None) is not None:
+        kinds.append("audio")
+    return kinds
+
+
+def encoder_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """The encoder towers by option name: `vit` (vision tower) and `audio_tower`."""
+    inner = getattr(model, "model", model)
+    found = {"vit": getattr(inner, "visual", None), "audio_tower": getattr(inner, "audio_tower", None)}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def freeze_encoders(model: nn.Module, freeze_vit: bool = False, freeze_audio_tower: bool = False) -> List[str]:
+    """requires_grad=False on the vision tower and/or the audio tower (model.freeze_vit / freeze_audio_tower).
+    The towers still run (under no_grad) and still take part in FSDP's collectives. Returns what was frozen."""
+    frozen = []
+    for name, module in encoder_modules(model).items():
+        if (name == "vit" and freeze_vit) or (name == "audio_tower" and freeze_audio_tower):
+            module.requires_grad_(False)
+            frozen.append(name)
+    if freeze_vit and "vit" not in frozen or freeze_audio_tower and "audio_tower" not in frozen:
+        raise ValueError(f"{type(model).__name__} has no such tower to freeze (towers: {list(encoder_modules(model))})")
+    return frozen
+
+
+def _fix_position_ids(kwargs: Dict[str, Any]) -> None:
+    position_ids = kwargs.get("position_ids")
+    # (1, 3|4, L) from MainCollator's packing of per-sample (3|4, L) ids -> HF's (3|4, 1, L)
+    if torch.is_tensor(position_ids) and position_ids.dim() == 3 and position_ids.shape[0] == 1:
+        if position_ids.shape[1] in (3, 4):
+            kwargs["position_ids"] = position_ids.transpose(0, 1)
+
+
+def adapt_multimodal_model(model: nn.Module) -> nn.Module:
+    """Bind the training adapter (module docstring) to a VL / Omni-thinker instance; returns the same object."""
+    if getattr(model, "_veomni_mm_adapted", False):
+        return model
+    inner = model.model
+    kinds = encoder_kinds(model)
+    originals = {kind: getattr(inner, _GETTERS[kind]) for kind in kinds}
+    precomputed: Dict[str, Any] = {}
+    pending_zero: List[torch.Tensor] = []
+
+    def make_getter(kind: str, original: Callable) -> Callable:
+        def getter(*args, **kwargs):
+            if kind in precomputed:  # HF's forward asks for what the adapter already ran
+                return precomputed.pop(kind)
+            for key in _LM_PACKING_KWARGS:
+                kwargs.pop(key, None)
+            return original(*args, **kwargs)
+
+        return getter
+
+    for kind in kinds:
+        setattr(inner, _GETTERS[kind], make_getter(kind, originals[kind]))
+
+    def add_pending_zero(module, args, output):
+        if pending_zero:
+            return output + pending_zero.pop().to(output.dtype)
+        return output
+
+    model.get_input_embeddings().register_forward_hook(add_pending_zero)
+    hf_forward = model.forward
+
+    def forward(*args, **kwargs):
+        _fix_position_ids(kwargs)
+        precomputed.clear()
+        pending_zero.clear()
+        zero, ran = None, {}
+        towers = encoder_modules(model)
+        for kind in kinds:
+            tower = towers["audio_tower" if kind == "audio" else "vit"]
+            frozen = not any(p.requires_grad for p in tower.parameters())
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+                outputs, dummy = _encoder_call(inner, kind, originals[kind], kwargs)
+            if dummy:
+                part = _zero_of(outputs)
+                zero = part if zero is None else zero + part
+            else:
+                ran[kind] = outputs
+        precomputed.update(ran)  # only now: Qwen3-VL's video getter calls the image getter while it runs
+        if zero is not None:
+            pending_zero.append(zero)
+        try:
+            return hf_forward(*args, **kwargs)
+        finally:
+            precomputed.clear()
+            pending_zero.clear()
+
+    model.forward = forward
+    model._veomni_mm_adapted = True
+    return model
+
+
+def bind_position_id_func(model: nn.Module) -> None:
+    """`model.get_position_id_func()`: a picklable callable giving a sample's position ids (M-RoPE (3, L) ids equal
+    to the model's own `get_rope_index`), or None for a text model (the collator numbers tokens itself)."""
+    config = model.config
+
+    def get_position_id_func():
+        if not is_multimodal(config):
+            return None
+        from .position_ids import build_position_id_func
+
+        return build_position_id_func(config)
+
+    model.get_position_id_func = get_position_id_func

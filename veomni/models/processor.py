@@ -1,0 +1,108 @@
+"""`build_processor`: an HF multimodal processor (tokenizer + image/video processors + audio feature extractor +
+chat template) from a LOCAL folder, the way `build_tokenizer` loads a tokenizer. No hub look-ups.
+
+transformers 5.x builds every Qwen-VL / Omni processor with a video processor, and its video processors import
+torchvision. Where torchvision cannot be imported (a CPU torch without a matching torchvision build), the same
+processor class is built and loaded with `video_processor=None` (`without_video_processor`); videos then go
+through the image processor frame by frame (veomni.data.multimodal.data_transform)."""
+
+import contextlib
+import importlib.util
+import json
+import os
+from collections.abc import Mapping
+from unittest import mock
+
+import transformers
+from transformers import AutoProcessor
+
+
+def torchvision_available() -> bool:
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    try:
+        import torchvision  # noqa: F401  (a CUDA torchvision beside a CPU torch fails here)
+    except Exception:
+        return False
+    return True
+
+
+class _NoVideoProcessor:
+    """Stands in for AutoVideoProcessor while loading: the processor's video part is None."""
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        return None
+
+
+class _VideoStub(Mapping):
+    """transformers' modality -> Auto class mapping, with the video entry answered by `_NoVideoProcessor`."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __getitem__(self, key):
+        return _NoVideoProcessor if key == "video_processor" else self.base[key]
+
+    def __iter__(self):
+        return iter(self.base.keys())
+
+    def __len__(self):
+        return len(self.base.keys())
+
+
+@contextlib.contextmanager
+def without_video_processor(processor_cls, saving: bool = False):
+    """Within the block, `processor_cls` is built, loaded (and with `saving=True` saved) with no video processor;
+    a no-op where torchvision works."""
+    if torchvision_available() or "video_processor" not in processor_cls.get_attributes():
+        yield
+        return
+    from transformers import processing_utils
+
+    original_check = processor_cls.check_argument_for_proper_class
+
+    def check(self, name, argument):
+        return None if argument is None else original_check(self, name, argument)
+
+    patches = [
+        mock.patch.object(processor_cls, "check_argument_for_proper_class", check),
+        mock.patch.object(
+            processing_utils,
+            "MODALITY_TO_AUTOPROCESSOR_MAPPING",
+            _VideoStub(processing_utils.MODALITY_TO_AUTOPROCESSOR_MAPPING),
+        ),
+    ]
+    if saving:  # `save_pretrained` walks the attributes by name; positional construction needs them all
+        attributes = [a for a in processor_cls.get_attributes() if a != "video_processor"]
+        patches.append(mock.patch.object(processor_cls, "get_attributes", classmethod(lambda cls: list(attributes))))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def _processor_class(processor_path: str):
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        path = os.path.join(processor_path, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                cls_name = json.load(f).get("processor_class")
+            if cls_name and hasattr(transformers, cls_name):
+                return getattr(transformers, cls_name)
+    return None
+
+
+def build_processor(processor_path: str, trust_remote_code: bool = False, **kwargs):
+    """`AutoProcessor.from_pretrained` on a local folder (`processor_config.json`, tokenizer files,
+    `chat_template.jinja`). Custom processor code runs only with `trust_remote_code=True`."""
+    if processor_path is None or not os.path.isdir(processor_path):
+        raise FileNotFoundError(f"processor folder not found: {processor_path}")
+    kwargs.setdefault("local_files_only", True)
+    processor_cls = _processor_class(processor_path)
+    if processor_cls is not None and not torchvision_available():
+        with without_video_processor(processor_cls):
+            processor = processor_cls.from_pretrained(processor_path, **kwargs)
+        processor.video_processor = getattr(processor, "video_processor", None)
+        return processor
+    return AutoProcessor.from_pretrained(processor_path, trust_remote_code=trust_remote_code, **kwargs)
