@@ -36,7 +36,10 @@ def test_retention_after_resuming_an_older_checkpoint_keeps_the_new_timeline(tmp
         _save(first, step, model, optimizer)
     assert list_checkpoints(root) == [20, 30]
 
-    resumed = Checkpointer(out, save_total_limit=1)  # the run restarted from global_step_20
+    resumed = Checkpointer(out, save_total_limit=1)  # the run restarts from global_step_20
+    older = os.path.join(root, "global_step_20")
+    resumed.load(older, model, optimizer)
+    assert resolve_checkpoint("auto", out) == older  # a crash before the next save resumes this timeline
     saved = _save(resumed, 21, model, optimizer)
     assert list_checkpoints(root) == [21, 30]
     assert resolve_checkpoint("auto", out) == saved  # `latest` names the new checkpoint, and it exists
@@ -44,8 +47,6 @@ def test_retention_after_resuming_an_older_checkpoint_keeps_the_new_timeline(tmp
     assert list_checkpoints(root) == [22, 30]  # 21 retired: the limit counts this timeline only
     _save(resumed, 30, model, optimizer)  # reaching the abandoned step replaces it
     assert list_checkpoints(root) == [30]
-    with open(os.path.join(root, "global_step_30", "extra_state", "rank_0.pt"), "rb"):
-        pass
 
 
 # ------------------------------------------------------------------ batch-size warmup follows the global step
