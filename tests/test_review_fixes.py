@@ -36,7 +36,10 @@ def test_retention_after_resuming_an_older_checkpoint_keeps_the_new_timeline(tmp
         _save(first, step, model, optimizer)
     assert list_checkpoints(root) == [20, 30]
 
-    resumed = Checkpointer(out, save_total_limit=1)  # the run restarted from global_step_20
+    resumed = Checkpointer(out, save_total_limit=1)  # the run restarts from global_step_20
+    older = os.path.join(root, "global_step_20")
+    resumed.load(older, model, optimizer)
+    assert resolve_checkpoint("auto", out) == older  # a crash before the next save resumes this timeline
     saved = _save(resumed, 21, model, optimizer)
     assert list_checkpoints(root) == [21, 30]
     assert resolve_checkpoint("auto", out) == saved  # `latest` names the new checkpoint, and it exists
@@ -44,8 +47,6 @@ def test_retention_after_resuming_an_older_checkpoint_keeps_the_new_timeline(tmp
     assert list_checkpoints(root) == [22, 30]  # 21 retired: the limit counts this timeline only
     _save(resumed, 30, model, optimizer)  # reaching the abandoned step replaces it
     assert list_checkpoints(root) == [30]
-    with open(os.path.join(root, "global_step_30", "extra_state", "rank_0.pt"), "rb"):
-        pass
 
 
 # ------------------------------------------------------------------ batch-size warmup follows the global step
@@ -197,3 +198,46 @@ def test_a_stop_told_twice_at_once_is_one_request_a_later_one_exits_now():
     assert proc.stdout.split("\n")[0] == "still saving True", proc.stdout + proc.stderr
     assert proc.returncode == 143 and "not reached" not in proc.stdout, proc.stdout + proc.stderr
     assert "second SIGTERM: exiting now without saving" in proc.stderr
+
+
+def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_process_group, capfd):
+    """A SIGTERM after the last step's all-reduce (in the final save, the export, the teardown barrier) must not
+    end one rank at once ("nothing was saved", exit 143) while its peers wait in a collective: the run finishes."""
+    import signal
+    from types import SimpleNamespace
+
+    from veomni.trainer.base import BaseTrainer
+    from veomni.utils import lifecycle
+
+    class Loader:
+        def set_epoch(self, epoch, first_step=0):
+            pass
+
+        def __iter__(self):
+            return iter([[{}], [{}]])
+
+    saved = []
+    trainer = BaseTrainer.__new__(BaseTrainer)
+    checkpoint = SimpleNamespace(save_steps=0, save_hf_weights=False)
+    trainer.args = SimpleNamespace(train=SimpleNamespace(num_train_epochs=1, checkpoint=checkpoint))
+    trainer.epoch = trainer.epoch_step = trainer.global_step = trainer.consumed_tokens = 0
+    trainer.epoch_steps, trainer.total_steps, trainer._last_saved_step = [2], 2, -1
+    trainer.train_dataloader, trainer.callbacks = Loader(), []
+    trainer._step_totals = lambda micro_batches: {"loss_tokens": 1, "tokens": 1}
+    trainer.train_step = lambda micro_batches, totals: {}
+    trainer.save_checkpoint = lambda: saved.append(trainer.global_step)
+    trainer.checkpointer = SimpleNamespace(wait=lambda: None)
+
+    previous = {sig: signal.getsignal(sig) for sig in lifecycle.STOP_EXIT_CODES}
+    lifecycle.install_stop_handlers()
+    try:
+        trainer.fit()
+        assert saved == [2]
+        os.kill(os.getpid(), signal.SIGTERM)  # late: e.g. while every rank is in the teardown barrier
+        dist.barrier()
+        assert lifecycle.stop_requested() == signal.SIGTERM
+        assert "SIGTERM after the last step: finishing the final save" in capfd.readouterr().err
+    finally:
+        lifecycle._state.update(stop_signal=None, loop_active=False, exiting=False, training_done=False)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

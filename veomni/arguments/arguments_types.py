@@ -118,7 +118,7 @@ class OptimizerArguments:
     eps: float = _doc("Adam epsilon.", default=1e-8)
     max_grad_norm: float = _doc("Clip the global grad norm to this; <= 0 disables clipping.", default=1.0)
     # muon_* keys are read only when type == "muon": Muon trains 2-D hidden weights and 3-D expert stacks, and an
-    # AdamW sibling (lr, weight_decay, betas, eps above) trains embeddings, lm_head, biases and norms.
+    # AdamW sibling (lr, weight_decay, betas, eps above) trains embeddings, lm_head, MoE routers, biases and norms.
     muon_lr: float = _doc("Muon group learning rate (follows the lr schedule from its own base).", default=2e-2)
     muon_momentum: float = _doc("Muon momentum factor.", default=0.95)
     muon_nesterov: bool = _doc("Nesterov momentum for Muon.", default=True)

@@ -326,6 +326,14 @@ class Checkpointer:
             shutil.rmtree(os.path.join(self.root, f"global_step_{step}"), ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ load
+    def _continue_from(self, path: str) -> None:
+        """A checkpoint of this output_dir that a run resumes from becomes `latest` (rank 0): resuming an older one
+        by an explicit load_path starts a new timeline, and a crash before its first save must bring `auto` back
+        here, not to the newer checkpoints of the timeline it abandoned."""
+        here = os.path.dirname(os.path.realpath(path)) == os.path.realpath(self.root)
+        if here and dist.get_rank() == 0:
+            _write_atomic(os.path.join(self.root, "latest"), os.path.basename(os.path.normpath(path)))
+
     def load(self, path: str, model, optimizer) -> Dict[str, Any]:
         """Restore model and optimizer in place (any world size); return meta and every rank's extra state."""
         state = {"model": get_model_state_dict(model)}
@@ -346,6 +354,7 @@ class Checkpointer:
             set_optimizer_state_dict(model, opt, {"state": state[f"optim.{name}"], "param_groups": param_groups[name]})
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
+        self._continue_from(path)
         extra = [
             _load_extra(os.path.join(path, "extra_state", f"rank_{r}.pt"), path) for r in range(meta["world_size"])
         ]

@@ -409,6 +409,7 @@ class BaseTrainer:
             if self.global_step >= self.total_steps:
                 break
             self.epoch_step = 0
+        lifecycle.set_training_done()  # a stop from here on lets the final save and export finish
         if self.global_step == 0:  # the same on every rank: all raise together, and nothing is saved
             raise RuntimeError(
                 f"no training step ran: data.train_path={self.args.data.train_path} did not fill one optimizer step "

@@ -10,6 +10,8 @@
   signals every process of the job (SLURM) reaches each worker directly AND through the launcher, which forwards
   it; that is one request, not two. The launcher waits for the save (see veomni/launch.py, the stop grace).
   Before training starts there is nothing to save: a signal ends the process at once with the same code.
+  After the last step (`set_training_done`) a stop changes nothing: the final checkpoint and export are written
+  and the run ends as a completed one (exit 0), on every rank alike, whichever ranks got the signal.
 - **errors**: an exception ends this rank at once with exit code 1 (no barrier, no process-group teardown that
   could wait on a peer), so torchrun tears the other ranks down. The first rank to fail (agreed through the
   rendezvous store) prints the message once; user errors (config, data, paths, checkpoints) as one line, bugs with
@@ -41,6 +43,7 @@ _state = {
     "stop_signal": None,  # the first stop signal received, if any
     "stop_time": 0.0,  # when it came (time.monotonic())
     "loop_active": False,  # a training loop is running and will honour a stop at its next step
+    "training_done": False,  # the last step ran: only the final save, export and teardown are left
     "exiting": False,  # this rank is reporting an error or leaving after a stop: further signals change nothing
     "step": 0,
     "phase": "set-up",
@@ -91,6 +94,12 @@ def set_loop_active(active: bool) -> None:
     _state["loop_active"] = active
 
 
+def set_training_done() -> None:
+    """The last step ran (its stop verdict is agreed): a stop signal from now on lets the run finish its final save,
+    export and teardown. Interrupting them would tear the checkpoint or leave peers waiting in a collective."""
+    _state["training_done"] = True
+
+
 def _say(text: str) -> None:
     """Write to stderr from anywhere, a signal handler included (print() is not reentrant)."""
     try:
@@ -131,6 +140,10 @@ def _on_stop_signal(signum, frame) -> None:
         _say(f"rank {_rank()}: second {name}: exiting now without saving")  # the user means it
         os._exit(STOP_EXIT_CODES.get(signum, 128 + signum))
     _state["stop_signal"], _state["stop_time"] = signum, time.monotonic()
+    if _state["training_done"]:
+        if _rank() == 0:
+            _say(f"{name} after the last step: finishing the final save, then exiting as a completed run")
+        return
     if not _state["loop_active"]:
         raise StopBeforeTraining(signum)
     if _rank() == 0:
