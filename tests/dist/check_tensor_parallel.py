@@ -138,7 +138,9 @@ def main():
             results[family].update(export_check(model, steps, out, family))
         if mode != "tp2dp2" and family == "qwen2":  # resume the tp2 x dp2 checkpoint here, continue to the end
             model, optimizer = build(config)
-            Checkpointer(ckpt_dir).load(os.path.join(ckpt_dir, "checkpoints", f"global_step_{SAVE_AT}"), model, optimizer)
+            Checkpointer(ckpt_dir).load(
+                os.path.join(ckpt_dir, "checkpoints", f"global_step_{SAVE_AT}"), model, optimizer
+            )
             results[family]["resumed"] = train(model, optimizer, steps, state, SAVE_AT + 1, STEPS)
         del model, optimizer
     if dist.get_rank() == 0:
