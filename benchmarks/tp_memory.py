@@ -5,7 +5,8 @@
 The driver launches itself twice (1 process with tp 1, then 2 ranks with tp 2 and dp 1), each training the same
 model on the same global batch (2 packed rows of `--row` tokens; AdamW, fp32, chunked loss). It reports the bytes
 of the parameters and the AdamW state this rank holds (local shards of DTensors) after the first step, and the
-step time of `--repeats` blocks of `--steps` timed steps (after 2 warm-up steps): median and spread per block.
+step time of `--repeats` blocks of `--steps` timed steps (after 2 warm-up steps): the median of each block, wall
+clock and CPU seconds of all ranks together (steadier on a shared machine).
 On CPU, tp 2 runs on 2 cores and tp 1 on one; the ratio is the price of TP's collectives and DTensor dispatch at
 this size, not a speed-up forecast for GPUs.
 """
@@ -68,17 +69,28 @@ def worker(args) -> None:
     param_bytes = sum(_local_bytes(p) for p in model.parameters())
     optim_bytes = sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     step()
-    blocks = []
+    blocks, cpu_blocks = [], []
     for _ in range(args.repeats):
-        times = []
+        times, cpu = [], []
         for _ in range(args.steps):
             dist.barrier()
-            tic = time.perf_counter()
+            tic, cpu_tic = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - tic)
+            cpu.append(time.process_time() - cpu_tic)
         blocks.append(statistics.median(times))
+        # CPU seconds of all ranks together per step: steadier than wall time on a shared box
+        total = torch.tensor(statistics.median(cpu), dtype=torch.float64)
+        dist.all_reduce(total)
+        cpu_blocks.append(total.item())
     if dist.get_rank() == 0:
-        result = {"tp": tp, "param_bytes": param_bytes, "optim_bytes": optim_bytes, "step_s": blocks}
+        result = {
+            "tp": tp,
+            "param_bytes": param_bytes,
+            "optim_bytes": optim_bytes,
+            "step_s": blocks,
+            "cpu_s": cpu_blocks,
+        }
         with open(args.out, "w") as f:
             json.dump(result, f)
     destroy_parallel_state()
@@ -114,6 +126,9 @@ def main() -> None:
     fmt = ", ".join
     print(f"step time tp1 (1 process): median per block {fmt(f'{s * 1e3:.0f} ms' for s in one['step_s'])}")
     print(f"step time tp2 (2 ranks):   median per block {fmt(f'{s * 1e3:.0f} ms' for s in two['step_s'])}")
+    print(
+        f"CPU-s per step, all ranks: tp1 {fmt(f'{s:.2f}' for s in one['cpu_s'])}; tp2 {fmt(f'{s:.2f}' for s in two['cpu_s'])}"
+    )
     ratios = [b / a for a, b in zip(one["step_s"], two["step_s"])]
     print(
         f"tp2 / tp1 step time per block: {fmt(f'{r:.2f}' for r in ratios)} (min {min(ratios):.2f}, "

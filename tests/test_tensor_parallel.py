@@ -5,11 +5,13 @@ TP model reloads with the same logits. Three launches in all (tests/dist/check_t
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from helpers import REPO, TINY_QWEN2, TINY_QWEN3_MOE, assert_close_series, torchrun
+from helpers import REPO, TINY_QWEN2, TINY_QWEN3_MOE, assert_close_series, child_env, torchrun
 
 CHECK = os.path.join(REPO, "tests", "dist", "check_tensor_parallel.py")
 RTOL = 1e-5
@@ -22,8 +24,13 @@ def runs(tmp_path_factory):
     ensure_demo_assets(os.path.join(REPO, ".assets"), quiet=True)
     out = str(tmp_path_factory.mktemp("tp"))
     # order matters: tp2dp2 writes the checkpoint the other two resume
-    for nproc, mode in ((4, "tp2dp2"), (1, "single"), (2, "tp2")):
-        torchrun(CHECK, [out, mode], nproc, timeout=400)
+    torchrun(CHECK, [out, "tp2dp2"], 4, timeout=400)
+    # one process without a launcher (saves the launcher's own torch import): the script starts a world of one
+    proc = subprocess.run(
+        [sys.executable, CHECK, out, "single"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, f"single-process run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    torchrun(CHECK, [out, "tp2"], 2, timeout=400)
     results = {}
     for mode in ("tp2dp2", "single", "tp2"):
         with open(os.path.join(out, f"{mode}.json")) as f:
