@@ -25,12 +25,21 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tp"))
     # order matters: tp2dp2 writes the checkpoint the other two resume
     torchrun(CHECK, [out, "tp2dp2"], 4, timeout=400)
-    # one process without a launcher (saves the launcher's own torch import): the script starts a world of one
-    proc = subprocess.run(
-        [sys.executable, CHECK, out, "single"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=400
-    )
-    assert proc.returncode == 0, f"single-process run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    torchrun(CHECK, [out, "tp2"], 2, timeout=400)
+    # the one-process run (no launcher: the script starts a world of one) and the tp 2 run both only read that
+    # checkpoint, so they share the cores: the single process alone would leave one idle
+    log_path = os.path.join(out, "single.log")
+    with open(log_path, "w") as log:
+        single = subprocess.Popen(
+            [sys.executable, CHECK, out, "single"], cwd=REPO, env=child_env(), stdout=log, stderr=log
+        )
+        try:
+            torchrun(CHECK, [out, "tp2"], 2, timeout=400)
+            single.wait(timeout=400)
+        finally:
+            if single.poll() is None:
+                single.kill()
+    with open(log_path) as log:
+        assert single.returncode == 0, f"single-process run failed:\n{log.read()[-6000:]}"
     results = {}
     for mode in ("tp2dp2", "single", "tp2"):
         with open(os.path.join(out, f"{mode}.json")) as f:
@@ -49,6 +58,13 @@ def test_tensor_parallel_matches_one_process(runs, mode, family):
 
 
 @pytest.mark.parametrize("mode", ["single", "tp2"])
+def test_qwen3_qk_norm_gradients_are_summed_over_heads(runs):
+    """Qwen3 normalises q and k per head with one weight shared by all heads; each tp rank sees half the heads."""
+    ref, got = runs["single"]["qwen3"], runs["tp2"]["qwen3"]
+    assert_close_series(ref["loss"], got["loss"], RTOL, "tp2 qwen3 loss")
+    assert_close_series(ref["grad_norm"], got["grad_norm"], RTOL, "tp2 qwen3 grad_norm")
+
+
 def test_tp2_dp2_checkpoint_resumes_and_continues(runs, mode):
     ref, resumed = runs["single"]["qwen2"], runs[mode]["qwen2"]["resumed"]
     assert_close_series(ref["loss"][5:], resumed["loss"], RTOL, f"resumed on {mode}: loss")
