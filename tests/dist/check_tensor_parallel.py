@@ -27,7 +27,7 @@ from veomni.optim import build_optimizer
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, SAVE_AT, ROW, ROWS_PER_STEP, CHUNK = 10, 5, 256, 2, 256
 FAMILIES = ("qwen2", "llama")
-QWEN3_STEPS = 3  # Qwen3 (per-head q/k norms, whose weight gradients TP must sum over heads): tp 2 only, a few steps
+QWEN3_STEPS = 6  # Qwen3 (per-head q/k norms, whose weight gradients TP must sum over heads): tp 2 only, a few steps
 
 
 def model_config(out: str, family: str, mode: str) -> str:
