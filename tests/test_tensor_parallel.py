@@ -5,11 +5,13 @@ TP model reloads with the same logits. Three launches in all (tests/dist/check_t
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from helpers import REPO, TINY_QWEN2, TINY_QWEN3_MOE, assert_close_series, torchrun
+from helpers import REPO, TINY_QWEN2, TINY_QWEN3_MOE, assert_close_series, child_env, torchrun
 
 CHECK = os.path.join(REPO, "tests", "dist", "check_tensor_parallel.py")
 RTOL = 1e-5
@@ -22,8 +24,22 @@ def runs(tmp_path_factory):
     ensure_demo_assets(os.path.join(REPO, ".assets"), quiet=True)
     out = str(tmp_path_factory.mktemp("tp"))
     # order matters: tp2dp2 writes the checkpoint the other two resume
-    for nproc, mode in ((4, "tp2dp2"), (1, "single"), (2, "tp2")):
-        torchrun(CHECK, [out, mode], nproc, timeout=400)
+    torchrun(CHECK, [out, "tp2dp2"], 4, timeout=400)
+    # the one-process run (no launcher: the script starts a world of one) and the tp 2 run both only read that
+    # checkpoint, so they share the cores: the single process alone would leave one idle
+    log_path = os.path.join(out, "single.log")
+    with open(log_path, "w") as log:
+        single = subprocess.Popen(
+            [sys.executable, CHECK, out, "single"], cwd=REPO, env=child_env(), stdout=log, stderr=log
+        )
+        try:
+            torchrun(CHECK, [out, "tp2"], 2, timeout=400)
+            single.wait(timeout=400)
+        finally:
+            if single.poll() is None:
+                single.kill()
+    with open(log_path) as log:
+        assert single.returncode == 0, f"single-process run failed:\n{log.read()[-6000:]}"
     results = {}
     for mode in ("tp2dp2", "single", "tp2"):
         with open(os.path.join(out, f"{mode}.json")) as f:
@@ -39,6 +55,13 @@ def test_tensor_parallel_matches_one_process(runs, mode, family):
     assert ref["grad_norm"][0] > 1.0  # clipping (max_grad_norm 1.0) is active
     assert_close_series(ref["loss"], got["loss"], RTOL, f"{mode} {family} loss")
     assert_close_series(ref["grad_norm"], got["grad_norm"], RTOL, f"{mode} {family} grad_norm")
+
+
+def test_qwen3_qk_norm_gradients_are_summed_over_heads(runs):
+    """Qwen3 normalises q and k per head with one weight shared by all heads; each tp rank sees half the heads."""
+    ref, got = runs["single"]["qwen3"], runs["tp2"]["qwen3"]
+    assert_close_series(ref["loss"], got["loss"], RTOL, "tp2 qwen3 loss")
+    assert_close_series(ref["grad_norm"], got["grad_norm"], RTOL, "tp2 qwen3 grad_norm")
 
 
 @pytest.mark.parametrize("mode", ["single", "tp2"])

@@ -27,15 +27,18 @@ from veomni.optim import build_optimizer
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, SAVE_AT, ROW, ROWS_PER_STEP, CHUNK = 10, 5, 256, 2, 256
 FAMILIES = ("qwen2", "llama")
+QWEN3_STEPS = 6  # Qwen3 (per-head q/k norms, whose weight gradients TP must sum over heads): tp 2 only, a few steps
 
 
-def model_config(out: str, family: str) -> str:
-    """The demo Qwen2 (tied embeddings) as is, and a Llama of the same size with an untied head."""
+def model_config(out: str, family: str, mode: str) -> str:
+    """The demo Qwen2 (tied embeddings) as is, a Llama of the same size with an untied head, and a Qwen3."""
     with open(os.path.join(REPO, "configs", "model", "demo_qwen2", "config.json")) as f:
         config = json.load(f)
+    if family == "qwen3":
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=64)
     if family == "llama":
         config.update(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False)
-    folder = os.path.join(out, f"config_{family}")
+    folder = os.path.join(out, f"config_{family}_{mode}")  # runs of different modes may share `out` at once
     if dist.get_rank() == 0:
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "config.json"), "w") as f:
@@ -129,16 +132,18 @@ def main():
     steps = shakespeare_steps()
     ckpt_dir = os.path.join(out, "ckpt_qwen2")
     results = {}
-    for family in FAMILIES:
-        config = model_config(out, family)
+    for family in FAMILIES + (("qwen3",) if mode != "tp2dp2" else ()):
+        config = model_config(out, family, mode)
         model, optimizer = build(config)
         saver = Checkpointer(ckpt_dir) if mode == "tp2dp2" and family == "qwen2" else None
-        results[family] = train(model, optimizer, steps, state, 1, STEPS, saver)
+        results[family] = train(model, optimizer, steps, state, 1, QWEN3_STEPS if family == "qwen3" else STEPS, saver)
         if mode == "tp2dp2" and family == "qwen2":  # tied embeddings: the harder export
             results[family].update(export_check(model, steps, out, family))
         if mode != "tp2dp2" and family == "qwen2":  # resume the tp2 x dp2 checkpoint here, continue to the end
             model, optimizer = build(config)
-            Checkpointer(ckpt_dir).load(os.path.join(ckpt_dir, "checkpoints", f"global_step_{SAVE_AT}"), model, optimizer)
+            Checkpointer(ckpt_dir).load(
+                os.path.join(ckpt_dir, "checkpoints", f"global_step_{SAVE_AT}"), model, optimizer
+            )
             results[family]["resumed"] = train(model, optimizer, steps, state, SAVE_AT + 1, STEPS)
         del model, optimizer
     if dist.get_rank() == 0:

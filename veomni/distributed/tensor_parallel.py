@@ -25,7 +25,13 @@ from typing import Dict, List
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from ..utils.logging import get_logger
 
@@ -64,7 +70,17 @@ def dense_decoder_plan() -> Dict[str, ParallelStyle]:
     }
 
 
-TP_PLANS = {"llama": dense_decoder_plan, "qwen2": dense_decoder_plan, "qwen3": dense_decoder_plan}
+def qk_norm_decoder_plan() -> Dict[str, ParallelStyle]:
+    """Qwen3: RMSNorm per head on q and k ([batch, seq, heads, head_dim]). Each rank holds only its heads, so the
+    norm weight's gradient is a partial sum over heads: as a replicated DTensor over an input sharded on the head
+    dim (torch's SequenceParallel on dim 2), autograd sums it over the tp group."""
+    plan = dense_decoder_plan()
+    plan["model.layers.*.self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan["model.layers.*.self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+TP_PLANS = {"llama": dense_decoder_plan, "qwen2": dense_decoder_plan, "qwen3": qk_norm_decoder_plan}
 
 # (config attribute, what it is): each must divide by tp_size so every rank holds an equal share
 _DIVISIBLE = (

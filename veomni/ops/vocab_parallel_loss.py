@@ -25,7 +25,9 @@ def vocab_shard(logits: DTensor) -> Tuple[torch.Tensor, object, int]:
     mesh_dim = dims[0]
     local = logits.to_local()
     if logits.shape[-1] % logits.device_mesh.size(mesh_dim):
-        raise ValueError(f"vocabulary {logits.shape[-1]} does not split evenly over {logits.device_mesh.size(mesh_dim)}")
+        raise ValueError(
+            f"vocabulary {logits.shape[-1]} does not split evenly over {logits.device_mesh.size(mesh_dim)}"
+        )
     start = logits.device_mesh.get_local_rank(mesh_dim) * local.shape[-1]
     return local, logits.device_mesh.get_group(mesh_dim), start
 
