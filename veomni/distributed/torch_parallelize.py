@@ -112,8 +112,6 @@ def build_parallelize_model(
     if state.tp_enabled:  # TP first: FSDP2 then shards the tp DTensors over dp_shard (2-D parameters)
         if state.mode == "ddp":
             raise ValueError("tensor parallel (tp_size > 1) needs fsdp_mode=fsdp2, not ddp")
-        if state.sp_enabled:
-            raise NotImplementedError("tensor parallel with Ulysses sequence parallel is not supported yet")
         apply_tensor_parallel(model, state.tp_mesh)
     if enable_gradient_checkpointing:
         _enable_gradient_checkpointing(model, enable_reentrant)
