@@ -133,6 +133,9 @@ def attend_heads(
             raise ValueError(f"attn_implementation={inner} under sequence parallelism needs one packed row")
         if cu is not None:
             attention_mask = _document_mask(cu, total, sliding_window, q.device)
+            if inner == "eager":  # eager attention adds its mask to the scores
+                blocked = torch.finfo(q.dtype).min
+                attention_mask = q.new_zeros(attention_mask.shape).masked_fill(~attention_mask, blocked)
     proxy = module if heads == k.shape[1] * module.num_key_value_groups else _LocalHeads(module, heads // k.shape[1])
     out, _ = _inner_function(module, inner)(
         proxy, q, k, v, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs
