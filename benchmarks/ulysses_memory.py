@@ -64,7 +64,9 @@ def _build(sp: int, async_enabled: bool):
 
     state = init_parallel_state(ulysses_size=sp, async_enabled=async_enabled)
     torch.manual_seed(0)
-    model = build_foundation_model(config_path=os.path.join(REPO, "configs", "model", "demo_qwen2"), torch_dtype="float32")
+    model = build_foundation_model(
+        config_path=os.path.join(REPO, "configs", "model", "demo_qwen2"), torch_dtype="float32"
+    )
     model = build_parallelize_model(model, basic_modules=["Qwen2DecoderLayer"])
     return state, model
 

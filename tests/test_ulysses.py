@@ -45,7 +45,8 @@ def runs(tmp_path_factory):
         return ["--train.checkpoint.output_dir", os.path.join(tmp, name)]
 
     def sp(size, asynchronous=False):
-        return ["--train.accelerator.ulysses_size", str(size), "--train.accelerator.enable_async", str(asynchronous).lower()]
+        flag = "true" if asynchronous else "false"
+        return ["--train.accelerator.ulysses_size", str(size), "--train.accelerator.enable_async", flag]
 
     def launch(nproc, name, plan):
         path = os.path.join(tmp, f"{name}.json")
