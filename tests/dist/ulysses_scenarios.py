@@ -2,7 +2,8 @@
 
 argv: plan.json, a list of steps run in order, each one of
   {"kind": "attention"}                      the Ulysses wrapper around veomni_varlen / sdpa / eager vs full attention
-  {"kind": "train", "argv": [...]}           a TextTrainer on one process's global batches (SameGlobalBatches)
+  {"kind": "train", "argv": [...]}           a TextTrainer on one process's global batches (SameGlobalBatches);
+                                             "steps": n stops it after n steps (the LR schedule still spans argv's)
   {"kind": "load", "argv": [...], "like": i} build a trainer that resumes a checkpoint (argv's load_path), and
                                              compare its model and optimizer state with train step i's final state
 """
@@ -10,6 +11,7 @@ argv: plan.json, a list of steps run in order, each one of
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,14 +52,21 @@ class _Attention(torch.nn.Module):
 
 def check_attention_wrappers() -> None:
     """Ulysses around three inner kernels (varlen, sdpa with the mask built here, the model's eager) equals full
-    packed attention, forward and backward, for GQA with kv_heads < sp, on an uneven multi-document row."""
+    packed attention, forward and backward, on an uneven multi-document row, for GQA with KV heads that do not
+    split over sp: fewer KV heads than sp (4 heads : 1), and 6 : 3 over 2, where each rank must get the copies of
+    its own query groups' KV heads (a wrong copy order fails here)."""
+    state = init_parallel_state(ulysses_size=int(os.environ["WORLD_SIZE"]))
+    for heads, kv_heads in ((4, 1), (6, 3)):
+        check_attention(state, heads, kv_heads)
+
+
+def check_attention(state, heads: int, kv_heads: int) -> None:
     from transformers import AutoConfig
 
     from veomni.distributed.sequence_parallel.ulysses import ulysses_attention_forward, ulysses_name
 
-    state = init_parallel_state(ulysses_size=int(os.environ["WORLD_SIZE"]))
     sp, rank = state.sp_size, state.sp_rank
-    heads, kv_heads, dim = 4, 1, 8
+    dim = 8
     lengths = [5, 17, 3, 11, 4]  # 40 tokens: a document straddles every shard border
     total = sum(lengths)
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -86,9 +95,16 @@ def check_attention_wrappers() -> None:
         err = (out - ref[:, shard]).abs().max().item()
         # the exchanges' backward brings every rank's contribution home: each shard's gradient is complete
         gerr = max((t.grad - r.grad[:, :, shard]).abs().max().item() for t, r in zip(mine, ref_in))
-        assert err < 1e-6 and gerr < 1e-5, f"ulysses around {inner}: output error {err:.2e}, grad error {gerr:.2e}"
+        what = f"ulysses around {inner}, {heads}:{kv_heads} heads"
+        assert err < 1e-6 and gerr < 1e-5, f"{what}: output error {err:.2e}, grad error {gerr:.2e}"
         if rank == 0:
-            print(json.dumps({"attention": inner, "max_err": err, "grad_err": gerr}), flush=True)
+            report = {"attention": inner, "heads": heads, "kv_heads": kv_heads, "max_err": err, "grad_err": gerr}
+            print(json.dumps(report), flush=True)
+
+
+class Trainer(SameGlobalBatches):
+    def build_callbacks(self):  # no loss.png: matplotlib costs a second a run, and the plot is not under test
+        return [c for c in super().build_callbacks() if type(c).__name__ != "LossPlotCallback"]
 
 
 def main():
@@ -100,9 +116,11 @@ def main():
             if step["kind"] == "attention":
                 check_attention_wrappers()
                 continue
+            tic, cpu = time.perf_counter(), time.process_time()
             args = parse_args(VeOmniArguments, step["argv"])
             if step["kind"] == "train":
-                trainer = SameGlobalBatches(args)
+                trainer = Trainer(args)
+                trainer.total_steps = step.get("steps", trainer.total_steps)
                 trainer.fit()
                 finals[i] = final_state(trainer)
             else:  # load: the constructor resumes from args.train.checkpoint.load_path
@@ -114,6 +132,9 @@ def main():
                 if dist.get_rank() == 0:
                     print(json.dumps({"loaded": len(want), "max_diff": worst}), flush=True)
             del trainer
+            if dist.get_rank() == 0:  # where a launch's time goes (CI budget)
+                took = {"wall_s": time.perf_counter() - tic, "cpu_s": time.process_time() - cpu}
+                print(json.dumps({"timing": i, **{k: round(v, 2) for k, v in took.items()}}), flush=True)
     finally:
         destroy_parallel_state()
 
