@@ -8,8 +8,9 @@ ranks, the trainer's chunked loss. A training row is one packed sequence of the 
 Shakespeare documents (cut at the row's end), sliced by MainCollator exactly as in training.
 
 memory: one process group per sp size; for each (increasing) length, one forward + backward; a rank's activation
-memory is its peak RSS (ru_maxrss, a high-water mark) minus its RSS just before the first step (model, optimizer-free
-gradients excluded by zero_grad(set_to_none)). The longest length under --budget-mb per rank is reported per sp.
+memory is its peak RSS (ru_maxrss, a high-water mark) minus its RSS just before the first step (so it also holds
+the gradients, the gathered FSDP parameters and the loss chunk: a per-rank constant). glibc is told to serve
+blocks over 64 KiB by mmap, so freed activations leave RSS instead of lingering in the heap. The longest length under --budget-mb per rank is reported per sp.
 speed: sync and async Ulysses alternate step by step in one process group (the same model, the forward swapped),
 so both see the same machine load; the median step time of each over --repeats rounds is reported.
 Timings on a shared machine are noisy: read the ratio, and repeat.
@@ -137,6 +138,8 @@ def worker_speed(args):
 
 def launch(nproc: int, argv):
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=REPO)
+    # large blocks straight from mmap and back on free: RSS then follows live tensors, not heap fragmentation
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0"]
     cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", __file__, *argv]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
