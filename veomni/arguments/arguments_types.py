@@ -188,13 +188,25 @@ class AcceleratorArguments:
     )
     pp_size: int = _doc("Pipeline parallel size (not supported yet: must be 1).", default=1)
     cp_size: int = _doc("Context parallel size (not supported yet: must be 1).", default=1)
-    ulysses_size: int = _doc("Ulysses sequence parallel size.", default=1)
+    ulysses_size: int = _doc(
+        "Ulysses sequence parallel size: each rank of a group of this many holds 1/ulysses_size of every packed "
+        "row (the collator pads the row to a multiple and slices it); attention exchanges sequence shards for head "
+        "shards by all-to-all and runs on the full sequence for num_attention_heads/ulysses_size heads, wrapping "
+        "whatever attn_implementation is set. num_attention_heads must divide by it (KV heads are repeated when "
+        "fewer). Ranks = dp_size * ulysses_size; FSDP shards over dp_shard x ulysses.",
+        default=1,
+    )
     extra_parallel_sizes: List[int] = _doc("Sizes of extra parallel dims (e.g. expert parallel).", default_factory=list)
     extra_parallel_names: List[str] = _doc("Names of the extra parallel dims, e.g. [ep].", default_factory=list)
     extra_parallel_placement_innermost: List[bool] = _doc(
         "Per extra dim: place it innermost (adjacent ranks).", default_factory=list
     )
-    enable_async: bool = _doc("Overlap Ulysses communication with compute.", default=False)
+    enable_async: bool = _doc(
+        "Async Ulysses: send each of Q, K, V by all-to-all as soon as it is projected, overlapping the exchange "
+        "with the next projection (Llama, Qwen2, Qwen3, Qwen3-MoE attention; other models run sync Ulysses). Same "
+        "results as sync. Only used with ulysses_size > 1.",
+        default=False,
+    )
     dist_timeout_minutes: float = _doc(
         "How long a collective may wait for a peer before the job fails with an error naming the rank and the "
         "operation (a dead or stalled rank, mismatched collectives). Fractions are fine (0.5 = 30 s).",

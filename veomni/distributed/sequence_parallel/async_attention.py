@@ -21,7 +21,7 @@ from typing import Set, Tuple
 
 import torch
 
-from .comm import kv_replication, launch_seq_to_heads
+from .comm import kv_replication, launch_seq_to_heads, repeat_kv_heads
 from .ulysses import PREFIX, attend_heads, sp_group
 
 SUPPORTED = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention")
@@ -44,9 +44,8 @@ def async_ulysses_forward(self, hidden_states, position_embeddings, attention_ma
     query = launch_seq_to_heads(project(self.q_proj, getattr(self, "q_norm", None), True), group)
     key = project(self.k_proj, getattr(self, "k_norm", None), True)
     repeat = kv_replication(key.shape[1], self.config.num_attention_heads, group.size())
-    key = launch_seq_to_heads(key.repeat_interleave(repeat, dim=1) if repeat > 1 else key, group)
-    value = project(self.v_proj, None, False)
-    value = launch_seq_to_heads(value.repeat_interleave(repeat, dim=1) if repeat > 1 else value, group)
+    key = launch_seq_to_heads(repeat_kv_heads(key, repeat), group)
+    value = launch_seq_to_heads(repeat_kv_heads(project(self.v_proj, None, False), repeat), group)
     out = attend_heads(
         self,
         query,

@@ -25,7 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...ops.attention import VARLEN, _cu_seqlens_from_position_ids
 from ...utils.logging import get_logger
-from .comm import PendingHeads, gather_seq, heads_to_seq, kv_replication, launch_seq_to_heads
+from .comm import PendingHeads, gather_seq, heads_to_seq, kv_replication, launch_seq_to_heads, repeat_kv_heads
 
 logger = get_logger(__name__)
 
@@ -93,8 +93,7 @@ def _global_kwargs(kwargs: Dict, group, total: int) -> Dict:
 def launch_qkv(query, key, value, group) -> Tuple[PendingHeads, PendingHeads, PendingHeads, int]:
     """Start the three exchanges (sync path: all three in flight together); returns them and the KV repeat."""
     repeat = kv_replication(key.shape[1], query.shape[1], dist.get_world_size(group))
-    if repeat > 1:
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    key, value = repeat_kv_heads(key, repeat), repeat_kv_heads(value, repeat)
     return (
         launch_seq_to_heads(query, group),
         launch_seq_to_heads(key, group),
@@ -133,6 +132,9 @@ def attend_heads(
             raise ValueError(f"attn_implementation={inner} under sequence parallelism needs one packed row")
         if cu is not None:
             attention_mask = _document_mask(cu, total, sliding_window, q.device)
+            if inner == "eager":  # eager attention adds its mask to the scores
+                blocked = torch.finfo(q.dtype).min
+                attention_mask = q.new_zeros(attention_mask.shape).masked_fill(~attention_mask, blocked)
     proxy = module if heads == k.shape[1] * module.num_key_value_groups else _LocalHeads(module, heads // k.shape[1])
     out, _ = _inner_function(module, inner)(
         proxy, q, k, v, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs
