@@ -60,10 +60,11 @@ class MainCollator:
             raise ValueError("MainCollator got an empty micro-batch")
         lengths = [len(s["input_ids"]) for s in samples]
         batch: Dict[str, Any] = {}
-        for key in samples[0]:
+        keys = list(dict.fromkeys(k for s in samples for k in s))  # text-only samples beside ones with images
+        for key in keys:
             if key == "attention_mask":  # packed rows attend block-diagonally by position_ids, not by a mask
                 continue
-            values = [torch.as_tensor(s[key]) for s in samples]
+            values = [torch.as_tensor(s[key]) for s in samples if key in s]
             info = self.collate_infos.get(key, DataCollateInfo())
             if info.pack_dim == -1:
                 batch[key] = torch.cat(values, dim=-1).unsqueeze(0)
