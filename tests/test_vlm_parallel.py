@@ -3,8 +3,9 @@ expert parallel 2 on the tiny Qwen3-VL-MoE: one torchrun launch (tests/dist/chec
 
 import os
 
-from helpers import REPO, torchrun
 from vlm_inputs import TINY
+
+from helpers import REPO, torchrun
 
 
 def test_fsdp2_and_expert_parallel_match_one_process():

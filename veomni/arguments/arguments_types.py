@@ -59,7 +59,9 @@ class ModelArguments:
         "under no_grad, and takes part in FSDP's collectives.",
         default=False,
     )
-    freeze_audio_tower: bool = _doc("Omni models: keep the audio encoder's weights fixed, as freeze_vit.", default=False)
+    freeze_audio_tower: bool = _doc(
+        "Omni models: keep the audio encoder's weights fixed, as freeze_vit.", default=False
+    )
     ops_implementation: OpsImplementation = field(default_factory=OpsImplementation)
 
     def __post_init__(self):
