@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vlm_inputs import make_sample, pack  # noqa: E402
 
-from veomni.distributed import destroy_parallel_state, init_parallel_state  # noqa: E402
+from veomni.distributed import destroy_parallel_state, init_parallel_state, parallel_state  # noqa: E402
 from veomni.distributed.torch_parallelize import build_parallelize_model, no_split_module_names  # noqa: E402
 from veomni.models import build_foundation_model  # noqa: E402
 from veomni.ops import causal_lm_loss_sum  # noqa: E402
@@ -94,7 +94,9 @@ def main(vl_dir, moe_dir, omni_dir):
     print(f"FSDP_VL_OK rank={dist.get_rank()} last_loss={last:.6f}", flush=True)
     last = train_both(omni_dir, "eager", 3, 9, state)
     print(f"FSDP_OMNI_OK rank={dist.get_rank()} last_loss={last:.6f}", flush=True)
-    destroy_parallel_state()
+    # new meshes on the same default process group: destroying and re-creating the group in one process can hang
+    # in gloo's rendezvous (the new group reads the old group's addresses from the store)
+    parallel_state._PARALLEL_STATE = None
     state = init_parallel_state(extra_parallel_sizes=[2], extra_parallel_names=["ep"])
     last = train_both(moe_dir, "fused", 4, 8, state)
     print(f"EP_VL_MOE_OK rank={dist.get_rank()} last_loss={last:.6f}", flush=True)
