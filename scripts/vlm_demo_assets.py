@@ -16,13 +16,13 @@ PIXELS = 112 * 112
 
 
 def ensure_vlm_demo_assets(root: str = ".assets", limit: int = 4000) -> str:
+    folder = os.path.join(root, "vlm")
+    done = os.path.join(folder, "READY")
+    if os.path.isfile(done):  # before any heavy import: train.sh calls this on every launch
+        return folder
     from veomni.data.multimodal.demo_data import skimage_images, write_easy_vqa_jsonl
     from veomni.data.multimodal.processor_builder import build_qwen_processor_folder
 
-    folder = os.path.join(root, "vlm")
-    done = os.path.join(folder, "READY")
-    if os.path.isfile(done):
-        return folder
     print(
         f"[veomni] building the VL demo assets under {folder} (easy-vqa, scikit-image, Qwen tokenizer) ...", flush=True
     )

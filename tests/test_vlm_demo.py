@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import pytest
+import yaml
 
 from helpers import REPO, child_env, read_metrics
 from veomni.data.multimodal.demo_data import write_easy_vqa_jsonl
@@ -28,9 +29,12 @@ def assets(tmp_path_factory):
 def test_vlm_demo_runs_through_train_sh(assets, tmp_path):
     processor, data = assets
     out = tmp_path / "run"
+    with open(DEMO) as f:  # the demo config on the test's assets (train.sh then builds no demo assets)
+        config = yaml.safe_load(f)
+    config["model"].update(tokenizer_path=processor, config_path=os.path.join(REPO, config["model"]["config_path"]))
+    config["data"]["train_path"] = data
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(config))
     overrides = {
-        "model.tokenizer_path": processor,
-        "data.train_path": data,
         "train.max_steps": "3",
         "train.micro_batch_size": "4",
         "train.global_batch_size": "8",
@@ -41,7 +45,7 @@ def test_vlm_demo_runs_through_train_sh(assets, tmp_path):
     args = [a for k, v in overrides.items() for a in (f"--{k}", v)]
     env = dict(child_env(), NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        ["bash", "train.sh", "tasks/train_vlm.py", DEMO, *args], cwd=REPO, env=env, capture_output=True, text=True,
+        ["bash", "train.sh", "tasks/train_vlm.py", str(tmp_path / "demo.yaml"), *args], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
