@@ -212,6 +212,11 @@ def test_qwen2_5_vl_transform_matches_hf(assets, processors):
         ref["input_ids"], types, video_grid_thw=grid, second_per_grid_ts=out["second_per_grid_ts"]
     )
     assert torch.equal(out["position_ids"], expected[:, 0])
+    # each temporal patch holds its two frames side by side: frame 1's pixels sit in the second temporal slot
+    frame1 = processor.image_processor(images=[Image.open(assets["frames"][1])], return_tensors="pt")["pixel_values"]
+    n = frame1.shape[0]
+    slots = out["pixel_values_videos"].reshape(2 * n, 3, 2, -1)
+    assert torch.equal(slots[:n, :, 1], frame1.reshape(n, 3, 2, -1)[:, :, 0])
     # a still video (the same frame twice) is exactly the image's patches: the temporal pairing is right
     still = transform(
         {
