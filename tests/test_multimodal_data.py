@@ -455,3 +455,35 @@ def test_collation_packs_mixed_image_and_text_samples(assets, processors):
         padded = total + total % 2
         assert sp["input_ids"].shape == (1, padded // 2) and sp["position_ids"].shape == (3, 1, padded // 2)
         assert sp["image_mask"].shape == (1, padded) and sp["pixel_values"].shape == (patches, 1176)
+
+
+def test_position_ids_for_qwen3_omni_and_moe_configs():
+    """The adapter runs the Qwen3-VL-MoE and Qwen3-Omni-MoE thinker classes' own get_rope_index too."""
+    text = dict(TINY_TEXT, head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32)
+    vl_moe = tf.Qwen3VLMoeConfig(text_config=text, vision_config=dict(TINY_VISION, patch_size=16))
+    image = [vl_moe.vision_start_token_id] + [vl_moe.image_token_id] * 6 + [vl_moe.vision_end_token_id]
+    ids = torch.tensor([1, 2, *image, 3, 4])
+    grid = torch.tensor([[1, 4, 6]])
+    expected, _ = _meta_model(tf.Qwen3VLMoeModel, vl_moe).get_rope_index(
+        ids[None], (ids == vl_moe.image_token_id).int()[None], grid
+    )
+    assert torch.equal(build_position_id_func(vl_moe)(ids, image_grid_thw=grid), expected[:, 0])
+
+    omni = tf.Qwen3OmniMoeThinkerConfig(vision_start_token_id=151652)
+    audio_frames = torch.tensor([230])  # 2.3 s of features: 2 chunks of 100 frames + 30
+    n_audio = int(_get_qwen3_omni_audio_tokens(audio_frames))
+    ids = torch.tensor(
+        [1, 151652, *[omni.image_token_id] * 6, 151653, omni.audio_start_token_id]
+        + [omni.audio_token_id] * n_audio
+        + [omni.audio_start_token_id + 1, 5]
+    )
+    model = _meta_model(tf.Qwen3OmniMoeThinkerForConditionalGeneration, omni)
+    expected, _ = model.get_rope_index(ids[None], grid, None, torch.ones_like(ids)[None], False, audio_frames)
+    got = pickle.loads(pickle.dumps(build_position_id_func(omni)))(ids, image_grid_thw=grid, audio_seqlens=audio_frames)
+    assert torch.equal(got, expected[:, 0])
+
+
+def _get_qwen3_omni_audio_tokens(frames):
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    return _get_feat_extract_output_lengths(frames)
