@@ -75,15 +75,10 @@ def _assistant_labels(ids, tok):
     """Labels read off the HF ids: tokens after each `<|im_start|>assistant\\n` up to and with its `<|im_end|>`."""
     start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     header = tok("assistant\n", add_special_tokens=False)["input_ids"]
-    labels, inside = [IGNORE_INDEX] * len(ids), False
+    labels = [IGNORE_INDEX] * len(ids)
     for i, t in enumerate(ids):
-        if inside:
-            labels[i] = t
-            inside = t != end
-        elif t == start and ids[i + 1 : i + 1 + len(header)] == header:
-            labels[i + len(header) + 1 : i + len(header) + 1] = []  # header itself stays masked
-            inside_from = i + 1 + len(header)
-            for j in range(inside_from, len(ids)):
+        if t == start and ids[i + 1 : i + 1 + len(header)] == header:  # the header itself stays masked
+            for j in range(i + 1 + len(header), len(ids)):
                 labels[j] = ids[j]
                 if ids[j] == end:
                     break
