@@ -482,3 +482,39 @@ def _get_qwen3_omni_audio_tokens(frames):
     from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
 
     return _get_feat_extract_output_lengths(frames)
+
+
+def test_dynamic_batches_count_placeholder_tokens(assets, processors, tmp_path):
+    """The loader's token budget counts each sample with its image placeholders; easy-vqa jsonl via demo_data."""
+    from veomni.data import build_dataloader
+
+    processor = processors["qwen2_5_vl"]
+    config = tf.Qwen2_5_VLConfig(text_config=TINY_TEXT, vision_config=TINY_VISION)
+    path = demo_data.write_easy_vqa_jsonl(str(tmp_path / "vqa.jsonl"), split="test", limit=12)
+    transform = partial(
+        process_sample_qwen2_5_vl,
+        processor=processor,
+        chat_template=build_multimodal_chat_template("qwen2_5_vl", processor.tokenizer),
+        position_id_func=build_position_id_func(config),
+    )
+    dataset = build_dataset(train_path=path, transform=transform)
+    loader = build_dataloader(
+        dataset=dataset,
+        micro_batch_size=2,
+        global_batch_size=2,
+        max_seq_len=80,
+        dyn_bsz=True,
+        train_steps=4,
+        collate_fn_kwargs={"collate_infos": multimodal_collate_infos(), "sp_size": 1},
+        dp_rank=0,
+        dp_size=1,
+    )
+    seen = 0
+    for step in loader:
+        for batch in step:
+            tokens = batch["input_ids"].shape[-1]
+            assert tokens <= 2 * 80  # the budget: micro_batch_size * max_seq_len, placeholders included
+            merged = int((batch["image_grid_thw"].prod(-1) // 4).sum())
+            assert int(batch["image_mask"].sum()) == merged > 0 and batch["position_ids"].shape == (3, 1, tokens)
+            seen += batch["image_grid_thw"].shape[0]
+    assert seen >= 8
