@@ -17,6 +17,7 @@ from ..data import build_dataset
 from ..data.data_collator import DataCollateInfo
 from ..data.multimodal import (
     build_multimodal_chat_template,
+    multimodal_collate_infos,
     process_sample_qwen2_5_vl,
     process_sample_qwen3_vl,
     process_sample_qwen_omni,
@@ -53,27 +54,9 @@ _SPECIAL_IDS = {
 
 
 def build_data_collate_info(merge_size: int = 2) -> Dict[str, DataCollateInfo]:
-    """How MainCollator packs each multimodal key (the text keys keep their defaults).
-
-    Sequence-aligned keys concatenate along the sequence (pack_dim -1); per-patch / per-clip keys stack on dim 0
-    (visual patches of all samples in order, matching the order of their placeholder tokens). Token masks stay
-    whole on every sequence-parallel rank (sp_slice False), padded with 0; patches pad by merge_size**2 per token.
-    """
-    seq = {"pack_dim": -1, "sp_slice": False, "sp_pad_value": 0}
-    return {
-        "position_ids": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=0),
-        "image_mask": DataCollateInfo(**seq),
-        "video_mask": DataCollateInfo(**seq),
-        "audio_mask": DataCollateInfo(**seq),
-        "pixel_values": DataCollateInfo(pack_dim=0, sp_pad_value=0, sp_pad_scale=merge_size**2),
-        "pixel_values_videos": DataCollateInfo(pack_dim=0, sp_pad_value=0, sp_pad_scale=merge_size**2),
-        "image_grid_thw": DataCollateInfo(pack_dim=0),
-        "video_grid_thw": DataCollateInfo(pack_dim=0),
-        "second_per_grid_ts": DataCollateInfo(pack_dim=0),
-        "video_second_per_grid": DataCollateInfo(pack_dim=0),
-        "input_features": DataCollateInfo(pack_dim=0),
-        "feature_attention_mask": DataCollateInfo(pack_dim=0),
-    }
+    """How MainCollator packs each multimodal key (veomni/data/multimodal/collate.py): sequence keys along the
+    sequence, M-RoPE ids to (3, 1, L), vision patches / grids / audio features on dim 0 in sample order."""
+    return multimodal_collate_infos(merge_size)
 
 
 class _ModalityRates(Callback):
