@@ -10,7 +10,7 @@ from veomni.data.data_collator import MainCollator
 from veomni.trainer.vlm_trainer import build_data_collate_info
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = {name: os.path.join(REPO, "configs", "model", f"tiny_{name}") for name in (
+TINY = {name: os.path.join(REPO, "configs", "multimodal", "tiny", name) for name in (
     "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"
 )}  # fmt: skip
 TEXT_VOCAB = 1000  # the tiny configs' special ids sit above this
