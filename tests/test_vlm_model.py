@@ -37,8 +37,13 @@ def _loss_and_grads(model, batches):
 def test_packed_row_equals_one_by_one(name):
     model = _build(name)
     g = torch.Generator().manual_seed(1)
-    # an image, a text-only sample, two images of different shapes: visual tokens concatenated in order
-    samples = [make_sample(model, 7, [(4, 4)], g), make_sample(model, 5, [], g), make_sample(model, 4, [(4, 8), (8, 4)], g)]
+    # text-only first (the collator takes keys from every sample), then one image, then two images of different
+    # shapes: visual tokens concatenated in order
+    samples = [
+        make_sample(model, 5, [], g),
+        make_sample(model, 7, [(4, 4)], g),
+        make_sample(model, 4, [(4, 8), (8, 4)], g),
+    ]
     ref_loss, ref_grads = _loss_and_grads(model, [dict(one_sample_batch(s), labels=s["labels"][None]) for s in samples])
     packed_loss, packed_grads = _loss_and_grads(model, [pack(samples)])
     assert abs(packed_loss - ref_loss) < 1e-5, (packed_loss, ref_loss)

@@ -7,13 +7,13 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from veomni.data.data_collator import MainCollator
+from veomni.trainer.vlm_trainer import build_data_collate_info
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = {name: os.path.join(REPO, "configs", "model", f"tiny_{name}") for name in (
+TINY = {name: os.path.join(REPO, "configs", "multimodal", "tiny", name) for name in (
     "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"
 )}  # fmt: skip
 TEXT_VOCAB = 1000  # the tiny configs' special ids sit above this
-MM_KEYS = ("pixel_values", "image_grid_thw")
 
 
 def _image_token_id(config) -> int:
@@ -64,11 +64,6 @@ def one_sample_batch(sample: Dict) -> Dict:
 
 
 def pack(samples: Sequence[Dict]) -> Dict:
-    """MainCollator's packed row for the text keys ((1, 3, L) position ids, cu_seq_lens); the visual inputs of the
-    samples that have any, concatenated in order."""
-    batch = MainCollator()([{k: s[k] for k in ("input_ids", "labels", "position_ids")} for s in samples])
-    with_images = [s for s in samples if "pixel_values" in s]
-    if with_images:
-        for key in MM_KEYS:
-            batch[key] = torch.cat([s[key] for s in with_images])
-    return batch
+    """MainCollator's packed row with the VLM trainer's collate infos: (1, 3, L) position ids, cu_seq_lens, and the
+    visual inputs of the samples that have any (text-only samples may come first), concatenated in order."""
+    return MainCollator(collate_infos=build_data_collate_info())(samples)

@@ -3,11 +3,13 @@
 1. FSDP2 over the tiny Qwen2.5-VL (vision blocks and decoder layers as their own units) trains 10 AdamW steps
    with the same losses and final weights (1e-5) as one process on the whole global batch. Some steps give rank 1
    text-only samples: it must still run the vision tower (same collectives on every rank).
-2. Expert parallel 2 (FSDP2 + EP) on the tiny Qwen3-VL-MoE with the fused experts: same losses and weights as
+2. The same, 3 steps, on the tiny Qwen2.5-Omni thinker: nested units (the audio and vision encoders around their
+   own blocks), the audio tower run on a dummy clip by every rank.
+3. Expert parallel 2 (FSDP2 + EP) on the tiny Qwen3-VL-MoE with the fused experts: same losses and weights as
    one process without EP, 4 steps.
 
 Every rank builds the single-process reference itself (plain module, no collectives). Prints VLM_PARALLEL_OK.
-argv: vl_config_dir moe_config_dir
+argv: vl_config_dir moe_config_dir omni_config_dir
 """
 
 import os
@@ -21,7 +23,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vlm_inputs import make_sample, pack  # noqa: E402
 
-from veomni.distributed import destroy_parallel_state, init_parallel_state  # noqa: E402
+from veomni.distributed import destroy_parallel_state, init_parallel_state, parallel_state  # noqa: E402
 from veomni.distributed.torch_parallelize import build_parallelize_model, no_split_module_names  # noqa: E402
 from veomni.models import build_foundation_model  # noqa: E402
 from veomni.ops import causal_lm_loss_sum  # noqa: E402
@@ -65,6 +67,8 @@ def train_both(config_dir, moe, steps, seed, state):
     build_parallelize_model(model, basic_modules=no_split_module_names(model))
     units = [type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     assert any("Vision" in u for u in units) and any("Decoder" in u for u in units), units
+    if getattr(model.model, "audio_tower", None) is not None:
+        assert "FSDPQwen2_5OmniAudioEncoderLayer" in units and "FSDPQwen2_5OmniAudioEncoder" in units, units
     model.train(), reference.train()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=2e-3, weight_decay=0.01)
@@ -84,11 +88,15 @@ def train_both(config_dir, moe, steps, seed, state):
     return ref_total.item()
 
 
-def main(vl_dir, moe_dir):
+def main(vl_dir, moe_dir, omni_dir):
     state = init_parallel_state()
     last = train_both(vl_dir, "eager", 10, 7, state)
     print(f"FSDP_VL_OK rank={dist.get_rank()} last_loss={last:.6f}", flush=True)
-    destroy_parallel_state()
+    last = train_both(omni_dir, "eager", 3, 9, state)
+    print(f"FSDP_OMNI_OK rank={dist.get_rank()} last_loss={last:.6f}", flush=True)
+    # new meshes on the same default process group: destroying and re-creating the group in one process can hang
+    # in gloo's rendezvous (the new group reads the old group's addresses from the store)
+    parallel_state._PARALLEL_STATE = None
     state = init_parallel_state(extra_parallel_sizes=[2], extra_parallel_names=["ep"])
     last = train_both(moe_dir, "fused", 4, 8, state)
     print(f"EP_VL_MOE_OK rank={dist.get_rank()} last_loss={last:.6f}", flush=True)
@@ -97,4 +105,4 @@ def main(vl_dir, moe_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -6,7 +6,7 @@ group by subclassing it and naming the subclass in their own `VeOmniArguments` s
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 
 def _doc(text: str, **kwargs):
@@ -54,6 +54,14 @@ class ModelArguments:
         "folders are refused; turn on only for folders you trust.",
         default=False,
     )
+    freeze_vit: bool = _doc(
+        "Vision-language models: keep the vision tower's weights fixed (requires_grad off). The tower still runs, "
+        "under no_grad, and takes part in FSDP's collectives.",
+        default=False,
+    )
+    freeze_audio_tower: bool = _doc(
+        "Omni models: keep the audio encoder's weights fixed, as freeze_vit.", default=False
+    )
     ops_implementation: OpsImplementation = field(default_factory=OpsImplementation)
 
     def __post_init__(self):
@@ -93,6 +101,12 @@ class DataArguments:
     train_sample: Optional[int] = _doc("Samples to train on (iterable data without dyn_bsz).", default=None)
     shuffle_buffer_size: int = _doc("Records in the shuffle buffer of iterable data.", default=1000)
     skip_bad_samples: bool = _doc("Skip (and count) malformed or over-long samples instead of failing.", default=False)
+    mm_configs: Dict[str, Any] = _doc(
+        "Multimodal transform options (tasks/train_vlm.py), passed to process_sample_*: `media_dir` (base of "
+        "relative media paths), `video_fps`, `image_kwargs` / `audio_kwargs` (extra processor kwargs, e.g. "
+        "`{max_pixels: 12544}`). max_seq_len defaults to data.max_seq_len.",
+        default_factory=dict,
+    )
     dataloader: DataloaderArguments = field(default_factory=DataloaderArguments)
 
     @property

@@ -19,7 +19,8 @@ class DataCollateInfo:
     pack_dim: int = 0  # -1: concatenate along the last dim and add a batch dim of 1
     sp_slice: bool = False  # slice this field along the sequence for sequence-parallel ranks
     sp_pad_value: Optional[int] = None  # pad value to make the sequence divisible by sp_size; None: no padding
-    sp_pad_scale: int = 1  # the field's length per token (e.g. merge_size**2 for vision patches)
+    sp_pad_scale: int = 1  # sp padding makes the field a multiple of sp_size * sp_pad_scale along pack_dim
+    # (merge_size**2 for vision patches: each rank then holds whole merged tokens)
 
 
 def default_collate_infos() -> Dict[str, DataCollateInfo]:
@@ -60,20 +61,21 @@ class MainCollator:
             raise ValueError("MainCollator got an empty micro-batch")
         lengths = [len(s["input_ids"]) for s in samples]
         batch: Dict[str, Any] = {}
-        for key in samples[0]:
+        # the union of keys: text-only samples may sit beside multimodal ones in one micro-batch
+        for key in dict.fromkeys(k for s in samples for k in s):
             if key == "attention_mask":  # packed rows attend block-diagonally by position_ids, not by a mask
                 continue
-            values = [torch.as_tensor(s[key]) for s in samples]
             info = self.collate_infos.get(key, DataCollateInfo())
-            if info.pack_dim == -1:
-                batch[key] = torch.cat(values, dim=-1).unsqueeze(0)
-            else:
-                batch[key] = torch.cat(values, dim=info.pack_dim)
+            if info.pack_dim == -1:  # per-token fields: concatenate along the sequence, batch dim just before it
+                values = [_per_token(s, key, n, samples, info) for s, n in zip(samples, lengths)]
+                batch[key] = torch.cat(values, dim=-1).unsqueeze(-2)
+            else:  # per-item fields (vision patches, grids, audio features): stacked in sample order
+                batch[key] = torch.cat([torch.as_tensor(s[key]) for s in samples if key in s], dim=info.pack_dim)
         if "position_ids" not in batch:
             batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
         if "labels" in batch and not self.seq_classification:
             starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
-            batch["labels"][0, starts[1:]] = IGNORE_INDEX
+            batch["labels"][..., 0, starts[1:]] = IGNORE_INDEX
         if self.pad_to_length and self.max_seq_len is not None:
             self._pad(batch, lengths)
         if self.sp_size > 1:
@@ -94,21 +96,23 @@ class MainCollator:
             batch["labels"] = shifted
         total = sum(lengths)
         pad = -total % self.sp_size
-        if pad == 0:
-            return
         for key, info in self.collate_infos.items():
             if key not in batch or info.sp_pad_value is None:
                 continue
             value = batch[key]
-            width = pad * info.sp_pad_scale
+            dim = -1 if info.pack_dim == -1 else info.pack_dim
+            width = -value.shape[dim] % (self.sp_size * info.sp_pad_scale)  # its own length, padded
+            if width == 0:
+                continue
             if key == "position_ids":
-                filler = torch.arange(width).unsqueeze(0)
+                filler = torch.arange(width).expand(*value.shape[:-1], width)
             else:
                 shape = list(value.shape)
-                shape[-1 if info.pack_dim == -1 else info.pack_dim] = width
+                shape[dim] = width
                 filler = torch.full(shape, info.sp_pad_value, dtype=value.dtype)
-            batch[key] = torch.cat([value, filler], dim=-1 if info.pack_dim == -1 else info.pack_dim)
-        lengths.append(pad)
+            batch[key] = torch.cat([value, filler], dim=dim)
+        if pad:
+            lengths.append(pad)
 
     def _slice_for_sp(self, batch: Dict[str, torch.Tensor]) -> None:
         for key, info in self.collate_infos.items():
@@ -124,8 +128,19 @@ class MainCollator:
         fill = {"labels": IGNORE_INDEX, "input_ids": self.pad_token_id}
         for key, value in batch.items():
             if key == "position_ids":
-                batch[key] = torch.cat([value, torch.arange(pad).unsqueeze(0)], dim=-1)
-            elif value.dim() == 2 and value.shape[-1] == sum(lengths):
-                filler = torch.full((1, pad), fill.get(key, 0), dtype=value.dtype)
+                batch[key] = torch.cat([value, torch.arange(pad).expand(*value.shape[:-1], pad)], dim=-1)
+            elif value.dim() >= 2 and value.shape[-2:-1] == (1,) and value.shape[-1] == sum(lengths):
+                filler = torch.full((*value.shape[:-1], pad), fill.get(key, 0), dtype=value.dtype)
                 batch[key] = torch.cat([value, filler], dim=-1)
         lengths.append(pad)
+
+
+def _per_token(sample, key: str, length: int, samples, info: DataCollateInfo) -> torch.Tensor:
+    """`sample[key]`, or where this sample lacks the field (a text-only sample among multimodal ones) its neutral
+    value: plain positions (as many rows as the others' M-RoPE ids), else the field's pad value."""
+    if key in sample:
+        return torch.as_tensor(sample[key])
+    like = next(torch.as_tensor(s[key]) for s in samples if key in s)
+    if key == "position_ids":
+        return torch.arange(length).expand(*like.shape[:-1], length)
+    return torch.full((*like.shape[:-1], length), info.sp_pad_value or 0, dtype=like.dtype)

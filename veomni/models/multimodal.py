@@ -101,9 +101,7 @@ def _encoder_call(inner: nn.Module, kind: str, getter: Callable, batch: Dict[str
     first, second = _ENCODER_INPUTS[kind]
     if batch.get(first) is not None:
         if kind == "audio":
-            return getter(
-                batch[first], batch.get(second), batch.get("audio_feature_lengths"), return_dict=True
-            ), False
+            return getter(batch[first], batch.get(second), batch.get("audio_feature_lengths"), return_dict=True), False
         return getter(batch[first], batch.get(second), return_dict=True), False
     param = next(inner.parameters())
     if kind == "audio":

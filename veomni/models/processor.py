@@ -52,10 +52,10 @@ class _VideoStub(Mapping):
 
 
 @contextlib.contextmanager
-def without_video_processor(processor_cls, saving: bool = False):
+def without_video_processor(processor_cls, saving: bool = False, force: bool = False):
     """Within the block, `processor_cls` is built, loaded (and with `saving=True` saved) with no video processor;
-    a no-op where torchvision works."""
-    if torchvision_available() or "video_processor" not in processor_cls.get_attributes():
+    a no-op where torchvision works, unless `force` (a folder saved without one)."""
+    if (torchvision_available() and not force) or "video_processor" not in processor_cls.get_attributes():
         yield
         return
     from transformers import processing_utils
@@ -82,6 +82,18 @@ def without_video_processor(processor_cls, saving: bool = False):
         yield
 
 
+def _saved_without_video_processor(processor_path: str) -> bool:
+    """A folder written where torchvision was missing: `"video_processor": null` and no video config file."""
+    if os.path.isfile(os.path.join(processor_path, "video_preprocessor_config.json")):
+        return False
+    path = os.path.join(processor_path, "processor_config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        config = json.load(f)
+    return "video_processor" in config and config["video_processor"] is None
+
+
 def _processor_class(processor_path: str):
     for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
         path = os.path.join(processor_path, name)
@@ -100,8 +112,9 @@ def build_processor(processor_path: str, trust_remote_code: bool = False, **kwar
         raise FileNotFoundError(f"processor folder not found: {processor_path}")
     kwargs.setdefault("local_files_only", True)
     processor_cls = _processor_class(processor_path)
-    if processor_cls is not None and not torchvision_available():
-        with without_video_processor(processor_cls):
+    no_video = _saved_without_video_processor(processor_path)
+    if processor_cls is not None and (no_video or not torchvision_available()):
+        with without_video_processor(processor_cls, force=no_video):
             processor = processor_cls.from_pretrained(processor_path, **kwargs)
         processor.video_processor = getattr(processor, "video_processor", None)
         return processor

@@ -60,6 +60,10 @@ def chunked_head_loss_sum(
     labels = labels.to(hidden.device)
     targets = (labels if labels_shifted else _next_token_targets(labels)).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
+    # only positions with a target reach the head: masked ones add exactly 0 to the sum and its gradient, and in SFT
+    # (prompts, image tokens) they are most of the row
+    keep = targets != IGNORE_INDEX
+    flat, targets = flat[keep], targets[keep]
     total = flat.new_zeros((), dtype=torch.float32)
     for start in range(0, flat.shape[0], chunk_size):
         h, t = flat[start : start + chunk_size], targets[start : start + chunk_size]

@@ -57,8 +57,12 @@ class TextTrainer(BaseTrainer):
             pin_memory=loader.pin_memory,
             prefetch_factor=loader.prefetch_factor,
             seed=args.train.seed,
-            collate_fn_kwargs={"pad_token_id": self.tokenizer.pad_token_id or 0},
+            collate_fn_kwargs=self.collate_fn_kwargs(),
         )
+
+    def collate_fn_kwargs(self):
+        """MainCollator's keyword arguments (VLMTrainer adds its per-key collate infos)."""
+        return {"pad_token_id": self.tokenizer.pad_token_id or 0}
 
     def on_train_end(self) -> None:
         report = data_report(self.train_dataloader, count_unread=False)

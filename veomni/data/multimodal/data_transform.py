@@ -19,6 +19,7 @@ each frame goes through the image processor and consecutive frames are paired in
 patch layout (t, h/m, w/m, m, m) x (C, temporal_patch, p, p), with the image processor's resizing.
 """
 
+import sys
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -79,8 +80,13 @@ def _audio_features(processor, audios, audio_kwargs) -> Dict[str, torch.Tensor]:
     return {"input_features": out["input_features"], "feature_attention_mask": out["attention_mask"].long()}
 
 
-def audio_token_count(feature_lengths: torch.Tensor) -> torch.Tensor:
-    """Audio placeholder tokens per clip: the Whisper-style encoder's conv stride 2, then its 2x pooling."""
+def audio_token_count(processor, feature_lengths: torch.Tensor) -> torch.Tensor:
+    """Audio placeholder tokens per clip, by the processor module's own `_get_feat_extract_output_lengths`
+    (Qwen2.5-Omni: conv stride 2 then 2x pooling; Qwen3-Omni: per 100-frame chunk); Qwen2.5-Omni's rule if the
+    module has none."""
+    own = getattr(sys.modules.get(type(processor).__module__), "_get_feat_extract_output_lengths", None)
+    if own is not None:
+        return own(feature_lengths)
     return ((feature_lengths - 1) // 2 + 1 - 2) // 2 + 1
 
 
@@ -107,7 +113,7 @@ def _replacements(processor, features, style: str, fps: float) -> Dict[str, List
             else:
                 out["video"].append(video_token * int(grid.prod() // merge))
     if "feature_attention_mask" in features:
-        counts = audio_token_count(features["feature_attention_mask"].sum(-1))
+        counts = audio_token_count(processor, features["feature_attention_mask"].sum(-1))
         out["audio"] = [processor.audio_token * int(n) for n in counts]
     return out
 

@@ -9,9 +9,11 @@ special tokens renamed (`<|AUDIO|>` = 151646, `<|audio_bos|>` = 151647, `<|audio
 renames them in tokenizer.json. `save_pretrained` writes the folder; `veomni.models.build_processor(folder)` loads it.
 """
 
+import functools
 import json
 import os
 import shutil
+import tempfile
 from typing import Optional
 
 from ...models.processor import torchvision_available, without_video_processor
@@ -73,6 +75,18 @@ def _tokenizer_folder(kind: str, tokenizer_dir: str, out_dir: str) -> str:
     return folder
 
 
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(omni: bool, tokenizer_dir: str):
+    """Loading a 151k-token tokenizer takes seconds: the VL kinds share one load per process."""
+    from transformers import AutoTokenizer
+
+    src = _tokenizer_folder("qwen2_5_omni" if omni else "qwen2_5_vl", tokenizer_dir, tempfile.mkdtemp())
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    finally:
+        shutil.rmtree(os.path.dirname(src))
+
+
 def build_qwen_processor_folder(
     kind: str,
     out_dir: str,
@@ -86,7 +100,7 @@ def build_qwen_processor_folder(
     `tokenizer_dir` defaults to the npm Qwen3 tokenizer (fetched once, see demo_data.qwen_tokenizer_dir);
     `min_pixels` / `max_pixels` bound the image area after resizing (small values keep CPU demos fast)."""
     import transformers
-    from transformers import AutoTokenizer, Qwen2VLImageProcessor, WhisperFeatureExtractor
+    from transformers import Qwen2VLImageProcessor, WhisperFeatureExtractor
 
     from .demo_data import qwen_tokenizer_dir
 
@@ -94,9 +108,7 @@ def build_qwen_processor_folder(
         raise ValueError(f"unknown processor kind {kind!r}; expected one of {sorted(KINDS)}")
     processor_cls, template, patch_size, mean_std = KINDS[kind]
     os.makedirs(out_dir, exist_ok=True)
-    src = _tokenizer_folder(kind, tokenizer_dir or qwen_tokenizer_dir(cache_dir), out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(src)
-    shutil.rmtree(src)
+    tokenizer = _load_tokenizer(kind == "qwen2_5_omni", tokenizer_dir or qwen_tokenizer_dir(cache_dir))
     factor = patch_size * 2  # merge_size 2
     size = {"shortest_edge": max(min_pixels, factor * factor), "longest_edge": max_pixels}
     image_kwargs = dict(size=size, patch_size=patch_size, merge_size=2, temporal_patch_size=2)

@@ -1,0 +1,150 @@
+"""VLMTrainer: vision/audio-language models (Qwen2.5-VL, Qwen3-VL(-MoE), Qwen2.5-Omni / Qwen3-Omni-MoE thinkers)
+on conversations with images, videos and audio, packed like text (see veomni/models/multimodal.py).
+
+As the seed's `train_vlm.py`: `build_processor` -> `build_multimodal_chat_template` -> the model family's
+`process_sample_*` transform with `position_id_func` (M-RoPE) -> MainCollator with per-key `DataCollateInfo`
+(`build_data_collate_info`). Metrics count text, visual and audio tokens apart (`text_tokens`, `visual_tokens`,
+`audio_tokens` and their `*_per_sec`).
+"""
+
+from functools import partial
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from ..data import build_dataset
+from ..data.data_collator import DataCollateInfo
+from ..data.multimodal import (
+    build_multimodal_chat_template,
+    multimodal_collate_infos,
+    process_sample_qwen2_5_vl,
+    process_sample_qwen3_vl,
+    process_sample_qwen_omni,
+)
+from ..models import build_config, build_processor
+from ..models.multimodal import freeze_encoders, thinker_config
+from ..models.position_ids import build_position_id_func
+from ..utils.logging import get_logger
+from .callbacks import Callback
+from .text_trainer import TextTrainer
+
+logger = get_logger(__name__)
+
+# config.model_type -> (sample transform, default chat template name)
+TRANSFORMS = {
+    "qwen2_vl": (process_sample_qwen2_5_vl, "qwen2_vl"),
+    "qwen2_5_vl": (process_sample_qwen2_5_vl, "qwen2_5_vl"),
+    "qwen3_vl": (process_sample_qwen3_vl, "qwen3_vl"),
+    "qwen3_vl_moe": (process_sample_qwen3_vl, "qwen3_vl"),
+    "qwen2_5_omni_thinker": (process_sample_qwen_omni, "qwen2_5_omni"),
+    "qwen3_omni_moe_thinker": (process_sample_qwen_omni, "qwen2_5_omni"),
+}
+# per-token masks the transform emits: counted for the metrics, never given to the model
+_TOKEN_MASKS = {"image_mask": "visual", "video_mask": "visual", "audio_mask": "audio"}
+# the model's special ids that must be the processor tokenizer's ids (name in config -> tokenizer attribute)
+_SPECIAL_IDS = {
+    "image_token_id": "image_token_id",
+    "image_token_index": "image_token_id",
+    "video_token_id": "video_token_id",
+    "video_token_index": "video_token_id",
+    "audio_token_id": "audio_token_id",
+    "audio_token_index": "audio_token_id",
+}
+
+
+def build_data_collate_info(merge_size: int = 2) -> Dict[str, DataCollateInfo]:
+    """How MainCollator packs each multimodal key (veomni/data/multimodal/collate.py): sequence keys along the
+    sequence, M-RoPE ids to (3, 1, L), vision patches / grids / audio features on dim 0 in sample order."""
+    return multimodal_collate_infos(merge_size)
+
+
+class _ModalityRates(Callback):
+    """Adds text/visual/audio tokens per second to a step's metrics (before metrics.jsonl is written)."""
+
+    def on_step_end(self, trainer, metrics):
+        seconds = metrics.get("step_time") or float("nan")
+        for kind in ("text", "visual", "audio"):
+            if f"{kind}_tokens" in metrics:
+                metrics[f"{kind}_tokens_per_sec"] = metrics[f"{kind}_tokens"] / seconds
+
+
+class VLMTrainer(TextTrainer):
+    def build_data_transform(self):
+        args = self.args
+        self.processor = build_processor(args.model.tokenizer_path, trust_remote_code=args.model.trust_remote_code)
+        self.tokenizer = self.processor.tokenizer
+        config = thinker_config(build_config(args.model.config_path, trust_remote_code=args.model.trust_remote_code))
+        if config.model_type not in TRANSFORMS:
+            raise ValueError(f"VLMTrainer: no multimodal transform for model_type {config.model_type!r}")
+        self._check_special_ids(config)
+        transform, template = TRANSFORMS[config.model_type]
+        name = args.data.chat_template if args.data.chat_template != "default" else template
+        chat_template = build_multimodal_chat_template(name, self.tokenizer)
+        # the same function model.get_position_id_func() returns; built from the config, as the data comes first
+        position_id_func = build_position_id_func(config)
+        mm_configs = dict(args.data.mm_configs or {})
+        mm_configs.setdefault("max_seq_len", args.data.max_seq_len)
+        return partial(
+            transform,
+            processor=self.processor,
+            chat_template=chat_template,
+            position_id_func=position_id_func,
+            **mm_configs,
+        )
+
+    def _check_special_ids(self, config) -> None:
+        """A model whose image/video/audio token ids are not the tokenizer's would fail deep in the forward with
+        'features and tokens do not match'; say it here instead."""
+        for key, attribute in _SPECIAL_IDS.items():
+            want, have = getattr(config, key, None), getattr(self.processor, attribute, None)
+            if want is not None and have is not None and want != have:
+                raise ValueError(
+                    f"model config {key}={want} but the processor's tokenizer ({self.args.model.tokenizer_path}) "
+                    f"has {attribute}={have}: the model and the processor do not belong together"
+                )
+
+    def build_transform(self):
+        return self.build_data_transform()
+
+    def build_data_collate_info(self) -> Dict[str, DataCollateInfo]:
+        return build_data_collate_info(getattr(self.processor.image_processor, "merge_size", 2))
+
+    def build_dataset(self):
+        args = self.args
+        data_kwargs = {k: v for k, v in vars(args.data).items() if k not in ("dataloader", "mm_configs")}
+        return build_dataset(
+            dataset_name=args.data.dataset_name, transform=self.build_transform(), seed=args.train.seed, **data_kwargs
+        )
+
+    def build_dataloader(self):
+        self._collate_infos = self.build_data_collate_info()
+        return super().build_dataloader()
+
+    def collate_fn_kwargs(self) -> Dict[str, Any]:
+        return {"pad_token_id": self.tokenizer.pad_token_id or 0, "collate_infos": self._collate_infos}
+
+    def prepare_model(self, model):
+        frozen = freeze_encoders(model, self.args.model.freeze_vit, self.args.model.freeze_audio_tower)
+        if frozen:
+            logger.info(f"frozen: {', '.join(frozen)}")
+        return model
+
+    def build_callbacks(self) -> List[Callback]:
+        return [_ModalityRates()] + super().build_callbacks()
+
+    # ---------------------------------------------------------------------------------------------- step
+    def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
+        return super().forward_loss_sum({k: v for k, v in micro_batch.items() if k not in _TOKEN_MASKS})
+
+    def train_step(self, micro_batches, totals):
+        counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # visual, audio tokens on this rank
+        for mb in micro_batches:
+            for key, kind in _TOKEN_MASKS.items():
+                if key in mb:
+                    counts[0 if kind == "visual" else 1] += int(mb[key].sum())
+        metrics = super().train_step(micro_batches, totals)
+        dist.all_reduce(counts, group=self.parallel_state.dp_group)  # every rank, every step: same collectives
+        visual, audio = int(counts[0]), int(counts[1])
+        metrics.update(visual_tokens=visual, audio_tokens=audio, text_tokens=totals["tokens"] - visual - audio)
+        return metrics
