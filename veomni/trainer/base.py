@@ -9,7 +9,6 @@ so every token weighs the same whatever the packing, the micro-batch split or th
 """
 
 import dataclasses
-import inspect
 import math
 import os
 import time
@@ -18,11 +17,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..arguments import ConfigError, save_args
-from ..checkpoint import Checkpointer, RunDirError, move_run_aside, plan_run, rng_state, save_hf_model, set_rng_state
-from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
-from ..checkpoint.run_dir import remap_into
-from ..data.data_loader import reshard_loader_state
+from ..arguments import save_args
+from ..checkpoint import Checkpointer, save_hf_model
 from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.mixed_precision import resolve_precision
 from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
@@ -42,7 +38,9 @@ from .callbacks import (
     TensorBoardCallback,
     WandbCallback,
 )
+from .checkpointing import CheckpointingMixin
 from .preflight import check_first_records, check_paths
+from .step_count import StepCountMixin, set_epoch
 
 logger = get_logger(__name__)
 
@@ -54,7 +52,7 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-class BaseTrainer:
+class BaseTrainer(StepCountMixin, CheckpointingMixin):
     """Builds everything from `args` and runs `fit()`. Subclasses choose the data (`build_dataset`)."""
 
     def __init__(self, args):
@@ -147,70 +145,6 @@ class BaseTrainer:
     def check_data(self) -> None:
         """The transform on the first records: a configuration that fits no record fails here, in seconds."""
         check_first_records(self.train_dataset, self.args.data)
-
-    def compute_train_steps(self) -> None:
-        """Steps per epoch from the data as the loader will batch it, capped by train.max_steps.
-
-        Map-style data: counted exactly by a dry run of the loader's own batching plan (the count equals the steps
-        that run). Streamed data: estimated from data.train_size / train_sample / max_steps; an epoch that runs out
-        earlier ends there. The LR schedule spans the steps computed here.
-        """
-        args, train = self.args, self.args.train
-        for _ in range(3):  # a token-budget warmup changes the batches, and the warmup length follows the steps
-            counted = self._count_loader_steps(limit=train.max_steps)
-            if counted is None:
-                args.compute_train_steps(None)
-                how = "estimated (streamed data: an epoch that runs out of data earlier ends there)"
-                break
-            if counted == 0:
-                raise ConfigError(_zero_steps_message(args, self.train_dataset))
-            before, train.train_steps = train.train_steps, min(counted, train.max_steps or counted)
-            how = "counted from the data as it will be batched"
-            if train.max_steps and counted >= train.max_steps:
-                how = "train.max_steps; the data holds at least that many"
-            if not train.bsz_warmup_ratio or train.train_steps == before:
-                break
-            self.train_dataloader = self.build_dataloader()
-        self.epoch_steps = [train.train_steps] * train.num_train_epochs
-        if counted is not None and train.dyn_bsz:
-            self.epoch_steps = self._count_later_epochs(train.train_steps)
-        self.total_steps = sum(self.epoch_steps)
-        if train.max_steps and train.train_steps < train.max_steps:
-            epochs = -(-train.max_steps // train.train_steps)
-            logger.warning(
-                f"train.max_steps={train.max_steps} but one epoch of the data holds {train.train_steps} steps: "
-                f"training runs {self.total_steps} steps "
-                f"({train.num_train_epochs} epoch(s)); for at least {train.max_steps} steps set "
-                f"--train.num_train_epochs {epochs}"
-            )
-        per_epoch = " + ".join(map(str, self.epoch_steps)) if len(set(self.epoch_steps)) > 1 else train.train_steps
-        logger.info(
-            f"{per_epoch} steps per epoch ({how}), {self.total_steps} in total; "
-            f"the LR schedule spans {self.total_steps}"
-        )
-
-    def _count_later_epochs(self, first: int) -> List[int]:
-        """Steps of every epoch, each counted from its own batching plan (and capped by max_steps): dynamic
-        batching packs each epoch's shuffle into a different number of micro-batches, and a token-budget warmup
-        that follows the global step leaves the budgets of later epochs full. So the LR schedule spans exactly the
-        steps that run. Collective (one all-reduce per epoch, on every rank alike)."""
-        train, steps = self.args.train, [first]
-        for epoch in range(1, train.num_train_epochs):
-            _set_epoch(self.train_dataloader, epoch, sum(steps))
-            counted = self._count_loader_steps(limit=train.max_steps)
-            steps.append(min(counted, train.max_steps) if train.max_steps else counted)
-        _set_epoch(self.train_dataloader, 0, 0)
-        return steps
-
-    def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
-        """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data.
-
-        Goes through the loader's own `num_batches`, so the count follows whatever batching the loader does."""
-        counter = getattr(self.train_dataloader, "num_batches", None)
-        mine = counter(limit=limit) if counter is not None else None
-        steps = torch.tensor([-1 if mine is None else mine], dtype=torch.int64, device=self.device)
-        dist.all_reduce(steps, op=dist.ReduceOp.MIN, group=self.parallel_state.dp_group)
-        return None if int(steps) < 0 else int(steps)
 
     def build_dataloader(self):
         raise NotImplementedError
@@ -373,7 +307,7 @@ class BaseTrainer:
         self._fire("on_train_begin")
         for epoch in range(self.epoch, train.num_train_epochs):
             self.epoch = epoch
-            _set_epoch(self.train_dataloader, epoch, self.global_step - self.epoch_step)
+            set_epoch(self.train_dataloader, epoch, self.global_step - self.epoch_step)
             rng = torch.get_rng_state()  # a new loader iterator draws its worker seed from the global generator:
             data_iterator = iter(self.train_dataloader)  # continues mid-epoch after a resume
             torch.set_rng_state(rng)  # keep that draw out of the training stream, so a resume replays dropout exactly
@@ -443,114 +377,6 @@ class BaseTrainer:
 
     def on_train_end(self) -> None:
         """Hook for subclasses, called on every rank before the callbacks' on_train_end."""
-
-    # -------------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self) -> None:
-        lifecycle.set_progress(self.global_step, f"saving checkpoint global_step_{self.global_step}")
-        extra = {
-            "trainer": {
-                "global_step": self.global_step,
-                "epoch": self.epoch,
-                "epoch_step": self.epoch_step,
-                "consumed_tokens": self.consumed_tokens,
-            },
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "dataloader": self.train_dataloader.state_dict(),
-            "rng": rng_state(),
-            "dp_rank": self.parallel_state.dp_rank,
-        }
-        meta = {"dp_size": self.parallel_state.dp_size, "epoch": self.epoch}
-
-        def attach_hf_config(folder: str) -> None:  # the checkpoint carries what an HF export needs
-            export_config(self.model.config, os.path.join(folder, "hf_config"), architecture_of(self.model))
-            copy_tokenizer(self.args.model.tokenizer_path, os.path.join(folder, "hf_config"))
-
-        self.checkpointer.save(self.global_step, self.model, self.optimizer, extra, meta, attach=attach_hf_config)
-        self._last_saved_step = self.global_step
-
-    def prepare_output_dir(self) -> Optional[str]:
-        """Resume by default, never overwrite a run by accident (see veomni/checkpoint/run_dir.py).
-
-        Rank 0 decides and moves a previous run aside; every rank gets the same answer (or the same error)."""
-        ckpt = self.args.train.checkpoint
-        answer: List[Any] = [None]
-        if dist.get_rank() == 0:
-            try:
-                plan = plan_run(self.output_dir, ckpt.load_path, ckpt.overwrite)
-                path, moved = plan.load_path, None
-                if plan.move_aside:
-                    moved = move_run_aside(self.output_dir)
-                    path = remap_into(path, self.output_dir, moved)
-                answer = [(path, moved, plan.message, None)]
-            except Exception as err:  # every rank must leave the broadcast below, with the same error
-                answer = [(None, None, None, (type(err).__name__, str(err)))]
-        dist.broadcast_object_list(answer, src=0)
-        path, moved, message, error = answer[0]
-        if error is not None:
-            known = {"RunDirError": RunDirError, "FileNotFoundError": FileNotFoundError}
-            raise known.get(error[0], RuntimeError)(error[1] if error[0] in known else f"{error[0]}: {error[1]}")
-        logger.info(message + (f"; previous run moved to {moved}" if moved else ""))
-        return path
-
-    def maybe_resume(self) -> None:
-        path = self.resume_path
-        if path is None:
-            return
-        loaded = self.checkpointer.load(path, self.model, self.optimizer)
-        meta, extras = loaded["meta"], loaded["extra_states"]
-        rank, state = dist.get_rank(), self.parallel_state
-        mine = extras[rank] if meta["world_size"] == dist.get_world_size() else extras[0]
-        trainer = mine["trainer"]
-        self.global_step, self.epoch = trainer["global_step"], trainer["epoch"]
-        self.epoch_step, self.consumed_tokens = trainer["epoch_step"], trainer["consumed_tokens"]
-        self._last_saved_step = self.global_step
-        self.lr_scheduler.load_state_dict(mine["lr_scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-            group["lr"] = lr  # the scheduler's state does not carry into the optimizer by itself
-        if meta["dp_size"] == state.dp_size and meta["world_size"] == dist.get_world_size():
-            self.train_dataloader.load_state_dict(mine["dataloader"])
-            set_rng_state(mine["rng"])
-            return
-        by_dp_rank = {e["dp_rank"]: e["dataloader"] for e in extras}
-        try:
-            self.train_dataloader.load_state_dict(
-                reshard_loader_state(
-                    [by_dp_rank[r] for r in range(meta["dp_size"])],
-                    state.dp_rank,
-                    state.dp_size,
-                    produced=self.epoch_step * self.args.train.dataloader_batch_size,
-                )
-            )
-        except NotImplementedError as err:
-            logger.warning(f"{err}: epoch {self.epoch} starts its data again")
-        set_rng_state(extras[0]["rng"])
-
-
-def _set_epoch(loader, epoch: int, first_step: int) -> None:
-    """Reshuffle for `epoch`; loaders that take it also learn the run's steps before the epoch (bsz warmup)."""
-    if "first_step" in inspect.signature(loader.set_epoch).parameters:
-        loader.set_epoch(epoch, first_step=first_step)
-    else:
-        loader.set_epoch(epoch)
-
-
-def _zero_steps_message(args, dataset) -> str:
-    train, data = args.train, args.data
-    try:
-        records = f"the {len(dataset)} records"
-    except TypeError:
-        records = "the data"
-    unit = (
-        f"micro-batches of up to {train.micro_batch_size} * {data.max_seq_len} tokens"
-        if train.dyn_bsz
-        else f"micro-batches of {train.micro_batch_size} samples"
-    )
-    return (
-        f"this run would train 0 steps: {records} ({data.train_path}) do not fill one global batch on every "
-        f"data-parallel rank ({train.dataloader_batch_size} {unit} per rank, {train.accelerator.dp_size} ranks). "
-        "Use more data, or a smaller train.global_batch_size / train.micro_batch_size"
-        + (" (check the warnings above: data.skip_bad_samples skipped bad records)" if data.skip_bad_samples else "")
-    )
 
 
 def _plain_config(args) -> Dict[str, Any]:

@@ -1,0 +1,100 @@
+"""Checkpoints of a training run: what is saved beside the model and optimizer, where a run resumes from, and
+resuming on another world size (the data loader's position is resharded over the new data-parallel ranks)."""
+
+import os
+from typing import Any, List, Optional
+
+import torch.distributed as dist
+
+from ..checkpoint import RunDirError, move_run_aside, plan_run, rng_state, set_rng_state
+from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
+from ..checkpoint.run_dir import remap_into
+from ..data.data_loader import reshard_loader_state
+from ..utils import lifecycle
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class CheckpointingMixin:
+    """save_checkpoint / prepare_output_dir / maybe_resume for BaseTrainer (uses self.checkpointer, self.model, ...)."""
+
+    def save_checkpoint(self) -> None:
+        lifecycle.set_progress(self.global_step, f"saving checkpoint global_step_{self.global_step}")
+        extra = {
+            "trainer": {
+                "global_step": self.global_step,
+                "epoch": self.epoch,
+                "epoch_step": self.epoch_step,
+                "consumed_tokens": self.consumed_tokens,
+            },
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "dataloader": self.train_dataloader.state_dict(),
+            "rng": rng_state(),
+            "dp_rank": self.parallel_state.dp_rank,
+        }
+        meta = {"dp_size": self.parallel_state.dp_size, "epoch": self.epoch}
+
+        def attach_hf_config(folder: str) -> None:  # the checkpoint carries what an HF export needs
+            export_config(self.model.config, os.path.join(folder, "hf_config"), architecture_of(self.model))
+            copy_tokenizer(self.args.model.tokenizer_path, os.path.join(folder, "hf_config"))
+
+        self.checkpointer.save(self.global_step, self.model, self.optimizer, extra, meta, attach=attach_hf_config)
+        self._last_saved_step = self.global_step
+
+    def prepare_output_dir(self) -> Optional[str]:
+        """Resume by default, never overwrite a run by accident (see veomni/checkpoint/run_dir.py).
+
+        Rank 0 decides and moves a previous run aside; every rank gets the same answer (or the same error)."""
+        ckpt = self.args.train.checkpoint
+        answer: List[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                plan = plan_run(self.output_dir, ckpt.load_path, ckpt.overwrite)
+                path, moved = plan.load_path, None
+                if plan.move_aside:
+                    moved = move_run_aside(self.output_dir)
+                    path = remap_into(path, self.output_dir, moved)
+                answer = [(path, moved, plan.message, None)]
+            except Exception as err:  # every rank must leave the broadcast below, with the same error
+                answer = [(None, None, None, (type(err).__name__, str(err)))]
+        dist.broadcast_object_list(answer, src=0)
+        path, moved, message, error = answer[0]
+        if error is not None:
+            known = {"RunDirError": RunDirError, "FileNotFoundError": FileNotFoundError}
+            raise known.get(error[0], RuntimeError)(error[1] if error[0] in known else f"{error[0]}: {error[1]}")
+        logger.info(message + (f"; previous run moved to {moved}" if moved else ""))
+        return path
+
+    def maybe_resume(self) -> None:
+        path = self.resume_path
+        if path is None:
+            return
+        loaded = self.checkpointer.load(path, self.model, self.optimizer)
+        meta, extras = loaded["meta"], loaded["extra_states"]
+        rank, state = dist.get_rank(), self.parallel_state
+        mine = extras[rank] if meta["world_size"] == dist.get_world_size() else extras[0]
+        trainer = mine["trainer"]
+        self.global_step, self.epoch = trainer["global_step"], trainer["epoch"]
+        self.epoch_step, self.consumed_tokens = trainer["epoch_step"], trainer["consumed_tokens"]
+        self._last_saved_step = self.global_step
+        self.lr_scheduler.load_state_dict(mine["lr_scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+            group["lr"] = lr  # the scheduler's state does not carry into the optimizer by itself
+        if meta["dp_size"] == state.dp_size and meta["world_size"] == dist.get_world_size():
+            self.train_dataloader.load_state_dict(mine["dataloader"])
+            set_rng_state(mine["rng"])
+            return
+        by_dp_rank = {e["dp_rank"]: e["dataloader"] for e in extras}
+        try:
+            self.train_dataloader.load_state_dict(
+                reshard_loader_state(
+                    [by_dp_rank[r] for r in range(meta["dp_size"])],
+                    state.dp_rank,
+                    state.dp_size,
+                    produced=self.epoch_step * self.args.train.dataloader_batch_size,
+                )
+            )
+        except NotImplementedError as err:
+            logger.warning(f"{err}: epoch {self.epoch} starts its data again")
+        set_rng_state(extras[0]["rng"])

@@ -1,0 +1,108 @@
+"""How many optimizer steps a run takes: counted from the data as the loader will batch it (map-style data), or
+estimated (streamed data). The LR schedule spans exactly these steps, so they must equal the steps that run."""
+
+import inspect
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..arguments import ConfigError
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class StepCountMixin:
+    """`compute_train_steps` for BaseTrainer: sets `train.train_steps`, `self.epoch_steps` and `self.total_steps`."""
+
+    def compute_train_steps(self) -> None:
+        """Steps per epoch from the data as the loader will batch it, capped by train.max_steps.
+
+        Map-style data: counted exactly by a dry run of the loader's own batching plan (the count equals the steps
+        that run). Streamed data: estimated from data.train_size / train_sample / max_steps; an epoch that runs out
+        earlier ends there. The LR schedule spans the steps computed here.
+        """
+        args, train = self.args, self.args.train
+        for _ in range(3):  # a token-budget warmup changes the batches, and the warmup length follows the steps
+            counted = self._count_loader_steps(limit=train.max_steps)
+            if counted is None:
+                args.compute_train_steps(None)
+                how = "estimated (streamed data: an epoch that runs out of data earlier ends there)"
+                break
+            if counted == 0:
+                raise ConfigError(zero_steps_message(args, self.train_dataset))
+            before, train.train_steps = train.train_steps, min(counted, train.max_steps or counted)
+            how = "counted from the data as it will be batched"
+            if train.max_steps and counted >= train.max_steps:
+                how = "train.max_steps; the data holds at least that many"
+            if not train.bsz_warmup_ratio or train.train_steps == before:
+                break
+            self.train_dataloader = self.build_dataloader()
+        self.epoch_steps = [train.train_steps] * train.num_train_epochs
+        if counted is not None and train.dyn_bsz:
+            self.epoch_steps = self._count_later_epochs(train.train_steps)
+        self.total_steps = sum(self.epoch_steps)
+        if train.max_steps and train.train_steps < train.max_steps:
+            epochs = -(-train.max_steps // train.train_steps)
+            logger.warning(
+                f"train.max_steps={train.max_steps} but one epoch of the data holds {train.train_steps} steps: "
+                f"training runs {self.total_steps} steps "
+                f"({train.num_train_epochs} epoch(s)); for at least {train.max_steps} steps set "
+                f"--train.num_train_epochs {epochs}"
+            )
+        per_epoch = " + ".join(map(str, self.epoch_steps)) if len(set(self.epoch_steps)) > 1 else train.train_steps
+        logger.info(
+            f"{per_epoch} steps per epoch ({how}), {self.total_steps} in total; "
+            f"the LR schedule spans {self.total_steps}"
+        )
+
+    def _count_later_epochs(self, first: int) -> List[int]:
+        """Steps of every epoch, each counted from its own batching plan (and capped by max_steps): dynamic
+        batching packs each epoch's shuffle into a different number of micro-batches, and a token-budget warmup
+        that follows the global step leaves the budgets of later epochs full. So the LR schedule spans exactly the
+        steps that run. Collective (one all-reduce per epoch, on every rank alike)."""
+        train, steps = self.args.train, [first]
+        for epoch in range(1, train.num_train_epochs):
+            set_epoch(self.train_dataloader, epoch, sum(steps))
+            counted = self._count_loader_steps(limit=train.max_steps)
+            steps.append(min(counted, train.max_steps) if train.max_steps else counted)
+        set_epoch(self.train_dataloader, 0, 0)
+        return steps
+
+    def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
+        """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data.
+
+        Goes through the loader's own `num_batches`, so the count follows whatever batching the loader does."""
+        counter = getattr(self.train_dataloader, "num_batches", None)
+        mine = counter(limit=limit) if counter is not None else None
+        steps = torch.tensor([-1 if mine is None else mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MIN, group=self.parallel_state.dp_group)
+        return None if int(steps) < 0 else int(steps)
+
+
+def set_epoch(loader, epoch: int, first_step: int) -> None:
+    """Reshuffle for `epoch`; loaders that take it also learn the run's steps before the epoch (bsz warmup)."""
+    if "first_step" in inspect.signature(loader.set_epoch).parameters:
+        loader.set_epoch(epoch, first_step=first_step)
+    else:
+        loader.set_epoch(epoch)
+
+
+def zero_steps_message(args, dataset) -> str:
+    train, data = args.train, args.data
+    try:
+        records = f"the {len(dataset)} records"
+    except TypeError:
+        records = "the data"
+    unit = (
+        f"micro-batches of up to {train.micro_batch_size} * {data.max_seq_len} tokens"
+        if train.dyn_bsz
+        else f"micro-batches of {train.micro_batch_size} samples"
+    )
+    return (
+        f"this run would train 0 steps: {records} ({data.train_path}) do not fill one global batch on every "
+        f"data-parallel rank ({train.dataloader_batch_size} {unit} per rank, {train.accelerator.dp_size} ranks). "
+        "Use more data, or a smaller train.global_batch_size / train.micro_batch_size"
+        + (" (check the warnings above: data.skip_bad_samples skipped bad records)" if data.skip_bad_samples else "")
+    )
