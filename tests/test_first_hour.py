@@ -153,11 +153,11 @@ def test_max_steps_beyond_the_data_says_what_happens(tmp_path):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("veomni.trainer.base").addHandler(handler)
+    logging.getLogger("veomni.trainer.step_count").addHandler(handler)
     try:
         probe.compute_train_steps()
     finally:
-        logging.getLogger("veomni.trainer.base").removeHandler(handler)
+        logging.getLogger("veomni.trainer.step_count").removeHandler(handler)
     text = " ".join(r.getMessage() for r in records)
     assert probe.total_steps == 6 and "--train.num_train_epochs 4" in text and "the LR schedule spans 6" in text
     probe._count_loader_steps = lambda limit: 0  # data that fills no global batch: an error, not an empty run
