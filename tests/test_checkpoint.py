@@ -34,15 +34,13 @@ def _ckpts(out):
 def test_exact_resume_after_sigkill_with_packing_dyn_bsz_and_workers(tmp_path):
     """20 steps uninterrupted vs killed (SIGKILL to launcher and workers) after step 10's checkpoint and
     resumed: steps 11-20 have bit-identical loss and grad norm. 2 ranks, dyn_bsz packing, 2 loader workers,
-    attention dropout (so the RNG restore is exercised)."""
+    attention dropout (so the RNG restore is exercised). The killed run stalls in step 11 (stall_at_11) rather
+    than relying on a model slow enough to be caught between the two checkpoints: the tiny model will do."""
     tmp = str(tmp_path)
-    # a model big enough that 10 steps take a few seconds: room to kill between the two checkpoints
     write_token_data(f"{tmp}/data.jsonl", n=1500)
     config = tiny_run_config(tmp)
     # attention dropout on: the resumed steps draw the same masks only if the RNG state is restored
-    write_model_config(
-        f"{tmp}/model", hidden_size=384, intermediate_size=1024, num_hidden_layers=6, attention_dropout=0.1
-    )
+    write_model_config(f"{tmp}/model", attention_dropout=0.1)
     flags = [
         "--train.max_steps",
         "20",
@@ -66,7 +64,8 @@ def test_exact_resume_after_sigkill_with_packing_dyn_bsz_and_workers(tmp_path):
         "--nproc_per_node=2",
         "--rdzv_backend=c10d",
         "--rdzv_endpoint=127.0.0.1:0",
-        os.path.join(REPO, "tasks", "train_text.py"),
+        SCENARIOS,
+        "stall_at_11",
         config,
         "--train.checkpoint.output_dir",
         out,
