@@ -173,6 +173,17 @@ def run_text_task(config: str, nproc: int, out: str, extra: Optional[List[str]] 
     return read_metrics(out)
 
 
+def run_text_tasks(nproc: int, runs: List[tuple]) -> List[List[dict]]:
+    """Several trainings, one after another in ONE launch (tests/dist/trainer_scenarios.py `sequence`), each
+    given as (config, output_dir, extra flags); returns each run's metrics. A launch's start-up (imports on every
+    rank) costs more than a tiny run, so tests that compare runs on the same world size share one."""
+    argv = ["sequence"]
+    for i, (config, out, extra) in enumerate(runs):
+        argv += (["::"] if i else []) + ["plain", config, "--train.checkpoint.output_dir", out, *extra]
+    torchrun(os.path.join(REPO, "tests", "dist", "trainer_scenarios.py"), argv, nproc)
+    return [read_metrics(out) for _, out, _ in runs]
+
+
 def assert_close_series(a: List[float], b: List[float], rtol: float, what: str) -> None:
     assert len(a) == len(b) and len(a) > 0, f"{what}: {len(a)} vs {len(b)} steps"
     for i, (x, y) in enumerate(zip(a, b)):
