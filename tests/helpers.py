@@ -173,14 +173,20 @@ def run_text_task(config: str, nproc: int, out: str, extra: Optional[List[str]] 
     return read_metrics(out)
 
 
-def run_text_tasks(nproc: int, runs: List[tuple]) -> List[List[dict]]:
+def launch_sequence(nproc: int, runs: List[tuple], check: bool = True) -> subprocess.CompletedProcess:
     """Several trainings, one after another in ONE launch (tests/dist/trainer_scenarios.py `sequence`), each
-    given as (config, output_dir, extra flags); returns each run's metrics. A launch's start-up (imports on every
-    rank) costs more than a tiny run, so tests that compare runs on the same world size share one."""
+    given as (scenario, config, output_dir, extra flags); "plain" is the TextTrainer as tasks/train_text.py runs it.
+    A launch's start-up (imports on every rank) costs more than a tiny run, so tests that compare runs on the same
+    world size share one. Resumes stay in launches of their own: a fresh process is what they prove."""
     argv = ["sequence"]
-    for i, (config, out, extra) in enumerate(runs):
-        argv += (["::"] if i else []) + ["plain", config, "--train.checkpoint.output_dir", out, *extra]
-    torchrun(os.path.join(REPO, "tests", "dist", "trainer_scenarios.py"), argv, nproc)
+    for i, (scenario, config, out, extra) in enumerate(runs):
+        argv += (["::"] if i else []) + [scenario, config, "--train.checkpoint.output_dir", out, *extra]
+    return torchrun(os.path.join(REPO, "tests", "dist", "trainer_scenarios.py"), argv, nproc, check=check)
+
+
+def run_text_tasks(nproc: int, runs: List[tuple]) -> List[List[dict]]:
+    """`launch_sequence` of plain trainings given as (config, output_dir, extra flags): each run's metrics."""
+    launch_sequence(nproc, [("plain", config, out, extra) for config, out, extra in runs])
     return [read_metrics(out) for _, out, _ in runs]
 
 
