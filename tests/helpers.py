@@ -148,9 +148,10 @@ def torchrun(
         "--master_port=0",
         "--rdzv_backend=c10d",
         "--rdzv_endpoint=127.0.0.1:0",
-        script,
-        *args,
     ]
+    if nproc == 1:  # plain `python` is a world of one (init_distributed): no launcher to start, seconds saved
+        cmd = [sys.executable]
+    cmd += [script, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
