@@ -149,10 +149,15 @@ def torchrun(
         "--rdzv_backend=c10d",
         "--rdzv_endpoint=127.0.0.1:0",
     ]
+    env = child_env()
     if nproc == 1:  # plain `python` is a world of one (init_distributed): no launcher to start, seconds saved
         cmd = [sys.executable]
+        # torchrun would set these; left over from a 1-process group made in the pytest process, MASTER_PORT
+        # names a port that process still holds (EADDRINUSE): let the child pick its own
+        for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(key, None)
     cmd += [script, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
