@@ -148,10 +148,16 @@ def torchrun(
         "--master_port=0",
         "--rdzv_backend=c10d",
         "--rdzv_endpoint=127.0.0.1:0",
-        script,
-        *args,
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    env = child_env()
+    if nproc == 1:  # plain `python` is a world of one (init_distributed): no launcher to start, seconds saved
+        cmd = [sys.executable]
+        # torchrun would set these; left over from a 1-process group made in the pytest process, MASTER_PORT
+        # names a port that process still holds (EADDRINUSE): let the child pick its own
+        for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(key, None)
+    cmd += [script, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
@@ -171,6 +177,23 @@ def run_text_task(config: str, nproc: int, out: str, extra: Optional[List[str]] 
         nproc,
     )
     return read_metrics(out)
+
+
+def launch_sequence(nproc: int, runs: List[tuple], check: bool = True) -> subprocess.CompletedProcess:
+    """Several trainings, one after another in ONE launch (tests/dist/trainer_scenarios.py `sequence`), each
+    given as (scenario, config, output_dir, extra flags); "plain" is the TextTrainer as tasks/train_text.py runs it.
+    A launch's start-up (imports on every rank) costs more than a tiny run, so tests that compare runs on the same
+    world size share one. Resumes stay in launches of their own: a fresh process is what they prove."""
+    argv = ["sequence"]
+    for i, (scenario, config, out, extra) in enumerate(runs):
+        argv += (["::"] if i else []) + [scenario, config, "--train.checkpoint.output_dir", out, *extra]
+    return torchrun(os.path.join(REPO, "tests", "dist", "trainer_scenarios.py"), argv, nproc, check=check)
+
+
+def run_text_tasks(nproc: int, runs: List[tuple]) -> List[List[dict]]:
+    """`launch_sequence` of plain trainings given as (config, output_dir, extra flags): each run's metrics."""
+    launch_sequence(nproc, [("plain", config, out, extra) for config, out, extra in runs])
+    return [read_metrics(out) for _, out, _ in runs]
 
 
 def assert_close_series(a: List[float], b: List[float], rtol: float, what: str) -> None:

@@ -15,8 +15,10 @@ from helpers import (
     child_env,
     descendants,
     kill_tree,
+    launch_sequence,
     read_metrics,
     run_text_task,
+    run_text_tasks,
     tiny_run_config,
     torchrun,
     write_model_config,
@@ -34,15 +36,13 @@ def _ckpts(out):
 def test_exact_resume_after_sigkill_with_packing_dyn_bsz_and_workers(tmp_path):
     """20 steps uninterrupted vs killed (SIGKILL to launcher and workers) after step 10's checkpoint and
     resumed: steps 11-20 have bit-identical loss and grad norm. 2 ranks, dyn_bsz packing, 2 loader workers,
-    attention dropout (so the RNG restore is exercised)."""
+    attention dropout (so the RNG restore is exercised). The killed run stalls in step 11 (stall_at_11) rather
+    than relying on a model slow enough to be caught between the two checkpoints: the tiny model will do."""
     tmp = str(tmp_path)
-    # a model big enough that 10 steps take a few seconds: room to kill between the two checkpoints
     write_token_data(f"{tmp}/data.jsonl", n=1500)
     config = tiny_run_config(tmp)
     # attention dropout on: the resumed steps draw the same masks only if the RNG state is restored
-    write_model_config(
-        f"{tmp}/model", hidden_size=384, intermediate_size=1024, num_hidden_layers=6, attention_dropout=0.1
-    )
+    write_model_config(f"{tmp}/model", attention_dropout=0.1)
     flags = [
         "--train.max_steps",
         "20",
@@ -66,7 +66,8 @@ def test_exact_resume_after_sigkill_with_packing_dyn_bsz_and_workers(tmp_path):
         "--nproc_per_node=2",
         "--rdzv_backend=c10d",
         "--rdzv_endpoint=127.0.0.1:0",
-        os.path.join(REPO, "tasks", "train_text.py"),
+        SCENARIOS,
+        "stall_at_11",
         config,
         "--train.checkpoint.output_dir",
         out,
@@ -117,19 +118,36 @@ def test_crash_during_save_leaves_previous_checkpoint(tmp_path):
     assert _ckpts(out) == [10, 20] and not os.path.exists(os.path.join(out, "checkpoints", "global_step_20.tmp"))
 
 
+@pytest.fixture(scope="module")
+def world_size_runs(tmp_path_factory):
+    """10 steps with a checkpoint at 5, on 2 ranks and on 1, each resumed from step 5 on the other world size:
+    {(save_ranks, resume_ranks): (uninterrupted run's output dir, its metrics, the resumed run's metrics)}.
+    The one-process resume of the 2-rank run and the one-process reference share a launch (the resume first, so
+    it starts in a fresh process as it would alone); each resume loads what another process saved."""
+    tmp = str(tmp_path_factory.mktemp("world_size"))
+    config = tiny_run_config(tmp)  # lr warmup 20% then cosine: every step after the resume has a different lr
+    save = ["--train.max_steps", "10", "--train.checkpoint.save_steps", "5"]
+
+    def resume_from(out):
+        return ["--train.max_steps", "10", "--train.checkpoint.load_path", f"{out}/checkpoints/global_step_5"]
+
+    saved_on_2 = run_text_task(config, 2, f"{tmp}/saved_on_2", save)
+    resumed_on_1, saved_on_1 = run_text_tasks(
+        1, [(config, f"{tmp}/resumed_on_1", resume_from(f"{tmp}/saved_on_2")), (config, f"{tmp}/saved_on_1", save)]
+    )
+    resumed_on_2 = run_text_task(config, 2, f"{tmp}/resumed_on_2", resume_from(f"{tmp}/saved_on_1"))
+    return {
+        (2, 1): (f"{tmp}/saved_on_2", saved_on_2, resumed_on_1),
+        (1, 2): (f"{tmp}/saved_on_1", saved_on_1, resumed_on_2),
+    }
+
+
 @pytest.mark.parametrize("save_ranks,resume_ranks", [(2, 1), (1, 2)])
-def test_resume_on_another_world_size(tmp_path, save_ranks, resume_ranks):
+def test_resume_on_another_world_size(world_size_runs, save_ranks, resume_ranks):
     """10 steps on `save_ranks` (checkpoint at 5) vs the same run resumed from step 5 on `resume_ranks`: steps 6-10
     agree, so lost AdamW moments (they steer every later update) or a lost warmup+cosine position would show."""
-    tmp = str(tmp_path)
-    config = tiny_run_config(tmp)  # lr warmup 20% then cosine: every step after the resume has a different lr
-    out = f"{tmp}/out"
-    ref = run_text_task(config, save_ranks, out, ["--train.max_steps", "10", "--train.checkpoint.save_steps", "5"])
+    out, ref, resumed = world_size_runs[(save_ranks, resume_ranks)]
     assert _ckpts(out) == [5, 10] and len({m["lr"] for m in ref[5:]}) == 5
-    step_5 = os.path.join(out, "checkpoints", "global_step_5")
-    resumed = run_text_task(
-        config, resume_ranks, f"{tmp}/resumed", ["--train.max_steps", "10", "--train.checkpoint.load_path", step_5]
-    )
     assert [m["step"] for m in resumed] == [6, 7, 8, 9, 10]
     assert [m["lr"] for m in resumed] == [m["lr"] for m in ref[5:]]
     assert_close_series([m["loss"] for m in ref[5:]], [m["loss"] for m in resumed], 1e-5, "resumed loss")
@@ -174,11 +192,10 @@ def test_hf_export_round_trip(tmp_path):
 def test_offload_onload_then_continue_matches(tmp_path):
     tmp = str(tmp_path)
     config = tiny_run_config(tmp)
-    ref = run_text_task(config, 2, f"{tmp}/ref", ["--train.max_steps", "6"])
-    proc = torchrun(
-        SCENARIOS, ["offload", config, "--train.max_steps", "6", "--train.checkpoint.output_dir", f"{tmp}/off"], 2
-    )
-    got = read_metrics(f"{tmp}/off")
+    steps = ["--train.max_steps", "6"]
+    # the plain run first, in a fresh process as it would run alone; then the offloading one in the same launch
+    proc = launch_sequence(2, [("plain", config, f"{tmp}/ref", steps), ("offload", config, f"{tmp}/off", steps)])
+    ref, got = read_metrics(f"{tmp}/ref"), read_metrics(f"{tmp}/off")
     assert [m["loss"] for m in got] == [m["loss"] for m in ref]
     assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in ref]
     report = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"offload')]
@@ -190,43 +207,26 @@ def test_offload_onload_then_continue_matches(tmp_path):
 
 
 def test_nonfinite_loss_stops_and_saves_nothing_poisoned(tmp_path):
+    """One launch: first the run that skips the NaN step and goes on, then the one that stops on it (it ends the
+    launch with an error, so it comes last)."""
     tmp = str(tmp_path)
     config = tiny_run_config(tmp)
-    out = f"{tmp}/out"
-    proc = torchrun(
-        SCENARIOS,
-        [
-            "nan_at_3",
-            config,
-            "--train.max_steps",
-            "5",
-            "--train.checkpoint.save_steps",
-            "1",
-            "--train.checkpoint.output_dir",
-            out,
-        ],
+    out, skip = f"{tmp}/out", f"{tmp}/skip"
+    steps = ["--train.max_steps", "5"]
+    proc = launch_sequence(
         2,
+        [
+            ("nan_at_3", config, skip, [*steps, "--train.skip_nonfinite_steps", "true"]),
+            ("nan_at_3", config, out, [*steps, "--train.checkpoint.save_steps", "1"]),
+        ],
         check=False,
     )
     assert proc.returncode != 0
-    assert "non-finite loss nan or grad norm nan at step 3" in proc.stderr + proc.stdout
+    # the stopping run's error (the skipping run only warns "...at step 3: step skipped")
+    stopped = "non-finite loss nan or grad norm nan at step 3 (set train.skip_nonfinite_steps to skip such steps)"
+    assert stopped in proc.stderr + proc.stdout
     assert _ckpts(out) == [1, 2]
 
-    skip = f"{tmp}/skip"
-    torchrun(
-        SCENARIOS,
-        [
-            "nan_at_3",
-            config,
-            "--train.max_steps",
-            "5",
-            "--train.skip_nonfinite_steps",
-            "true",
-            "--train.checkpoint.output_dir",
-            skip,
-        ],
-        2,
-    )
     metrics = read_metrics(skip)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     assert metrics[2]["skipped"] is True and all(m["loss"] == m["loss"] for m in metrics[3:])  # finite again

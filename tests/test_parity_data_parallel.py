@@ -10,6 +10,7 @@ from helpers import (
     assert_close_series,
     read_metrics,
     run_text_task,
+    run_text_tasks,
     tiny_run_config,
     torchrun,
     write_token_data,
@@ -20,18 +21,38 @@ SCENARIOS = os.path.join(REPO, "tests", "dist", "trainer_scenarios.py")
 RTOL = 1e-5
 
 
+MB4 = ["--train.micro_batch_size", "4"]
+MB1_4_STEPS = ["--train.micro_batch_size", "1", "--train.max_steps", "4"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, global batch 8 = 4 micro-batches of 2 (gradient accumulation over 4). Documents of 16..300
-    tokens at max_seq_len 128: long ones split into several samples, which must not change the global batches."""
+    tokens at max_seq_len 128: long ones split into several samples, which must not change the global batches.
+    The same one process with micro-batches of 4 and of 1 (4 steps) runs in the same launch: {name: metrics}."""
     tmp = str(tmp_path_factory.mktemp("parity"))
     write_token_data(f"{tmp}/data.jsonl", low=16, high=300)
     config = tiny_run_config(tmp)
-    return config, tmp, run_text_task(config, 1, f"{tmp}/single")
+    runs = {"single": [], "single_mb4": MB4, "single_mb1": MB1_4_STEPS}
+    metrics = run_text_tasks(1, [(config, f"{tmp}/{name}", flags) for name, flags in runs.items()])
+    return config, tmp, dict(zip(runs, metrics))
 
 
-def _compare(reference, got, label):
-    _, _, ref = reference
+@pytest.fixture(scope="module")
+def two_ranks(reference):
+    """The 2-rank runs compared with `reference`, one after another in one launch: {name: metrics}."""
+    config, tmp, _ = reference
+    runs = {
+        "fsdp2": ["--train.accelerator.fsdp_config.fsdp_mode", "fsdp2"],
+        "ddp": ["--train.accelerator.fsdp_config.fsdp_mode", "ddp"],
+        # micro_batch 4 x 2 ranks = one micro-batch per rank per step; reshard_after_forward off (ZeRO-2)
+        "fsdp_mb4": MB4 + ["--train.accelerator.fsdp_config.reshard_after_forward", "false"],
+    }
+    metrics = run_text_tasks(2, [(config, f"{tmp}/{name}", flags) for name, flags in runs.items()])
+    return dict(zip(runs, metrics))
+
+
+def _compare(ref, got, label):
     assert len(ref) == 10
     assert_close_series([m["loss"] for m in ref], [m["loss"] for m in got], RTOL, f"{label} loss")
     assert_close_series([m["grad_norm"] for m in ref], [m["grad_norm"] for m in got], RTOL, f"{label} grad_norm")
@@ -40,46 +61,28 @@ def _compare(reference, got, label):
 
 
 @pytest.mark.parametrize("mode", ["fsdp2", "ddp"])
-def test_two_ranks_with_grad_accumulation_match_one_process(reference, mode):
-    config, tmp, _ = reference
-    got = run_text_task(config, 2, f"{tmp}/{mode}", ["--train.accelerator.fsdp_config.fsdp_mode", mode])
-    _compare(reference, got, f"2-rank {mode}")
+def test_two_ranks_with_grad_accumulation_match_one_process(reference, two_ranks, mode):
+    _compare(reference[2]["single"], two_ranks[mode], f"2-rank {mode}")
 
 
-def test_fsdp2_without_accumulation_and_no_reshard(reference):
+def test_fsdp2_without_accumulation_and_no_reshard(reference, two_ranks):
     """micro_batch 4 x 2 ranks = one micro-batch per rank per step; reshard_after_forward off (ZeRO-2)."""
-    config, tmp, _ = reference
-    single = run_text_task(config, 1, f"{tmp}/single_mb4", ["--train.micro_batch_size", "4"])
-    got = run_text_task(
-        config,
-        2,
-        f"{tmp}/fsdp_mb4",
-        ["--train.micro_batch_size", "4", "--train.accelerator.fsdp_config.reshard_after_forward", "false"],
-    )
-    _compare((config, tmp, single), got, "2-rank fsdp2 mb4")
+    single = reference[2]["single_mb4"]
+    _compare(single, two_ranks["fsdp_mb4"], "2-rank fsdp2 mb4")
     # packing the same global batch differently (2 vs 4 per micro-batch) changes nothing but float order
-    _, _, ref = reference
+    ref = reference[2]["single"]
     assert_close_series([m["loss"] for m in ref], [m["loss"] for m in single], RTOL, "micro-batch split loss")
 
 
 def test_hsdp_two_by_two_matches_one_process(reference):
     """4 gloo ranks as HSDP: 2 replicas x 2 shards, global batch 8 = 2 per rank."""
-    config, tmp, _ = reference
-    single = run_text_task(config, 1, f"{tmp}/single_mb1", ["--train.micro_batch_size", "1", "--train.max_steps", "4"])
+    config, tmp, runs = reference
+    single = runs["single_mb1"]
     got = run_text_task(
         config,
         4,
         f"{tmp}/hsdp",
-        [
-            "--train.micro_batch_size",
-            "1",
-            "--train.max_steps",
-            "4",
-            "--train.accelerator.dp_replicate_size",
-            "2",
-            "--train.accelerator.dp_shard_size",
-            "2",
-        ],
+        [*MB1_4_STEPS, "--train.accelerator.dp_replicate_size", "2", "--train.accelerator.dp_shard_size", "2"],
     )
     assert_close_series([m["loss"] for m in single], [m["loss"] for m in got], RTOL, "hsdp loss")
     assert_close_series([m["grad_norm"] for m in single], [m["grad_norm"] for m in got], RTOL, "hsdp grad_norm")

@@ -2,7 +2,11 @@
 
 offload        offload + onload model and optimizer after step 3, then continue (prints bytes moved)
 nan_at_3       the loss of step 3 becomes NaN
+stall_at_11    step 11 never ends (after step 10 and its checkpoint): a window, as long as needed, to SIGKILL the
+               job between two checkpoints, whatever the model's speed
 crash_in_save  SIGKILL this process in the middle of writing the step-20 checkpoint (after some shards)
+sequence       `sequence SCENARIO ARGV... :: SCENARIO ARGV... ...`: the runs one after another in this launch (the
+               process group stays; each trainer builds its own meshes), which saves a launch's start-up per run
 same_batches   every world size trains on one process's global batches (rank r takes micro-batches r, r+dp, ...);
                `same_batches:fsdp2,ddp` trains once per mode in this launch, into <output_dir>/<mode>
 """
@@ -11,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -102,6 +107,13 @@ class NanAtStep3(TextTrainer):
         return loss * float("nan") if self.global_step == 2 else loss
 
 
+class StallAtStep11(TextTrainer):
+    def forward_loss_sum(self, micro_batch):
+        while self.global_step == 10:  # step 10 and its checkpoint are done; wait here for the SIGKILL
+            time.sleep(1)
+        return super().forward_loss_sum(micro_batch)
+
+
 class RankShare:
     """A one-process loader seen by one data-parallel rank: its share of each global batch's micro-batches."""
 
@@ -166,19 +178,35 @@ def train_once_per_mode(modes, argv):
         destroy_parallel_state()
 
 
+def build_trainer(scenario, argv):
+    trainer_class = {"nan_at_3": NanAtStep3, "stall_at_11": StallAtStep11, "same_batches": SameGlobalBatches}
+    if scenario == "crash_in_save":
+        crash_in_the_middle_of_step_20()
+    trainer = trainer_class.get(scenario, TextTrainer)(parse_args(VeOmniArguments, argv))
+    if scenario == "offload":
+        trainer.callbacks.append(OffloadAfterStep3())
+    return trainer
+
+
+def split_runs(argv):
+    """`a b :: c d` -> [[a, b], [c, d]]."""
+    runs = [[]]
+    for arg in argv:
+        if arg == "::":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    return runs
+
+
 def main():
     scenario, argv = sys.argv[1], sys.argv[2:]
     if scenario.startswith("same_batches:"):
         return train_once_per_mode(scenario.split(":", 1)[1].split(","), argv)
-    args = parse_args(VeOmniArguments, argv)
-    trainer_class = {"nan_at_3": NanAtStep3, "same_batches": SameGlobalBatches}.get(scenario, TextTrainer)
-    if scenario == "crash_in_save":
-        crash_in_the_middle_of_step_20()
-    trainer = trainer_class(args)
-    if scenario == "offload":
-        trainer.callbacks.append(OffloadAfterStep3())
+    runs = [(run[0], run[1:]) for run in split_runs(argv)] if scenario == "sequence" else [(scenario, argv)]
     try:
-        trainer.fit()
+        for run_scenario, run_argv in runs:
+            build_trainer(run_scenario, run_argv).fit()
     finally:
         destroy_parallel_state()
 
