@@ -28,9 +28,9 @@ from vlm_inputs import make_sample, pack  # noqa: E402
 
 from veomni.data.data_collator import MainCollator  # noqa: E402
 from veomni.distributed import destroy_parallel_state, init_parallel_state, parallel_state  # noqa: E402
+from veomni.distributed.sequence_parallel import shifted_lm_loss_sum  # noqa: E402
 from veomni.distributed.torch_parallelize import build_parallelize_model, no_split_module_names  # noqa: E402
 from veomni.models import build_foundation_model  # noqa: E402
-from veomni.distributed.sequence_parallel import shifted_lm_loss_sum  # noqa: E402
 from veomni.ops import causal_lm_loss_sum  # noqa: E402
 from veomni.trainer.vlm_trainer import build_data_collate_info  # noqa: E402
 

@@ -184,7 +184,9 @@ def enable_multimodal_sequence_parallel(model: nn.Module, group) -> None:
             f"{', '.join(SEQUENCE_PARALLEL_MODEL_TYPES)}); set ulysses_size=1"
         )
     if not getattr(model, "_veomni_mm_adapted", False):
-        raise ValueError("sequence parallel on a multimodal model needs the adapter: build it with build_foundation_model")
+        raise ValueError(
+            "sequence parallel on a multimodal model needs the adapter: build it with build_foundation_model"
+        )
     model._veomni_sp_group = group
 
 
@@ -215,7 +217,9 @@ def _shard_visual_outputs(config, ran: Dict[str, Any], input_ids: torch.Tensor, 
         if kind in ran:
             is_placeholder = full == _placeholder_id(config, kind)
             start = int(is_placeholder[..., :begin].sum())
-            ran[kind] = _keep_local_tokens(ran[kind], start, start + int(is_placeholder[..., begin : begin + local].sum()))
+            ran[kind] = _keep_local_tokens(
+                ran[kind], start, start + int(is_placeholder[..., begin : begin + local].sum())
+            )
 
 
 def adapt_multimodal_model(model: nn.Module) -> nn.Module:
