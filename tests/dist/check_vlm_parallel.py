@@ -148,7 +148,7 @@ def train_sequence_parallel(config_dir, steps, seed):
         assert abs(norm - ref_norm) < 1e-5 * max(1.0, ref_norm), (step, norm, ref_norm)
     ours = {k: full(v) for k, v in model.state_dict().items()}
     for key, ref in reference.state_dict().items():
-        torch.testing.assert_close(ours[key], ref, atol=1e-5, rtol=1e-5, msg=key)
+        torch.testing.assert_close(ours[key], ref, atol=1e-5, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
     return ref_loss.item()
 
 
