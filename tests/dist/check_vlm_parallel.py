@@ -95,13 +95,17 @@ def train_both(config_dir, moe, steps, seed, state):
 
 
 def sp_batches(model, steps, seed):
-    """Per step one packed row of 4 samples: images early, middle and late; on odd steps only the first two
-    samples have images, so rank 1's half of the row holds no visual token at all."""
+    """Per step one packed row of 4 samples. Even steps: images early, middle and late (some straddle the shard
+    border); steps 1, 5, 9: one image in the first sample only (rank 1's half holds no visual token); steps 3, 7:
+    one image in the last sample only (rank 0's half holds none)."""
     g = torch.Generator().manual_seed(seed)
     batches = []
     for step in range(steps):
-        late = step % 2 == 0
-        shapes = [[(4, 4)], [(4, 8)], [(4, 4), (4, 4)] if late else [], [(4, 4)] if late else []]
+        shapes = [[(4, 4)], [(4, 8)], [(4, 4), (4, 4)], [(4, 4)]]
+        if step % 4 == 1:
+            shapes = [[(4, 4)], [], [], []]
+        elif step % 4 == 3:
+            shapes = [[], [], [], [(4, 4)]]
         batches.append([make_sample(model, 3 + (i + step) % 5, s, g) for i, s in enumerate(shapes)])
     return batches
 
