@@ -271,11 +271,8 @@ def adapt_multimodal_model(model: nn.Module) -> nn.Module:
                 ran[kind] = outputs
         group = getattr(model, "_veomni_sp_group", None)
         if group is not None:
-            # 0 x all outputs: the tower gets a gradient even where this rank's shard holds none of its tokens
-            for outputs in ran.values():
-                part = _zero_of(outputs)
-                if part is not None:
-                    zero = part if zero is None else zero + part
+            # a slice stays on the graph even when empty: a rank whose shard holds no visual token still gives the
+            # tower a (zero) gradient, so FSDP reduces the same units on every rank
             _shard_visual_outputs(inner.config, ran, kwargs.get("input_ids"), group)
         precomputed.update(ran)  # only now: Qwen3-VL's video getter calls the image getter while it runs
         if zero is not None:
