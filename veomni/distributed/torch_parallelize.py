@@ -108,11 +108,11 @@ def build_parallelize_model(
             "parallel do not compose yet; use one of them"
         )
     if state.sp_enabled:  # attention gathers the sequence per head; parameters stay replicated over sp
-        apply_ulysses(model, async_enabled=state.async_enabled)
         from ..models.multimodal import enable_multimodal_sequence_parallel, is_multimodal
 
         if is_multimodal(model.config):  # each rank keeps the visual embeddings of its own sequence shard
-            enable_multimodal_sequence_parallel(model, state.sp_group)
+            enable_multimodal_sequence_parallel(model, state.sp_group)  # (refuses the families it cannot shard)
+        apply_ulysses(model, async_enabled=state.async_enabled)
     if state.tp_enabled:  # TP first: FSDP2 then shards the tp DTensors over dp_shard (2-D parameters)
         if state.mode == "ddp":
             raise ValueError("tensor parallel (tp_size > 1) needs fsdp_mode=fsdp2, not ddp")
