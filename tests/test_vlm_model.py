@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from vlm_inputs import TINY, make_sample, one_sample_batch, pack
 
-from veomni.models import build_foundation_model
-from veomni.models.multimodal import freeze_encoders
+from veomni.models import build_config, build_foundation_model
+from veomni.models.multimodal import enable_multimodal_sequence_parallel, freeze_encoders
 from veomni.ops import causal_lm_loss_sum
 
 
@@ -104,3 +104,14 @@ def test_hf_export_reloads_with_same_logits(tmp_path):
         ours = model(**batch, use_cache=False).logits
         theirs = reloaded(**batch, use_cache=False).logits
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"])
+def test_sequence_parallel_refuses_omni_thinkers_at_build_time(name):
+    """Their audio embeddings are not sharded over Ulysses ranks yet: say so before any step runs."""
+
+    class Model:
+        config = build_config(TINY[name])
+
+    with pytest.raises(NotImplementedError, match=name):
+        enable_multimodal_sequence_parallel(Model(), group=None)

@@ -1,6 +1,7 @@
 """One torchrun launch (tests/dist/check_vlm_parallel.py): 2-rank FSDP2 vs one process on the tiny Qwen2.5-VL
 (10 steps, 1e-5, ranks without images included) and on the tiny Qwen2.5-Omni thinker (nested encoder units, dummy
-audio), and expert parallel 2 on the tiny Qwen3-VL-MoE."""
+audio), expert parallel 2 on the tiny Qwen3-VL-MoE, and Ulysses SP 2 vs one process on the tiny Qwen2.5-VL (10 steps,
+images across the shard border and shards without any)."""
 
 import os
 
@@ -15,3 +16,4 @@ def test_fsdp2_and_expert_parallel_match_one_process():
     proc = torchrun(script, configs, nproc=2, timeout=240)
     assert proc.stdout.count("FSDP_VL_OK") == 2 and proc.stdout.count("EP_VL_MOE_OK") == 2
     assert proc.stdout.count("FSDP_OMNI_OK") == 2, proc.stdout[-2000:]
+    assert proc.stdout.count("SP_VL_OK") == 2, proc.stdout[-2000:]

@@ -108,6 +108,10 @@ def build_parallelize_model(
             "parallel do not compose yet; use one of them"
         )
     if state.sp_enabled:  # attention gathers the sequence per head; parameters stay replicated over sp
+        from ..models.multimodal import enable_multimodal_sequence_parallel, is_multimodal
+
+        if is_multimodal(model.config):  # each rank keeps the visual embeddings of its own sequence shard
+            enable_multimodal_sequence_parallel(model, state.sp_group)  # (refuses the families it cannot shard)
         apply_ulysses(model, async_enabled=state.async_enabled)
     if state.tp_enabled:  # TP first: FSDP2 then shards the tp DTensors over dp_shard (2-D parameters)
         if state.mode == "ddp":
