@@ -132,8 +132,10 @@ def tiny_run_config(tmp: str, **train_overrides) -> str:
 def child_env(threads: int = 1) -> Dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
+    # a launch sets up its own world: rendezvous variables left by a process group made in the pytest process
+    # (MASTER_PORT names a port that process may still hold: EADDRINUSE) must not reach it
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     return env
 
 
@@ -152,10 +154,6 @@ def torchrun(
     env = child_env()
     if nproc == 1:  # plain `python` is a world of one (init_distributed): no launcher to start, seconds saved
         cmd = [sys.executable]
-        # torchrun would set these; left over from a 1-process group made in the pytest process, MASTER_PORT
-        # names a port that process still holds (EADDRINUSE): let the child pick its own
-        for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            env.pop(key, None)
     cmd += [script, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -1,7 +1,6 @@
 """Chunked loss at the output head: same loss and gradients as the plain loss on full logits (fp32, 1e-6), with
 at most `chunk_size` tokens of logits alive; tied and untied heads, MoE aux loss, FSDP2."""
 
-import os
 
 import pytest
 import torch
@@ -121,14 +120,15 @@ def test_moe_aux_loss_still_flows_with_the_chunked_loss(tmp_path):
         torch.testing.assert_close(ga[name], gb[name], rtol=1e-6, atol=1e-6 * scale, msg=name)
 
 
-def test_chunked_loss_under_fsdp2_matches_plain(tmp_path):
+def test_chunked_loss_under_fsdp2_matches_plain(tmp_path, monkeypatch):
     """The head runs inside the FSDP root's forward and its recompute in backward: grads equal the plain loss."""
     from torch.distributed.fsdp import fully_shard
 
     if dist.is_initialized():
         raise AssertionError("a process group leaked from an earlier test")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    # restored after the test: a MASTER_PORT left in the pytest process would reach every later child launch
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         for tied in (False, True):
@@ -147,3 +147,11 @@ def test_chunked_loss_under_fsdp2_matches_plain(tmp_path):
             )
     finally:
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
