@@ -1,7 +1,6 @@
 """Chunked loss at the output head: same loss and gradients as the plain loss on full logits (fp32, 1e-6), with
 at most `chunk_size` tokens of logits alive; tied and untied heads, MoE aux loss, FSDP2."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
