@@ -123,6 +123,8 @@ def _signal_rank_and_time(tmp, sig, extra=(), env=None):
         config, out, "--train.max_steps", "100000", "--data.train_path", f"{tmp}/data.jsonl", *extra, env=env
     )
     _wait_for_step(proc, out, 3)
+    if sig == signal.SIGSTOP:  # let rank 1 publish a heartbeat first (one a second): tiny steps outrun the first one
+        time.sleep(2.5)
     workers = _children(proc.pid)
     assert [r for _, r in workers] == [0, 1], workers
     start = time.time()
