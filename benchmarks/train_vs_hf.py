@@ -1,13 +1,18 @@
-"""Our trainer vs the Hugging Face Trainer: same model config, tokenizer, documents and tokens, one process.
+"""Our trainer vs the Hugging Face Trainer: same model config, tokenizer, documents and tokens.
 
     pip install accelerate   # the HF Trainer needs it (extra `bench` in pyproject.toml)
-    OMP_NUM_THREADS=1 python benchmarks/train_vs_hf.py [--docs 200] [--repeats 2] [config overrides]
+    python benchmarks/train_vs_hf.py [--docs 200] [--repeats 2] [--bf16] [--nproc 2] [config overrides]
+
+`--nproc 1` (default): everything in one process on one thread. `--nproc N`: the cores as each framework uses them
+by default, ours on N ranks of one thread (torchrun, as train.sh runs it), HF in one process on N threads; the
+global batch (tokens per optimizer step) is the same. `--bf16`: bf16 compute with fp32 master weights in all three
+(ours: FSDP2 mixed precision; HF: `bf16=True`, autocast).
 
 Documents: the first `--docs` records of the demo's Shakespeare text (variable length, 1 to max_seq_len tokens
 after our transform splits long ones), tokenised once by our transform; every framework trains one epoch over
 exactly these samples from the same initial weights:
   * ours:    TextTrainer with the demo config (packed micro-batches of micro_batch_size * max_seq_len tokens,
-             veomni_varlen attention, chunked loss);
+             veomni_varlen attention, fused linear + cross-entropy loss, fused AdamW);
   * hf_pad:  transformers.Trainer, its padded default (DataCollatorForSeq2Seq, sdpa), batches of B samples
              where B * mean sample length ~ our token budget per micro-batch;
   * hf_flat: transformers.Trainer with DataCollatorWithFlattening (padding-free, position_ids), same B.
@@ -21,12 +26,26 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from functools import partial
 
-import torch
+
+def _cores_asked() -> str:
+    """--nproc, read before torch is imported: OpenMP sizes its thread pool from OMP_NUM_THREADS at import."""
+    for i, arg in enumerate(sys.argv):
+        if arg == "--nproc" and i + 1 < len(sys.argv):
+            return sys.argv[i + 1]
+        if arg.startswith("--nproc="):
+            return arg.split("=", 1)[1]
+    return "1"
+
+
+os.environ.setdefault("OMP_NUM_THREADS", _cores_asked())  # HF's threads (ours' ranks get 1 each)
+
+import torch  # noqa: E402
 
 sys.path.insert(0, ".")
 from transformers import (  # noqa: E402
@@ -45,15 +64,16 @@ from veomni.trainer import TextTrainer  # noqa: E402
 from veomni.utils.demo_assets import ensure_demo_assets  # noqa: E402
 
 
-def build_ours(config, docs_path, out, rest):
+def build_ours(config, docs_path, out, rest, world_size=1):
     args = parse_args(
         VeOmniArguments,
         [
             config,
             "--data.train_path", docs_path,
             "--train.checkpoint.output_dir", out,
-            "--train.global_batch_size", "4",  # one packed micro-batch (4 * max_seq_len tokens) per step
-            "--train.micro_batch_size", "4",
+            # 4 * max_seq_len tokens per step, one packed micro-batch per rank
+            "--train.global_batch_size", "4",
+            "--train.micro_batch_size", str(4 // world_size),
             "--train.max_steps", "100000",
             "--train.checkpoint.save_steps", "0",
             *rest,
@@ -79,6 +99,21 @@ def hf_model(config_path, state):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model.load_state_dict(state)
     return model
+
+
+def padding_share(samples, batch_size, shuffles=100):
+    """The share of the tokens a padded batch holds that are padding, for random batches of `batch_size`: the
+    upper bound of ours / hf_pad were both to run their FLOPs equally fast (packing computes no padding)."""
+    import random
+
+    lengths, rng, pad, total = [len(s["input_ids"]) for s in samples], random.Random(0), 0, 0
+    for _ in range(shuffles):
+        order = rng.sample(lengths, len(lengths))
+        for i in range(0, len(order), batch_size):
+            batch = order[i : i + batch_size]
+            pad += len(batch) * max(batch) - sum(batch)
+            total += len(batch) * max(batch)
+    return pad / total
 
 
 def check_first_batch(trainer, state, samples, batch_size, tokenizer):
@@ -114,12 +149,40 @@ def run_ours(trainer):
     return sum(m["loss_tokens"] for m in records), wall, cpu
 
 
-def run_hf(config_path, state, samples, batch_size, collator, lr, seed, out):
+def ours_on_ranks(nproc, config, docs_path, out, rest):
+    """Our trainer as `train.sh` runs it on a CPU box: `nproc` ranks of one thread each (torchrun). Returns useful
+    tokens, wall seconds (the slowest rank's fit) and CPU seconds (summed over ranks), as run_ours."""
+    results = os.path.join(out, "ranks")
+    os.makedirs(results, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+        "--worker", results, "--config", config, "--docs-path", docs_path, *rest,
+    ]  # fmt: skip
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    ranks = [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(nproc)]
+    return ranks[0]["useful"], max(r["wall"] for r in ranks), sum(r["cpu"] for r in ranks)
+
+
+def worker(results, config, docs_path, rest):
+    """One rank of ours_on_ranks."""
+    trainer = build_ours(config, docs_path, os.path.join(results, "out"), rest, int(os.environ["WORLD_SIZE"]))
+    torch.distributed.barrier()
+    useful, wall, cpu = run_ours(trainer)
+    with open(os.path.join(results, f"{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"useful": useful, "wall": wall, "cpu": cpu}, f)
+    destroy_parallel_state()
+
+
+def run_hf(config_path, state, samples, batch_size, collator, lr, seed, out, bf16=False):
     model = hf_model(config_path, state)
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=batch_size, num_train_epochs=1, learning_rate=lr,
         lr_scheduler_type="constant", save_strategy="no", report_to=[], logging_steps=10_000, seed=seed,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0,
+        bf16=bf16,  # torch.autocast to bf16 around forward: fp32 master weights, as ours with param_dtype bfloat16
     )  # fmt: skip
     data = [{"input_ids": s["input_ids"], "labels": list(s["labels"])} for s in samples]
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
@@ -134,8 +197,21 @@ def main():
     parser.add_argument("--config", default="configs/text/demo.yaml")
     parser.add_argument("--docs", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--nproc", type=int, default=1,
+        help="cores to use: ours runs on this many ranks of 1 thread (as train.sh does), HF on this many threads",
+    )  # fmt: skip
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one rank of ours, results to this folder
+    parser.add_argument("--docs-path", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--bf16", action="store_true", help="bf16 compute with fp32 master weights in all three (HF: bf16=True)"
+    )
     known, rest = parser.parse_known_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if known.bf16:
+        rest = [*rest, "--train.accelerator.fsdp_config.mixed_precision.param_dtype", "bfloat16"]
+    if known.worker:
+        return worker(known.worker, known.config, known.docs_path, rest)
+    torch.set_num_threads(known.nproc)
     root = ensure_demo_assets(".assets", quiet=True)
     work = tempfile.mkdtemp(prefix="train_vs_hf_")
     docs_path = os.path.join(work, "docs.jsonl")
@@ -155,11 +231,14 @@ def main():
             print(f"{len(samples)} samples, {sum(len(s['input_ids']) for s in samples)} tokens, mean length "
                   f"{mean_len:.0f}; ours packs {budget} tokens per micro-batch, HF takes {batch_size} samples")  # fmt: skip
             check_first_batch(trainer, state, samples, batch_size, trainer.tokenizer)
+            print(f"  hf_pad computes on padding: {padding_share(samples, batch_size):.0%} of its tokens "
+                  f"(random batches of {batch_size}, mean over 100 shuffles)")  # fmt: skip
         lr, seed, config_path = trainer.args.train.optimizer.lr, trainer.args.train.seed, trainer.args.model.config_path
-        hf = partial(run_hf, config_path, state, samples, batch_size, lr=lr, seed=seed, out=work)
+        hf = partial(run_hf, config_path, state, samples, batch_size, lr=lr, seed=seed, out=work, bf16=known.bf16)
         pad = DataCollatorForSeq2Seq(trainer.tokenizer, label_pad_token_id=-100)
+        ours = partial(ours_on_ranks, known.nproc, known.config, docs_path, os.path.join(work, "ours"), rest)
         runs = {
-            "ours": partial(run_ours, trainer),
+            "ours": partial(run_ours, trainer) if known.nproc == 1 else ours,
             "hf_pad": partial(hf, collator=pad),
             "hf_flat": partial(hf, collator=DataCollatorWithFlattening()),
         }

@@ -4,22 +4,17 @@
 
 Exit codes: 0 done; 1 an error (said once, by the first rank that failed); 130/143 stopped by SIGINT/SIGTERM
 after saving a checkpoint, 129 the same after the launcher died (see veomni.utils.lifecycle).
+A new task copies this file and builds its own trainer (veomni.utils.task runs the rest).
 """
 
-from veomni.arguments import VeOmniArguments, parse_args
+from veomni.utils.task import run_task
 
 
-def main():
-    args = parse_args(VeOmniArguments)  # --help and config mistakes answer before the model is built
-    from veomni.distributed import destroy_parallel_state
-    from veomni.trainer import TextTrainer
+def build_trainer(args):
+    from veomni.trainer import TextTrainer  # imported after the config is parsed: --help answers at once
 
-    trainer = TextTrainer(args)
-    trainer.fit()
-    destroy_parallel_state()
+    return TextTrainer(args)
 
 
 if __name__ == "__main__":
-    from veomni.utils.lifecycle import run_worker
-
-    run_worker(main)
+    run_task(build_trainer)

@@ -5,20 +5,14 @@ videos (frames) and audio (veomni/trainer/vlm_trainer.py). `python tasks/train_v
 config key. Exit codes as tasks/train_text.py.
 """
 
-from veomni.arguments import VeOmniArguments, parse_args
+from veomni.utils.task import run_task
 
 
-def main():
-    args = parse_args(VeOmniArguments)  # --help and config mistakes answer before the model is built
-    from veomni.distributed import destroy_parallel_state
-    from veomni.trainer.vlm_trainer import VLMTrainer
+def build_trainer(args):
+    from veomni.trainer.vlm_trainer import VLMTrainer  # imported after the config is parsed: --help answers at once
 
-    trainer = VLMTrainer(args)
-    trainer.fit()
-    destroy_parallel_state()
+    return VLMTrainer(args)
 
 
 if __name__ == "__main__":
-    from veomni.utils.lifecycle import run_worker
-
-    run_worker(main)
+    run_task(build_trainer)

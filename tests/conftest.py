@@ -15,6 +15,20 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of one, in this process (no torchrun), for collective code a test runs in place (the
+    Checkpointer, FSDP2 on one rank). A group already started is reused and left running."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if started:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def mm_assets(tmp_path_factory):
     from PIL import Image

@@ -100,6 +100,65 @@ def write_token_data(path: str, n: int = 120, low: int = 16, high: int = 96, voc
     return path
 
 
+def token_dataset(path: str, kind: str = "iterable", *, max_seq_len: int, seed: int = 3, **kw):
+    """`build_dataset` over pre-tokenised records (`input_ids`, no tokenizer) cut to `max_seq_len`."""
+    from functools import partial
+
+    from veomni.data import build_dataset
+    from veomni.data.data_transform import process_pretrain_example
+
+    transform = partial(process_pretrain_example, tokenizer=None, max_seq_len=max_seq_len)
+    return build_dataset(train_path=path, datasets_type=kind, transform=transform, seed=seed, **kw)
+
+
+def token_loader(
+    dataset, rank=0, dp=1, workers=0, *, max_seq_len, dyn=False, micro=2, dlbs=2, drop_last=False, seed=7, **kw
+):
+    """`build_dataloader` for data-parallel rank `rank` of `dp`, in the loader tests' short names."""
+    from veomni.data import build_dataloader
+
+    return build_dataloader(
+        dataset=dataset,
+        micro_batch_size=micro,
+        dataloader_batch_size=dlbs,
+        max_seq_len=max_seq_len,
+        dyn_bsz=dyn,
+        num_workers=workers,
+        drop_last=drop_last,
+        seed=seed,
+        dp_rank=rank,
+        dp_size=dp,
+        **kw,
+    )
+
+
+def document_starts(micro_batch) -> List[int]:
+    """The first token of each document (or piece) packed in a micro-batch: where its position ids restart at 0.
+    The loader tests write documents whose first token names them."""
+    import torch
+
+    ids, pos = micro_batch["input_ids"][0], micro_batch["position_ids"][0]
+    return [int(ids[i]) for i in torch.nonzero(pos == 0).flatten()]
+
+
+def one_by_one(model, docs):
+    """Loss sum and gradients of `docs` (dicts with `input_ids`) run through `model` one at a time, unpacked: the
+    reference a packed micro-batch must equal. Leaves the model's gradients zeroed."""
+    import torch
+
+    from veomni.ops import causal_lm_loss_sum
+
+    total = 0.0
+    for d in docs:
+        ids = torch.tensor([d["input_ids"]])
+        loss, _ = causal_lm_loss_sum(model(input_ids=ids).logits, ids)
+        loss.backward()
+        total += loss.item()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return total, grads
+
+
 def tiny_run_config(tmp: str, **train_overrides) -> str:
     """A YAML config for the tiny model on token data; returns its path."""
     model_dir = write_model_config(os.path.join(tmp, "model"))
@@ -139,22 +198,21 @@ def child_env(threads: int = 1) -> Dict[str, str]:
     return env
 
 
+def torchrun_cmd(nproc: int, *argv: str) -> List[str]:
+    """The command that launches `argv` (torchrun options, then a script and its arguments) on `nproc` local ranks,
+    with a rendezvous on a free port (tests run side by side)."""
+    rendezvous = ["--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *rendezvous, *argv]
+
+
 def torchrun(
     script: str, args: List[str], nproc: int, timeout: int = 300, check: bool = True
 ) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_port=0",
-        "--rdzv_backend=c10d",
-        "--rdzv_endpoint=127.0.0.1:0",
-    ]
     env = child_env()
     if nproc == 1:  # plain `python` is a world of one (init_distributed): no launcher to start, seconds saved
-        cmd = [sys.executable]
-    cmd += [script, *args]
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = torchrun_cmd(nproc, "--master_port=0", script, *args)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import write_model_config
+from helpers import one_by_one, write_model_config
 from veomni.data import MainCollator
 from veomni.models import build_foundation_model
 from veomni.ops import attention as attn
@@ -18,18 +18,6 @@ def _docs():
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(3, 512, (n,), generator=g).tolist() for n in LENGTHS]
     return [{"input_ids": d, "labels": list(d)} for d in docs]
-
-
-def _one_by_one(model, docs):
-    total = 0.0
-    for d in docs:
-        ids = torch.tensor([d["input_ids"]])
-        loss, _ = causal_lm_loss_sum(model(input_ids=ids).logits, ids)
-        loss.backward()
-        total += loss.item()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    return total, grads
 
 
 def _check_packed(model, inputs, labels, total, grads):
@@ -47,7 +35,7 @@ def test_packed_batch_from_the_collator_never_attends_across_documents(tmp_path,
     torch.manual_seed(0)
     model = build_foundation_model(write_model_config(str(tmp_path)), torch_dtype="float32", attn_implementation=impl)
     docs = _docs()
-    total, grads = _one_by_one(model, docs)
+    total, grads = one_by_one(model, docs)
     batch = MainCollator()(docs)
     assert "attention_mask" not in batch  # an all-ones mask would make transformers' sdpa/eager skip the block mask
     labels = batch.pop("labels")
@@ -59,7 +47,7 @@ def test_varlen_boundaries_from_positions_and_despite_an_all_ones_mask(tmp_path)
     model = build_foundation_model(write_model_config(str(tmp_path)), torch_dtype="float32")
     assert model.config._attn_implementation == "veomni_varlen"  # the default
     docs = _docs()
-    total, grads = _one_by_one(model, docs)
+    total, grads = one_by_one(model, docs)
     batch = MainCollator()(docs)
     labels = batch.pop("labels")
     ones = torch.ones_like(batch["input_ids"])

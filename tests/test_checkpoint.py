@@ -21,6 +21,7 @@ from helpers import (
     run_text_tasks,
     tiny_run_config,
     torchrun,
+    torchrun_cmd,
     write_model_config,
     write_token_data,
 )
@@ -59,20 +60,7 @@ def test_exact_resume_after_sigkill_with_packing_dyn_bsz_and_workers(tmp_path):
     assert [m["step"] for m in ref] == list(range(1, 21))
 
     out = f"{tmp}/killed"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--rdzv_backend=c10d",
-        "--rdzv_endpoint=127.0.0.1:0",
-        SCENARIOS,
-        "stall_at_11",
-        config,
-        "--train.checkpoint.output_dir",
-        out,
-        *flags,
-    ]
+    cmd = torchrun_cmd(2, SCENARIOS, "stall_at_11", config, "--train.checkpoint.output_dir", out, *flags)
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

@@ -1,16 +1,19 @@
 """Datasets and the loader: exactly-once sharding (2 ranks x 2 workers), exact resume, interleaving,
 dynamic batching, bad data."""
 
+import gc
 import json
 import os
+import time
 from functools import partial
 
 import pytest
 import torch
 import yaml
 
-from veomni.data import build_dataloader, build_dataset
-from veomni.data.data_loader import dropped_samples, skipped_samples
+from helpers import document_starts, token_dataset, token_loader
+from veomni.data import build_dataset
+from veomni.data.data_loader import MicroBatchLoader, dropped_samples, skipped_samples
 from veomni.data.data_transform import DataFormatError, process_pretrain_example
 
 MAX_LEN = 64
@@ -42,31 +45,13 @@ def files(tmp_path):
     return str(tmp_path), 257
 
 
-def _loader(dataset, rank=0, dp=1, workers=0, dyn=True, micro=2, dlbs=2, drop_last=False, buffer=8, **kw):
-    return build_dataloader(
-        dataset=dataset,
-        micro_batch_size=micro,
-        dataloader_batch_size=dlbs,
-        max_seq_len=MAX_LEN,
-        dyn_bsz=dyn,
-        num_workers=workers,
-        drop_last=drop_last,
-        seed=7,
-        dp_rank=rank,
-        dp_size=dp,
-        dyn_bsz_buffer_size=buffer,
-        **kw,
-    )
-
-
-def _dataset(path, kind="iterable", **kw):
-    transform = partial(process_pretrain_example, tokenizer=None, max_seq_len=MAX_LEN)
-    return build_dataset(train_path=path, datasets_type=kind, transform=transform, seed=3, shuffle_buffer_size=16, **kw)
+# the loader tests' defaults: dyn_bsz from a small buffer; iterable data shuffled through a small buffer
+_loader = partial(token_loader, max_seq_len=MAX_LEN, dyn=True, dyn_bsz_buffer_size=8)
+_dataset = partial(token_dataset, max_seq_len=MAX_LEN, shuffle_buffer_size=16)
 
 
 def _record_ids(micro_batch):
-    ids, pos = micro_batch["input_ids"][0], micro_batch["position_ids"][0]
-    return [int(ids[i]) - 1000 for i in torch.nonzero(pos == 0).flatten() if ids[i] >= 1000]
+    return [t - 1000 for t in document_starts(micro_batch) if t >= 1000]
 
 
 def _all_ids(loader, epoch=0):
@@ -123,13 +108,111 @@ def test_resume_gives_identical_next_batches(files, kind, workers):
             assert torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])), k
 
 
+@pytest.mark.parametrize("kind", ["iterable", "mapping"])
+def test_state_taken_right_after_a_resume_is_the_loaded_position(files, kind):
+    """A checkpoint saved after load_state_dict but before the first batch (the streams answered with their previous,
+    empty position until iteration began, so that checkpoint restarted the epoch)."""
+    folder, _ = files
+    dataset = _dataset(folder, kind)
+    for workers in (0, 2):
+        loader = _loader(dataset, workers=workers)
+        it = iter(loader)
+        next(it), next(it)
+        state = loader.state_dict()
+        rest = [r for step in it for mb in step for r in _record_ids(mb)]
+        resumed = _loader(dataset, workers=workers)
+        resumed.load_state_dict(state)
+        again = _loader(dataset, workers=workers)
+        again.load_state_dict(resumed.state_dict())
+        assert [r for step in again for mb in step for r in _record_ids(mb)] == rest, workers
+
+
+def _stopped_within(workers, seconds=1.0):
+    """True once every worker process has exited (checked for up to `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not any(w.is_alive() for w in workers)
+
+
+def test_abandoned_iterator_workers_stop_at_once(files):
+    """An epoch iterator left mid-way (max_steps, a resume, the end of training) is still referenced, as a trainer's
+    loop variable is: its 2 workers exit within 1 s of the next epoch's iter(), of load_state_dict, of close(), and
+    when the loader is collected in a reference cycle (torch alone left them until the iterator was collected, then
+    waited 5 s per worker). A closed loader still gives the position reached."""
+    folder, _ = files
+    loader = _loader(_dataset(folder, "mapping"), workers=2)
+
+    def abandon_mid_epoch(loader):
+        it = iter(loader)
+        next(it), next(it)
+        assert all(w.is_alive() for w in it._workers)
+        return it
+
+    old = abandon_mid_epoch(loader)
+    loader.set_epoch(1)
+    new = iter(loader)
+    assert _stopped_within(old._workers), "a new epoch's iter() left the abandoned iterator's workers running"
+    assert all(w.is_alive() for w in new._workers)  # the new epoch's own workers are untouched
+    state = loader.state_dict()
+    loader.load_state_dict(state)
+    assert _stopped_within(new._workers), "load_state_dict left the abandoned iterator's workers running"
+
+    it = abandon_mid_epoch(loader)  # resumes the loaded position; a trainer that stops here calls close()
+    position = loader.state_dict()
+    loader.close()
+    assert _stopped_within(it._workers), "close() left the workers running"
+    assert loader.state_dict() == position  # what the final checkpoint saves after close()
+
+    loader.cycle = loader  # a loader reachable only through a cycle is freed by the garbage collector
+    it = abandon_mid_epoch(loader)
+    workers = it._workers
+    del it, loader
+    tic = time.monotonic()
+    gc.collect()
+    assert _stopped_within(workers) and time.monotonic() - tic < 1.0, "collecting the loader was slow to stop them"
+
+
+def test_loader_still_iterated_or_closed_keeps_its_data(files):
+    """Stopping workers never costs data: a loader held only by the `for` loop over it (its finalizer used to stop the
+    iterator in use: 0 batches), and iter() after close() with persistent workers (their queues were closed) or
+    after a state_dict() taken before the first iter() (that closed iterator came back empty, the position lost)."""
+    folder, _ = files
+    dataset = _dataset(folder, "mapping")
+    every = [r for step in _loader(dataset, workers=2) for mb in step for r in _record_ids(mb)]
+    assert sorted(every) == list(range(257))
+
+    loader = _loader(dataset, workers=2)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    rest = [r for step in it for mb in step for r in _record_ids(mb)]
+    resumed = _loader(dataset, workers=2)
+    resumed.load_state_dict(state)
+    resumed.state_dict()  # e.g. a report before training starts
+    resumed.close()
+    assert [r for step in resumed for mb in step for r in _record_ids(mb)] == rest
+
+    persistent = MicroBatchLoader(
+        loader.stream,
+        batch_size=loader.batch_size,
+        collate_fn=loader.collate_fn,
+        num_workers=2,
+        persistent_workers=True,
+    )
+    next(iter(persistent))
+    persistent.close()
+    assert sorted(r for step in persistent for mb in step for r in _record_ids(mb)) == list(range(257))
+
+
 def test_dynamic_batching_fills_token_budget(files):
     folder, _ = files
     budget = 2 * MAX_LEN
-    micro = _flatten(list(_loader(_dataset(folder, "mapping"), buffer=64)))
-    sizes = [mb["input_ids"].numel() for mb in micro]
-    assert max(sizes) <= budget
-    assert sum(sizes[:-3]) / (budget * len(sizes[:-3])) > 0.97  # all but the tail are nearly full
+    for kind in ("mapping", "iterable"):  # the global-batch and the streaming planner
+        micro = _flatten(list(_loader(_dataset(folder, kind), dyn_bsz_buffer_size=64)))
+        sizes = [mb["input_ids"].numel() for mb in micro]
+        assert max(sizes) <= budget, kind
+        assert sum(sizes[:-3]) / (budget * len(sizes[:-3])) > 0.97, kind  # all but the tail are nearly full
 
 
 def test_fixed_micro_batch_size_without_dyn_bsz(files):
@@ -139,9 +222,10 @@ def test_fixed_micro_batch_size_without_dyn_bsz(files):
     assert all(len(_record_ids(mb)) == 3 for step in steps for mb in step)
 
 
-def test_bsz_warmup_grows_the_budget(files):
+@pytest.mark.parametrize("kind", ["mapping", "iterable"])
+def test_bsz_warmup_grows_the_budget(files, kind):
     folder, _ = files
-    loader = _loader(_dataset(folder, "mapping"), train_steps=20, bsz_warmup_ratio=0.5, bsz_warmup_init_mbtoken=40)
+    loader = _loader(_dataset(folder, kind), train_steps=20, bsz_warmup_ratio=0.5, bsz_warmup_init_mbtoken=40)
     micro = _flatten(list(loader))
     first = micro[0]["input_ids"].numel()
     assert first <= 60  # one document, or documents within the small initial budget

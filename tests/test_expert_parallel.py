@@ -13,13 +13,21 @@ micro-batch (rather than per document) shows up as a loss / grad-norm mismatch.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
 
-from helpers import REPO, assert_close_series, child_env, kill_tree, read_metrics, write_moe_config, write_tokenizer
+from helpers import (
+    REPO,
+    assert_close_series,
+    child_env,
+    kill_tree,
+    read_metrics,
+    torchrun_cmd,
+    write_moe_config,
+    write_tokenizer,
+)
 from veomni.models import build_foundation_model
 
 SCRIPT = os.path.join(REPO, "tests", "dist", "ep_forced_routing.py")
@@ -29,8 +37,7 @@ EP = ["--train.accelerator.extra_parallel_sizes", "2", "--train.accelerator.extr
 
 def _torchrun(nproc: int, *args: str, timeout: int) -> str:
     """Launch under torchrun; a run that outlives `timeout` (a hang) is killed with all its workers and fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0"]
-    cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", *args]
+    cmd = torchrun_cmd(nproc, "--master_port=0", *args)
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

@@ -5,14 +5,11 @@ documents are longer than max_seq_len.)"""
 
 import json
 import random
-from functools import partial
 
 import pytest
-import torch
 
-from veomni.data import build_dataloader, build_dataset
+from helpers import document_starts, token_dataset, token_loader
 from veomni.data.data_loader import reshard_loader_state
-from veomni.data.data_transform import process_pretrain_example
 
 MAX_LEN = 32
 GLOBAL = 8  # samples per global step (without dyn_bsz)
@@ -31,33 +28,18 @@ def long_docs(tmp_path_factory):
 
 
 def _loader(path, rank, dp, dyn, workers=0, micro=2):
-    dataset = build_dataset(
-        train_path=path,
-        datasets_type="mapping",
-        transform=partial(process_pretrain_example, tokenizer=None, max_seq_len=MAX_LEN),
-        seed=5,
-    )
-    loader = build_dataloader(
-        dataset=dataset,
-        micro_batch_size=micro,
-        dataloader_batch_size=GLOBAL // (micro * dp),
-        max_seq_len=MAX_LEN,
-        dyn_bsz=dyn,
-        num_workers=workers,
-        drop_last=False,
-        dp_rank=rank,
-        dp_size=dp,
-        dyn_bsz_buffer_size=16,
-        seed=5,
-    )
+    dataset = token_dataset(path, "mapping", max_seq_len=MAX_LEN, seed=5)
+    loader = token_loader(
+        dataset, rank, dp, workers, max_seq_len=MAX_LEN, dyn=dyn, micro=micro, dlbs=GLOBAL // (micro * dp),
+        dyn_bsz_buffer_size=16, seed=5,
+    )  # fmt: skip
     loader.set_epoch(0)
     return loader
 
 
 def _samples(micro_batch):
     """The first tokens (document * 1000 + offset) of the samples packed in a micro-batch."""
-    ids, pos = micro_batch["input_ids"][0], micro_batch["position_ids"][0]
-    return tuple(int(ids[i]) for i in torch.nonzero(pos == 0).flatten())
+    return tuple(document_starts(micro_batch))
 
 
 def _global_steps(loaders, start=0, count=None):

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_mfu.py: refuses politely without a GPU; its FLOP count's parameter term matches the model."""
+"""benchmarks/gpu_mfu.py: refuses politely without a GPU; its whole code path runs on CPU (`--smoke`); its FLOP
+count's parameter term matches the model."""
 
 import os
 import subprocess
@@ -20,6 +21,20 @@ def test_refuses_politely_on_cpu():
     )
     assert done.returncode == 1 and "no CUDA GPU: nothing measured" in done.stdout
     assert "Traceback" not in done.stderr
+
+
+def test_smoke_run_goes_through_the_whole_path_on_cpu():
+    """Trainer and bare loop, dense and MoE, on the demo models: the first GPU run must not find a bug in the script
+    (this test found two: the synthetic trainer set no data path and no per-epoch step counts)."""
+    env = dict(child_env(), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu_mfu.py", "--smoke"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = [line for line in done.stdout.splitlines() if "trainer/bare" in line]
+    assert [row.split()[0] for row in rows] == ["demo_qwen2"] * 2 + ["demo_qwen3_moe"] * 2, done.stdout
+    assert [row.split()[3] for row in rows] == ["ckpt=off", "ckpt=on"] * 2  # with and without checkpointing
+    assert all("MFU" in row and "GiB" in row for row in rows)
 
 
 def test_flop_formula_counts_the_matmul_parameters(tmp_path):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helpers import REPO, child_env, read_metrics, run_text_task, tiny_run_config, write_token_data
+from helpers import REPO, child_env, read_metrics, run_text_task, tiny_run_config, torchrun_cmd, write_token_data
 from veomni.checkpoint import list_checkpoints
 
 TIMEOUT_S = 15  # train.accelerator.dist_timeout_minutes for the stall test
@@ -123,8 +123,8 @@ def _signal_rank_and_time(tmp, sig, extra=(), env=None):
         config, out, "--train.max_steps", "100000", "--data.train_path", f"{tmp}/data.jsonl", *extra, env=env
     )
     _wait_for_step(proc, out, 3)
-    if sig == signal.SIGSTOP:  # let rank 1 publish a heartbeat first (one a second): tiny steps outrun the first one
-        time.sleep(2.5)
+    if sig == signal.SIGSTOP:  # let rank 1 publish its first heartbeat (within 0.1 s of the group's start)
+        time.sleep(0.5)
     workers = _children(proc.pid)
     assert [r for _, r in workers] == [0, 1], workers
     start = time.time()
@@ -169,13 +169,8 @@ def test_bad_record_on_one_rank_is_said_at_once_and_ends_the_job(tmp_path):
     lines[41] = '{"input_ids": [1, 2, 3'  # in one rank's share: streamed files are dealt out in byte ranges
     with open(f"{tmp}/bad.jsonl", "w") as f:
         f.write("\n".join(lines) + "\n")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--rdzv_backend=c10d",
-        "--rdzv_endpoint=127.0.0.1:0",
+    cmd = torchrun_cmd(
+        2,
         os.path.join(REPO, "tasks", "train_text.py"),
         config,
         "--data.train_path",
@@ -185,7 +180,7 @@ def test_bad_record_on_one_rank_is_said_at_once_and_ends_the_job(tmp_path):
         "--train.checkpoint.output_dir",
         f"{tmp}/out",
         *FLAGS,
-    ]
+    )
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _LAUNCHED.append(proc)
     lines_at = []
@@ -277,6 +272,55 @@ def test_first_stop_signal_sets_a_flag_in_the_loop_and_ends_set_up_at_once(loop_
             signal.signal(sig, handler)
 
 
+class _DictStore:
+    """The few c10d store calls the heartbeat makes."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+def test_heartbeat_starts_with_the_group_and_names_a_peer_stopped_before_its_first(monkeypatch):
+    """The first beat follows the process group's start within a fraction of a second (not the 1 s beat), and a
+    peer with no beat yet is said to have stopped before it, with the time since the group started: not "never
+    reported", which read as if that rank had never started."""
+    from veomni.utils import lifecycle
+
+    store, group = _DictStore(), threading.Event()
+    monkeypatch.setattr(lifecycle, "_default_store", lambda: store if group.is_set() else None)
+    monkeypatch.setitem(lifecycle._state, "joined", None)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    stop = threading.Event()
+    beating = threading.Thread(target=lifecycle._heartbeat_loop, args=(stop,), daemon=True)
+    beating.start()
+    try:
+        time.sleep(0.3)
+        group.set()  # init_process_group
+        started = time.time()
+        while "veomni/heartbeat/0" not in store.data and time.time() - started < 2:
+            time.sleep(0.01)
+        assert time.time() - started < 0.5, "the first heartbeat waited for the 1 s beat"
+    finally:
+        stop.set()
+        beating.join()
+    monkeypatch.setattr(lifecycle, "_HEARTBEAT_SECONDS", 0.01)  # _stalled_peers waits 1.5 beats for live peers
+    monkeypatch.setitem(lifecycle._state, "joined", time.time() - 12)
+    store.set("veomni/heartbeat/2", json.dumps({"t": time.time() - 30, "step": 7, "phase": "forward"}))
+    assert lifecycle._stalled_peers() == (
+        "rank 1 silent since the process group started 12 s ago (stopped or hung before its first heartbeat); "
+        "rank 2 silent for 30 s (last heartbeat in step 7, forward)"
+    )
+
+
 # ----------------------------------------------------------------------------------- failures on disk
 @pytest.fixture
 def one_process_group():
@@ -298,14 +342,21 @@ def _tiny_state():
     return model, optimizer
 
 
-def test_truncated_shard_names_the_file_and_the_previous_checkpoint(tmp_path, one_process_group):
-    from veomni.checkpoint import Checkpointer, CheckpointError
+def _two_checkpoints(folder):
+    """Steps 1 and 2 of a tiny model saved in `folder`: (checkpointer, model, optimizer, step 2's folder, its shard)."""
+    from veomni.checkpoint import Checkpointer
 
     model, optimizer = _tiny_state()
-    checkpointer = Checkpointer(str(tmp_path))
+    checkpointer = Checkpointer(folder)
     checkpointer.save(1, model, optimizer, {}, {})
     newest = checkpointer.save(2, model, optimizer, {}, {})
-    shard = os.path.join(newest, "model_optimizer", "__0_0.distcp")
+    return checkpointer, model, optimizer, newest, os.path.join(newest, "model_optimizer", "__0_0.distcp")
+
+
+def test_truncated_shard_names_the_file_and_the_previous_checkpoint(tmp_path, one_process_group):
+    from veomni.checkpoint import CheckpointError
+
+    checkpointer, model, optimizer, newest, shard = _two_checkpoints(str(tmp_path))
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     with pytest.raises(CheckpointError) as caught:
@@ -318,13 +369,9 @@ def test_truncated_shard_names_the_file_and_the_previous_checkpoint(tmp_path, on
 
 def test_garbled_shard_of_the_right_size_is_a_checkpoint_error(tmp_path, one_process_group):
     """The sizes check passes; DCP's own failure (a BaseException) must still become a named CheckpointError."""
-    from veomni.checkpoint import Checkpointer, CheckpointError
+    from veomni.checkpoint import CheckpointError
 
-    model, optimizer = _tiny_state()
-    checkpointer = Checkpointer(str(tmp_path))
-    checkpointer.save(1, model, optimizer, {}, {})
-    newest = checkpointer.save(2, model, optimizer, {}, {})
-    shard = os.path.join(newest, "model_optimizer", "__0_0.distcp")
+    checkpointer, model, optimizer, newest, shard = _two_checkpoints(str(tmp_path))
     with open(shard, "r+b") as f:
         f.write(b"\0" * os.path.getsize(shard))
     with pytest.raises(CheckpointError) as caught:

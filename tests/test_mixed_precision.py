@@ -4,7 +4,6 @@ the lost-update effect itself is shown with FSDP2 on CPU (bf16 compute works the
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -64,16 +63,6 @@ def test_pure_bf16_warns_and_default_does_not(warnings_seen):
     assert len(warnings_seen) == 1 and "pure bfloat16" in warnings_seen[0] and "enable true" in warnings_seen[0]
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
-
-
 def _fraction_unchanged_after_training(precision, steps=10, lr=5e-5) -> float:
     """Build like the trainer (model in precision.param_dtype, FSDP2 with its policy), take AdamW steps."""
     torch.manual_seed(0)
@@ -91,7 +80,7 @@ def _fraction_unchanged_after_training(precision, steps=10, lr=5e-5) -> float:
     return unchanged / sum(b.numel() for b in before)
 
 
-def test_default_keeps_small_updates_that_pure_bf16_loses(process_group):
+def test_default_keeps_small_updates_that_pure_bf16_loses(one_process_group):
     """lr 5e-5, 10 AdamW steps: with the CUDA default (fp32 master, bf16 compute) every weight moves; pure bf16
     leaves most of them unchanged (the H100 measurement: 47%)."""
     default = _fraction_unchanged_after_training(_resolve("cuda"))

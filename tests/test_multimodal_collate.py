@@ -3,28 +3,21 @@ slices), dynamic batches that count image placeholders, and M-RoPE position ids 
 Real media and processors come from the session fixtures in conftest.py."""
 
 import pickle
-from functools import partial
 
 import torch
 import transformers as tf
-from mm_helpers import TINY_TEXT, TINY_VISION
+from mm_helpers import TINY_TEXT, TINY_VISION, qwen2_5_vl_transform
 from mm_helpers import meta_model as _meta_model
 
-from veomni.data import MainCollator, build_dataset, build_multimodal_chat_template
+from veomni.data import MainCollator, build_dataset
 from veomni.data.data_transform import IGNORE_INDEX
-from veomni.data.multimodal import demo_data, multimodal_collate_infos, process_sample_qwen2_5_vl
+from veomni.data.multimodal import demo_data, multimodal_collate_infos
 from veomni.models.position_ids import build_position_id_func
 
 
 def test_collation_packs_mixed_image_and_text_samples(mm_assets, mm_processors):
     processor = mm_processors["qwen2_5_vl"]
-    config = tf.Qwen2_5_VLConfig(text_config=TINY_TEXT, vision_config=TINY_VISION)
-    transform = partial(
-        process_sample_qwen2_5_vl,
-        processor=processor,
-        chat_template=build_multimodal_chat_template("qwen2_5_vl", processor.tokenizer),
-        position_id_func=build_position_id_func(config),
-    )
+    transform = qwen2_5_vl_transform(processor)
     vqa = mm_assets["vqa"]
 
     def image_sample(q):
@@ -106,14 +99,8 @@ def test_dynamic_batches_count_placeholder_tokens(mm_assets, mm_processors, tmp_
     from veomni.data import build_dataloader
 
     processor = mm_processors["qwen2_5_vl"]
-    config = tf.Qwen2_5_VLConfig(text_config=TINY_TEXT, vision_config=TINY_VISION)
     path = demo_data.write_easy_vqa_jsonl(str(tmp_path / "vqa.jsonl"), split="test", limit=12)
-    transform = partial(
-        process_sample_qwen2_5_vl,
-        processor=processor,
-        chat_template=build_multimodal_chat_template("qwen2_5_vl", processor.tokenizer),
-        position_id_func=build_position_id_func(config),
-    )
+    transform = qwen2_5_vl_transform(processor)
     dataset = build_dataset(train_path=path, transform=transform)
     loader = build_dataloader(
         dataset=dataset,

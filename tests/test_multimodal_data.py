@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import transformers as tf
-from mm_helpers import TINY_TEXT, TINY_VISION
+from mm_helpers import TINY_TEXT, TINY_VISION, qwen2_5_vl_transform
 from mm_helpers import meta_model as _meta_model
 from PIL import Image
 
@@ -317,13 +317,7 @@ def test_qwen2_5_omni_transform_matches_hf(mm_assets, mm_processors):
 
 def test_openai_sharegpt_and_media_forms_agree(mm_assets, mm_processors, tmp_path):
     processor = mm_processors["qwen2_5_vl"]
-    config = tf.Qwen2_5_VLConfig(text_config=TINY_TEXT, vision_config=TINY_VISION)
-    transform = partial(
-        process_sample_qwen2_5_vl,
-        processor=processor,
-        chat_template=build_multimodal_chat_template("qwen2_5_vl", processor.tokenizer),
-        position_id_func=build_position_id_func(config),
-    )
+    transform = qwen2_5_vl_transform(processor)
     q = mm_assets["vqa"][1]
     with open(q["image"], "rb") as f:
         png = f.read()

@@ -2,7 +2,7 @@
 
 import torch
 
-from helpers import write_model_config
+from helpers import one_by_one, write_model_config
 from veomni.data import MainCollator
 from veomni.models import build_foundation_model
 from veomni.ops import IGNORE_INDEX, causal_lm_loss_sum, count_loss_tokens
@@ -39,14 +39,7 @@ def test_packed_equals_one_by_one_loss_and_grads(tmp_path):
     model = build_foundation_model(write_model_config(str(tmp_path)), torch_dtype="float32", attn_implementation="sdpa")
     docs = [dict(d, labels=list(d["input_ids"])) for d in _docs()]
 
-    total = 0.0
-    for d in docs:
-        ids = torch.tensor([d["input_ids"]])
-        loss, _ = causal_lm_loss_sum(model(input_ids=ids).logits, ids)
-        loss.backward()
-        total += loss.item()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
+    total, ref_grads = one_by_one(model, docs)
 
     batch = MainCollator()(docs)
     labels = batch.pop("labels")

@@ -13,13 +13,6 @@ from veomni.checkpoint import Checkpointer, list_checkpoints
 from veomni.checkpoint.checkpointer import resolve_checkpoint
 
 
-@pytest.fixture
-def one_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _save(checkpointer, step, model, optimizer):
     return checkpointer.save(step, model, optimizer, {"trainer": {"global_step": step}}, {"dp_size": 1})
 
@@ -210,11 +203,16 @@ def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_
     from veomni.utils import lifecycle
 
     class Loader:
+        closed = 0  # close(): the loader's worker processes stopped
+
         def set_epoch(self, epoch, first_step=0):
             pass
 
         def __iter__(self):
             return iter([[{}], [{}]])
+
+        def close(self):
+            self.closed += 1
 
     saved = []
     trainer = BaseTrainer.__new__(BaseTrainer)
@@ -225,14 +223,15 @@ def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_
     trainer.train_dataloader, trainer.callbacks = Loader(), []
     trainer._step_totals = lambda micro_batches: {"loss_tokens": 1, "tokens": 1}
     trainer.train_step = lambda micro_batches, totals: {}
-    trainer.save_checkpoint = lambda: saved.append(trainer.global_step)
+    trainer.save_checkpoint = lambda: saved.append((trainer.global_step, trainer.train_dataloader.closed))
     trainer.checkpointer = SimpleNamespace(wait=lambda: None)
 
     previous = {sig: signal.getsignal(sig) for sig in lifecycle.STOP_EXIT_CODES}
     lifecycle.install_stop_handlers()
     try:
         trainer.fit()
-        assert saved == [2]
+        assert saved == [(2, 1)]  # the loader's workers were stopped after the last step, before the final save
+        assert trainer.train_dataloader.closed == 2  # and once more, harmlessly, as fit() returns (or fails)
         os.kill(os.getpid(), signal.SIGTERM)  # late: e.g. while every rank is in the teardown barrier
         dist.barrier()
         assert lifecycle.stop_requested() == signal.SIGTERM

@@ -12,7 +12,6 @@ import struct
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
@@ -20,16 +19,7 @@ from helpers import write_model_config, write_tokenizer
 from veomni.checkpoint import Checkpointer, CheckpointError, dcp_to_hf, resolve_checkpoint
 from veomni.models import build_config, build_foundation_model, build_tokenizer
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_process_group():
-    """The Checkpointer is collective: a world of one, in this process (no torchrun)."""
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_process_group")  # the Checkpointer is collective (conftest.py)
 
 
 def _str(text: str) -> bytes:

@@ -8,11 +8,11 @@ from functools import partial
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from torch.utils.data import IterableDataset
 
 import veomni.data.readers as readers
-from veomni.data import build_dataloader, build_dataset
+from helpers import document_starts, token_dataset, token_loader
+from veomni.data import build_dataset
 from veomni.data.data_loader import data_report
 from veomni.data.data_transform import process_pretrain_example
 
@@ -37,31 +37,12 @@ def corpus(tmp_path_factory):
     return str(folder)
 
 
-def _dataset(path, **kw):
-    transform = partial(process_pretrain_example, tokenizer=None, max_seq_len=MAX_LEN)
-    return build_dataset(
-        train_path=path, datasets_type="iterable", transform=transform, seed=3, shuffle_buffer_size=16, **kw
-    )
-
-
-def _loader(dataset, rank=0, dp=1, workers=0, drop_last=False, micro=2, dlbs=2, dyn=False):
-    return build_dataloader(
-        dataset=dataset,
-        micro_batch_size=micro,
-        dataloader_batch_size=dlbs,
-        max_seq_len=MAX_LEN,
-        dyn_bsz=dyn,
-        num_workers=workers,
-        drop_last=drop_last,
-        seed=7,
-        dp_rank=rank,
-        dp_size=dp,
-    )
+_dataset = partial(token_dataset, max_seq_len=MAX_LEN, shuffle_buffer_size=16)
+_loader = partial(token_loader, max_seq_len=MAX_LEN)
 
 
 def _records(micro_batch):
-    ids, pos = micro_batch["input_ids"][0], micro_batch["position_ids"][0]
-    return [int(ids[i]) - 1000 for i in torch.nonzero(pos == 0).flatten()]
+    return [t - 1000 for t in document_starts(micro_batch)]
 
 
 def test_each_reader_parses_only_its_units(corpus, monkeypatch):

@@ -19,11 +19,12 @@ from veomni.arguments import VeOmniArguments, parse_args, save_args
 from veomni.data import build_dataloader, build_dataset
 from veomni.data.data_transform import process_pretrain_example
 from veomni.distributed import clip_grad_norm
-from veomni.distributed.parallel_state import destroy_parallel_state, get_parallel_state, init_parallel_state
+from veomni.distributed.parallel_state import destroy_parallel_state, get_parallel_state
 from veomni.distributed.torch_parallelize import build_parallelize_model
 from veomni.models import build_foundation_model, build_tokenizer
 from veomni.ops import causal_lm_loss_sum, count_loss_tokens
 from veomni.optim import build_lr_scheduler, build_optimizer
+from veomni.trainer.base import init_parallel_state_from_args
 from veomni.utils import get_device, get_device_type, get_logger, lifecycle
 
 logger = get_logger("train_torch")
@@ -32,22 +33,7 @@ logger = get_logger("train_torch")
 def main():
     args = parse_args(VeOmniArguments)
     torch.manual_seed(args.train.seed)
-    acc = args.train.accelerator
-    init_parallel_state(
-        dp_size=acc.dp_size,
-        dp_replicate_size=acc.dp_replicate_size,
-        dp_shard_size=acc.dp_shard_size,
-        tp_size=acc.tp_size,
-        pp_size=acc.pp_size,
-        cp_size=acc.cp_size,
-        ulysses_size=acc.ulysses_size,
-        extra_parallel_sizes=acc.extra_parallel_sizes,
-        extra_parallel_placement_innermost=acc.extra_parallel_placement_innermost,
-        extra_parallel_names=acc.extra_parallel_names,
-        mode=acc.fsdp_config.fsdp_mode,
-        async_enabled=acc.enable_async,
-        dist_timeout_minutes=acc.dist_timeout_minutes,
-    )
+    init_parallel_state_from_args(args.train.accelerator)
     parallel_state = get_parallel_state()
     out = args.train.checkpoint.output_dir
     if parallel_state.is_main_process:

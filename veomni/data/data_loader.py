@@ -11,6 +11,7 @@ resumed run reproduces exactly the batches the uninterrupted run would have seen
 import copy
 import itertools
 import logging
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -20,7 +21,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from ..utils.logging import get_logger
 from .data_collator import MainCollator
 from .dataset import StreamingDataset, samples_many, shuffled_shard_keys
-from .global_batches import GlobalBatchStream, SampleIndex
+from .global_batches import BatchingStream, GlobalBatchStream, SampleIndex, first_fit
 
 logger = get_logger(__name__)
 
@@ -80,57 +81,13 @@ def as_resumable(dataset, seed: int = 42, shuffle: bool = True):
     return _PlainIterable(dataset)
 
 
-class MicroBatchStream(IterableDataset):
+class MicroBatchStream(BatchingStream):
     """Yields collated micro-batches for one shard (data-parallel rank x worker) of a dataset."""
 
-    def __init__(
-        self,
-        dataset,
-        collate_fn: Callable,
-        micro_batch_size: int,
-        max_seq_len: int,
-        dataloader_batch_size: int,
-        dyn_bsz: bool,
-        buffer_size: int,
-        dp_rank: int,
-        dp_size: int,
-        seed: int,
-        shuffle: bool = True,
-        warmup_steps: int = 0,
-        warmup_init_tokens: int = 0,
-        drop_last: bool = False,
-    ):
+    def __init__(self, dataset, collate_fn: Callable, seed: int, shuffle: bool = True, **batching):
+        super().__init__(collate_fn, **batching)
         self.source = as_resumable(dataset, seed, shuffle)
-        self.drop_last = drop_last
         self.read_ahead = 64
-        self.collate_fn = collate_fn
-        self.micro_batch_size, self.max_seq_len = micro_batch_size, max_seq_len
-        self.dataloader_batch_size = dataloader_batch_size
-        self.dyn_bsz, self.buffer_size = dyn_bsz, max(buffer_size, micro_batch_size)
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.warmup_steps, self.warmup_init_tokens = warmup_steps, warmup_init_tokens
-        self.epoch, self.first_step = 0, 0
-        self._resume: Optional[Dict[str, Any]] = None
-        self._state: Dict[str, Any] = {}
-
-    def set_epoch(self, epoch: int, first_step: int = 0) -> None:
-        """`first_step`: optimizer steps of the run before this epoch; the token-budget warmup follows the run's
-        global step, so it does not start again with each epoch."""
-        self.epoch, self.first_step = epoch, first_step
-
-    def _token_budget(self, step: int) -> int:
-        full = self.micro_batch_size * self.max_seq_len
-        if self.warmup_steps == 0 or step >= self.warmup_steps:
-            return full
-        start = min(self.warmup_init_tokens, full)
-        return int(start + (full - start) * step / self.warmup_steps)
-
-    # -------------------------------------------------------------------------------------------- state
-    def state_dict(self) -> Dict[str, Any]:
-        return copy.deepcopy(self._state)
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._resume = copy.deepcopy(state) if state else None
 
     # ---------------------------------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
@@ -200,15 +157,7 @@ class MicroBatchStream(IterableDataset):
     def _choose(self, buffer: List[List[int]], budget: int) -> List[int]:
         if not self.dyn_bsz:
             return list(range(min(self.micro_batch_size, len(buffer))))
-        chosen, used = [], 0  # first fit: fill the token budget from the buffer in arrival order
-        for i, entry in enumerate(buffer):
-            n = entry[-1]
-            if used + n <= budget or not chosen:
-                chosen.append(i)
-                used += n
-                if used >= budget:
-                    break
-        return chosen
+        return first_fit((entry[-1] for entry in buffer), budget)  # entries end with the sample's length
 
 
 def _as_list(item) -> List[Dict[str, Any]]:
@@ -365,6 +314,72 @@ def dropped_samples(loader) -> int:
     return max((s.get("dropped", 0) for s in _stream_states(loader.state_dict())), default=0)
 
 
+class MicroBatchLoader(StatefulDataLoader):
+    """The StatefulDataLoader over a micro-batch stream that stops its worker processes as soon as their iterator is
+    abandoned: when a new epoch's iterator replaces it, when a state is loaded, on `close()`, and when the loader
+    itself is collected (unless the iterator is still in use: `for batch in build_dataloader(...)`).
+
+    torch shuts an iterator's workers down only when the iterator is garbage collected. An iterator left mid-epoch
+    (max_steps reached, a resume, the end of training) otherwise keeps its workers alive until then, and when the
+    collection happens in a reference cycle, the workers' index queues are finalized before the iterator, the
+    "exit" message never reaches them, and each worker costs the full join timeout (5 s) before it is killed.
+    """
+
+    def __init__(self, stream, **kwargs):
+        self._live = [None]  # the current iterator, in a box the finalizer can reach without holding the loader
+        super().__init__(stream, **kwargs)
+        self.stream = stream
+        # the box keeps the iterator out of the cyclic garbage, so its queues still work when the loader goes: the
+        # finalizer only lets go of it, and torch stops its workers at once unless someone still iterates it (as in
+        # `for batch in build_dataloader(...)`, where nothing else holds the loader)
+        weakref.finalize(self, _release, self._live).atexit = False  # at exit torch's own handling applies
+
+    @property
+    def _iterator(self):
+        return self._live[0]
+
+    @_iterator.setter
+    def _iterator(self, iterator) -> None:
+        # StatefulDataLoader replaces (or drops) its iterator on a new epoch's iter() and in load_state_dict
+        previous, self._live[0] = self._live[0], iterator
+        if previous is not iterator:
+            _stop_workers([previous])
+
+    def __iter__(self):
+        closed = self._live[0]
+        if getattr(closed, "_shutdown", False):  # close()d (or ended): new workers; persistent ones can't be reset
+            if self._initial_iter_for_state_dict:  # made by state_dict() and never iterated: keep its position
+                self.next_iter_state = closed.state_dict()
+                self._initial_iter_for_state_dict = False
+            self._live[0] = None
+        return super().__iter__()
+
+    def close(self) -> None:
+        """Stop the current iterator's worker processes now. `state_dict()` still gives the position reached; a
+        later `iter()` starts the next epoch (or resumes a loaded state) with new workers."""
+        _stop_workers(self._live)
+
+    def set_epoch(self, epoch: int, first_step: int = 0) -> None:
+        """Reshuffle for `epoch` (the trainer calls this before each epoch's iter())."""
+        self.stream.set_epoch(epoch, first_step)
+
+    def num_batches(self, limit: Optional[int] = None) -> Optional[int]:
+        """Optimizer steps in an epoch (the same on every rank): the global plan's length for sized data, a dry run
+        of the micro-batch plan otherwise (None for streamed data, whose length is unknown)."""
+        return _num_batches(self, self.stream, limit)
+
+
+def _release(box: List[Any]) -> None:
+    box[0] = None  # the last reference gone, torch's __del__ stops the workers; otherwise its holder still iterates
+
+
+def _stop_workers(box: List[Any]) -> None:
+    """Tell the workers of the iterator in `box` to exit and join them (prompt: they are idle or prefetching)."""
+    shutdown = getattr(box[0], "_shutdown_workers", None)  # a single-process iterator has no workers
+    if shutdown is not None:
+        shutdown()
+
+
 def build_dataloader(
     dataloader_type: str = "native",
     dataset=None,
@@ -388,7 +403,7 @@ def build_dataloader(
     dp_rank: Optional[int] = None,
     dp_size: Optional[int] = None,
     shuffle: bool = True,
-) -> StatefulDataLoader:
+) -> MicroBatchLoader:
     """A stateful loader whose `next()` is a list of `dataloader_batch_size` collated micro-batches."""
     if dataloader_type != "native":
         raise ValueError(f"unknown dataloader type {dataloader_type!r}; only 'native' exists")
@@ -401,43 +416,26 @@ def build_dataloader(
         if not build_collate_fn:
             raise ValueError("build_collate_fn=False needs an explicit collate_fn")
         collate_fn = MainCollator(max_seq_len=max_seq_len, **(collate_fn_kwargs or {}))
-    warmup_steps = int(train_steps * bsz_warmup_ratio)
+    batching = dict(  # the same plan for both streams
+        micro_batch_size=micro_batch_size,
+        max_seq_len=max_seq_len,
+        dataloader_batch_size=dataloader_batch_size,
+        dyn_bsz=dyn_bsz,
+        buffer_size=dyn_bsz_buffer_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        warmup_steps=int(train_steps * bsz_warmup_ratio),
+        warmup_init_tokens=bsz_warmup_init_mbtoken,
+        drop_last=drop_last,
+    )
     if is_sized(dataset):  # global batches independent of the world size (see global_batches.py)
         index = SampleIndex(as_resumable(dataset, seed, shuffle))
         index.order(0)  # transform every record once, here, so that loader workers inherit the samples
-        stream = GlobalBatchStream(
-            index,
-            collate_fn,
-            micro_batch_size=micro_batch_size,
-            max_seq_len=max_seq_len,
-            dataloader_batch_size=dataloader_batch_size,
-            dyn_bsz=dyn_bsz,
-            buffer_size=dyn_bsz_buffer_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            warmup_steps=warmup_steps,
-            warmup_init_tokens=bsz_warmup_init_mbtoken,
-            drop_last=drop_last,
-        )
+        stream = GlobalBatchStream(index, collate_fn, **batching)
     else:
-        stream = MicroBatchStream(
-            dataset,
-            collate_fn,
-            micro_batch_size=micro_batch_size,
-            max_seq_len=max_seq_len,
-            dataloader_batch_size=dataloader_batch_size,
-            dyn_bsz=dyn_bsz,
-            buffer_size=dyn_bsz_buffer_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            seed=seed,
-            shuffle=shuffle,
-            warmup_steps=warmup_steps,
-            warmup_init_tokens=bsz_warmup_init_mbtoken,
-            drop_last=drop_last,
-        )
+        stream = MicroBatchStream(dataset, collate_fn, seed=seed, shuffle=shuffle, **batching)
     extra = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor else {}
-    loader = StatefulDataLoader(
+    return MicroBatchLoader(
         stream,
         batch_size=dataloader_batch_size,
         collate_fn=_list_of_micro_batches,
@@ -446,12 +444,6 @@ def build_dataloader(
         pin_memory=pin_memory and torch.cuda.is_available(),
         **extra,
     )
-    loader.stream = stream
-    loader.set_epoch = stream.set_epoch  # the trainer reshuffles per epoch through the loader
-    # optimizer steps in an epoch (the same on every rank): the global plan's length for sized data, a dry run of
-    # the micro-batch plan otherwise (None for streamed data, whose length is unknown)
-    loader.num_batches = lambda limit=None: _num_batches(loader, stream, limit)
-    return loader
 
 
 def is_sized(dataset) -> bool:

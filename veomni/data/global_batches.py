@@ -25,7 +25,7 @@ drop_last, they are dropped and counted (`dropped_samples(loader)`).
 """
 
 import copy
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -85,6 +85,29 @@ class SampleIndex:
         return getattr(self.source, "empty", 0)
 
 
+def warmup_token_budget(step: int, full: int, warmup_steps: int, warmup_init_tokens: int) -> int:
+    """The micro-batch token budget of global step `step` (counted over the whole run): it rises linearly from
+    `warmup_init_tokens` to `full` over the first `warmup_steps` steps. Shared by both loaders' planners."""
+    if warmup_steps == 0 or step >= warmup_steps:
+        return full
+    start = min(warmup_init_tokens, full)
+    return int(start + (full - start) * step / warmup_steps)
+
+
+def first_fit(lengths: Iterable[int], budget: int) -> List[int]:
+    """Positions (in arrival order) of the samples that make one dyn_bsz micro-batch: each sample that still fits
+    the token budget is taken, the first one always (a sample longer than the budget goes alone); stops as soon as
+    the budget is full. Shared by both loaders' planners, so they pack identically."""
+    chosen, used = [], 0
+    for i, n in enumerate(lengths):
+        if used + n <= budget or not chosen:
+            chosen.append(i)
+            used += n
+            if used >= budget:
+                break
+    return chosen
+
+
 def plan_micro_batches(
     lengths: List[int],
     per_step: int,
@@ -107,13 +130,7 @@ def plan_micro_batches(
             while len(buffer) < buffer_size and nxt < len(lengths):
                 buffer.append(nxt)
                 nxt += 1
-            limit, chosen, used = budget(len(micro) // per_step), [], 0
-            for i, pos in enumerate(buffer):  # first fit in arrival order
-                if used + lengths[pos] <= limit or not chosen:
-                    chosen.append(i)
-                    used += lengths[pos]
-                    if used >= limit:
-                        break
+            chosen = first_fit((lengths[pos] for pos in buffer), budget(len(micro) // per_step))
             micro.append([buffer[i] for i in chosen])
             for i in reversed(chosen):
                 del buffer[i]
@@ -134,12 +151,12 @@ def plan_micro_batches(
     return steps, sum(len(mb) for mb in tail)
 
 
-class GlobalBatchStream(IterableDataset):
-    """Yields this rank's collated micro-batches of each global step (see the module doc)."""
+class BatchingStream(IterableDataset):
+    """What both micro-batch streams share: the batching settings, the epoch, the warmup token budget and the
+    resumable position (GlobalBatchStream for sized data, data_loader.MicroBatchStream for streamed data)."""
 
     def __init__(
         self,
-        index: SampleIndex,
         collate_fn: Callable,
         micro_batch_size: int,
         max_seq_len: int,
@@ -152,15 +169,14 @@ class GlobalBatchStream(IterableDataset):
         warmup_init_tokens: int = 0,
         drop_last: bool = False,
     ):
-        self.index, self.collate_fn = index, collate_fn
+        self.collate_fn = collate_fn
         self.micro_batch_size, self.max_seq_len = micro_batch_size, max_seq_len
-        self.accum = dataloader_batch_size
+        self.dataloader_batch_size = dataloader_batch_size
         self.dyn_bsz, self.buffer_size = dyn_bsz, max(buffer_size, micro_batch_size)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.warmup_steps, self.warmup_init_tokens = warmup_steps, warmup_init_tokens
         self.drop_last = drop_last
         self.epoch, self.first_step = 0, 0
-        self._plans: Dict[Tuple[int, int], Tuple[List[List[List[int]]], int]] = {}
         self._resume: Optional[Dict[str, Any]] = None
         self._state: Dict[str, Any] = {}
 
@@ -172,10 +188,24 @@ class GlobalBatchStream(IterableDataset):
     def _token_budget(self, step: int) -> int:
         """The micro-batch token budget of global step `step` (counted over the whole run)."""
         full = self.micro_batch_size * self.max_seq_len
-        if self.warmup_steps == 0 or step >= self.warmup_steps:
-            return full
-        start = min(self.warmup_init_tokens, full)
-        return int(start + (full - start) * step / self.warmup_steps)
+        return warmup_token_budget(step, full, self.warmup_steps, self.warmup_init_tokens)
+
+    def state_dict(self) -> Dict[str, Any]:
+        # a loaded position not yet reached by iteration (state taken right after a resume) is still the position
+        return copy.deepcopy(self._resume if self._resume is not None else self._state)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._resume = copy.deepcopy(state) if state else None
+
+
+class GlobalBatchStream(BatchingStream):
+    """Yields this rank's collated micro-batches of each global step (see the module doc)."""
+
+    def __init__(self, index: SampleIndex, collate_fn: Callable, **batching):
+        super().__init__(collate_fn, **batching)
+        self.index = index
+        self.accum = self.dataloader_batch_size
+        self._plans: Dict[Tuple[int, int], Tuple[List[List[List[int]]], int]] = {}
 
     def plan(self, epoch: int) -> Tuple[List[List[List[int]]], int]:
         """The epoch's global steps (each: dp_size * dataloader_batch_size micro-batches) and dropped samples."""
@@ -193,12 +223,6 @@ class GlobalBatchStream(IterableDataset):
     def num_steps(self) -> int:
         """Steps of the epoch set by `set_epoch` (starting at its `first_step`)."""
         return len(self.plan(self.epoch)[0])
-
-    def state_dict(self) -> Dict[str, Any]:
-        return copy.deepcopy(self._state)
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._resume = copy.deepcopy(state) if state else None
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         info = get_worker_info()

@@ -4,6 +4,7 @@ meta-device materialisation with weights read on rank 0 and broadcast."""
 from functools import partial
 from typing import Any, List, Optional, Sequence
 
+import torch
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -47,6 +48,19 @@ def _basic_module_instances(model: nn.Module, basic_modules: Sequence[str]) -> L
     return sorted(found, key=lambda m: -depth[id(m)])  # stable: forward order kept within a depth
 
 
+def compile_basic_modules(units: List[nn.Module]) -> None:
+    """`torch.compile` each unit's `forward` (not the module: FSDP's hooks, activation checkpointing and the state
+    dict's names stay as they are). Inductor fuses what eager runs as many small memory-bound kernels: the RMS
+    norms with their fp32 upcasts, rotary embeddings, SwiGLU, residual adds, the bf16 casts. The attention and
+    MoE-experts dispatch stay eager (`torch.compiler.disable` in veomni.ops): a graph break around kernels that
+    are fused already. Units of one class share their compiled code; sequence lengths that vary between
+    micro-batches make it recompile once with dynamic shapes."""
+    for unit in units:
+        unit.forward = torch.compile(unit.forward)
+    if units:
+        logger.info(f"torch.compile: the forward of {len(units)} {type(units[0]).__name__} units (cold compile ahead)")
+
+
 def _prefetch_chains(units: List[nn.Module]) -> List[List[nn.Module]]:
     """Forward prefetch runs along each stack of same-class units (decoder layers, vision blocks), in model order."""
     chains: dict = {}
@@ -56,9 +70,13 @@ def _prefetch_chains(units: List[nn.Module]) -> List[List[nn.Module]]:
 
 
 def _enable_gradient_checkpointing(model: nn.Module, reentrant: bool) -> None:
-    if not hasattr(model, "gradient_checkpointing_enable"):
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns, gone in v6
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
         raise TypeError(f"{type(model).__name__} does not support gradient checkpointing")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     if reentrant and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
 
@@ -91,6 +109,7 @@ def build_parallelize_model(
     broadcast_model_weights_from_rank0: bool = True,
     max_load_broadcast_size: int = 2**30,
     expert_zero_comm: bool = False,
+    enable_compile: bool = False,
 ) -> nn.Module:
     """Wrap `model` for data-parallel training per the parallel state's mode; returns the same module object.
 
@@ -100,6 +119,8 @@ def build_parallelize_model(
     the checkpoint (rank 0 with `broadcast_model_weights_from_rank0`).
     `expert_zero_comm` (optimizer.muon_expert_zero_comm): with expert parallel, FSDP shards whole experts (dim 0)
     over ep_fsdp instead of their hidden dim, when the local experts split evenly (else a warning, and dim 1).
+    `enable_compile`: `torch.compile` each basic module's forward (decoder layers, vision blocks; see
+    `compile_basic_modules`).
     """
     state = get_parallel_state()
     if state.sp_enabled and state.tp_enabled:
@@ -119,6 +140,8 @@ def build_parallelize_model(
         apply_tensor_parallel(model, state.tp_mesh)
     if enable_gradient_checkpointing:
         _enable_gradient_checkpointing(model, enable_reentrant)
+    if enable_compile:
+        compile_basic_modules(_basic_module_instances(model, basic_modules or []))
     on_meta = init_device == "meta" or any(p.is_meta for p in model.parameters())
     reference_init = _reference_init(model) if on_meta and weights_path is None else None
 
@@ -140,7 +163,9 @@ def build_parallelize_model(
     mesh = state.fsdp_mesh
     mp_policy = _mixed_precision_policy(mixed_precision) or MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=get_device_type() == "cuda") if enable_fsdp_offload else None
-    reshard = enable_reshard_after_forward and enable_full_shard
+    # over a single rank a resharded parameter is the whole parameter: resharding saves no memory, and backward
+    # would gather (copy and cast) every unit a second time
+    reshard = enable_reshard_after_forward and enable_full_shard and mesh.size() > 1
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard, "mp_policy": mp_policy}
     if offload is not None:
         kwargs["offload_policy"] = offload

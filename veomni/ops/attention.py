@@ -93,21 +93,19 @@ def _document_bounds(query: torch.Tensor, attention_mask, kwargs) -> Optional[to
 
 # ------------------------------------------------------------------------------------------------ kernels
 def _sdpa_per_document(q, k, v, lengths: List[int], scaling, dropout, window: Optional[int]) -> torch.Tensor:
-    """q/k/v [1, H, T, D] -> [1, H, T, D]; one causal SDPA per document, equal lengths batched into one call."""
+    """q/k/v [1, H, T, D] -> [1, H, T, D]; one causal SDPA per document, equal lengths batched into one call.
+
+    Documents are cut with `split` (its backward is one `cat`), not slicing: each slice's backward would write a
+    zero-filled [1, H, T, D] gradient, i.e. O(documents x T) memory traffic per layer."""
     gqa = q.shape[1] != k.shape[1]
-    starts = [0]
-    for n in lengths[:-1]:
-        starts.append(starts[-1] + n)
+    q_docs, k_docs, v_docs = (t.split(lengths, dim=2) for t in (q, k, v))
     by_length = {}
     for i, n in enumerate(lengths):
         by_length.setdefault(n, []).append(i)
     pieces: List[Optional[torch.Tensor]] = [None] * len(lengths)
     for n, docs in by_length.items():
-        if len(docs) == 1:
-            sl = slice(starts[docs[0]], starts[docs[0]] + n)
-            qs, ks, vs = q[:, :, sl], k[:, :, sl], v[:, :, sl]
-        else:
-            qs, ks, vs = (torch.cat([t[:, :, starts[d] : starts[d] + n] for d in docs]) for t in (q, k, v))
+        qs, ks, vs = (docs_of[docs[0]] if len(docs) == 1 else torch.cat([docs_of[d] for d in docs])
+                      for docs_of in (q_docs, k_docs, v_docs))  # fmt: skip
         mask, causal = None, True
         if window is not None and window < n:  # sliding window: a small per-document band, not an S x S mask
             i = torch.arange(n, device=q.device)
@@ -115,8 +113,11 @@ def _sdpa_per_document(q, k, v, lengths: List[int], scaling, dropout, window: Op
         out = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling, enable_gqa=gqa
         )
-        for j, d in enumerate(docs):
-            pieces[d] = out[j : j + 1]
+        if len(docs) == 1:
+            pieces[docs[0]] = out
+        else:
+            for d, piece in zip(docs, out.split(1)):
+                pieces[d] = piece
     return torch.cat(pieces, dim=2)
 
 
@@ -129,36 +130,67 @@ def _flash_attn(q, k, v, cu, max_len, scaling, dropout, window):  # [T, H, D] la
     )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_varlen_options() -> Tuple[bool, bool]:
+    """(takes window_size, takes enable_gqa): torch 2.10 has `is_causal` and neither; 2.11+ has window_size."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    return "window_size" in params, "enable_gqa" in params
+
+
 def _torch_varlen(q, k, v, cu, max_len, scaling, window):  # [T, H, D] layout
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(
-        q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(window - 1 if window else -1, 0),
-        enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
+    has_window, has_gqa = _torch_varlen_options()
+    if q.shape[1] != k.shape[1] and not has_gqa:  # no GQA in the kernel: copy each KV head for its query heads
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    options = {"scale": scaling}
+    if has_gqa and q.shape[1] != k.shape[1]:
+        options["enable_gqa"] = True
+    if has_window:
+        options["window_size"] = (window - 1 if window else -1, 0)  # (-1, 0): causal, unbounded to the left
+    elif window:
+        raise NotImplementedError("this torch's varlen_attn has no sliding window: install flash_attn or torch>=2.11")
+    else:
+        options["is_causal"] = True
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **options)
 
 
 @functools.lru_cache(maxsize=8)
-def _document_block_mask(cu_key: Tuple[int, ...], total: int, device: str):
+def _document_block_mask(cu_key: Tuple[int, ...], total: int, device: str, window: Optional[int]):
     from torch.nn.attention.flex_attention import create_block_mask
 
     cu = torch.tensor(cu_key, device=device)
     doc = torch.bucketize(torch.arange(total, device=device), cu[1:], right=True)
 
     def document_causal(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        inside = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        return inside & (q_idx - kv_idx < window) if window else inside
 
     return create_block_mask(document_causal, None, None, total, total, device=device)
 
 
-def _flex(q, k, v, cu, scaling):  # [1, H, T, D] layout
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention():
+    """flex_attention is fast only compiled (eager, it materialises every score); one compile per process."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    block_mask = _document_block_mask(tuple(cu.tolist()), q.shape[2], str(q.device))
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q, k, v, cu, scaling, window):  # [1, H, T, D] layout
+    block_mask = _document_block_mask(tuple(cu.tolist()), q.shape[2], str(q.device), window)
+    flex = _compiled_flex_attention()
+    return flex(q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
 
 
 # ------------------------------------------------------------------------------------------ the interface
+# compiled decoder layers (ops_implementation.compile) call it eagerly: its kernels are fused already and its
+# document bookkeeping is Python
+@torch.compiler.disable
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -171,6 +203,9 @@ def varlen_attention_forward(
     **kwargs,
 ) -> Tuple[torch.Tensor, None]:
     """transformers attention function: query [B, H, S, D], key/value [B, Hkv, S, D] -> ([B, S, H, D], None)."""
+    if torch.is_autocast_enabled(query.device.type):  # as SDPA under autocast (Qwen3's q/k norms return fp32)
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     cu = _document_bounds(query, attention_mask, kwargs)
     if cu is None:
         return _unpacked_forward(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs)
@@ -178,6 +213,9 @@ def varlen_attention_forward(
     # flatten the batch into one row of documents: [1, H, B*S, D]
     q, k, v = (t.transpose(0, 1).reshape(1, t.shape[1], batch * seq, dim) for t in (query, key, value))
     backend = varlen_backend(query.device, query.dtype)
+    if dropout and backend in ("torch_varlen", "flex"):  # neither kernel takes attention dropout
+        _log_once(f"attention dropout {dropout}: {backend} has none; running causal SDPA per document instead")
+        backend = "sdpa_per_document"
     max_len = kwargs.get("max_length_q")
     if backend in ("flash_attn", "torch_varlen"):
         cu32 = cu.to(device=query.device, dtype=torch.int32)
@@ -190,7 +228,7 @@ def varlen_attention_forward(
         out = out.reshape(batch, seq, heads, dim)
     else:
         if backend == "flex":
-            out = _flex(q, k, v, cu, scaling)
+            out = _flex(q, k, v, cu, scaling, sliding_window)
         else:
             lengths = (cu[1:] - cu[:-1]).tolist()
             if sum(lengths) != batch * seq:

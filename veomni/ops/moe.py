@@ -75,6 +75,8 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+# compiled decoder layers (ops_implementation.compile) call it eagerly: its grouping reads per-expert counts
+@torch.compiler.disable
 def fused_experts_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:

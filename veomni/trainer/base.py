@@ -40,12 +40,32 @@ from .callbacks import (
 )
 from .checkpointing import CheckpointingMixin
 from .preflight import check_first_records, check_paths
-from .step_count import StepCountMixin, set_epoch
+from .step_count import StepCountMixin, close_loader, set_epoch
 
 logger = get_logger(__name__)
 
 # Micro-batch keys the trainer consumes itself (the loss); everything else goes to the model as is.
 _NOT_MODEL_INPUTS = ("labels",)
+
+
+def init_parallel_state_from_args(acc):
+    """The parallel state (device mesh and process groups) that `args.train.accelerator` describes; also called by
+    tasks/deprecated_task/train_torch.py, so both build the same mesh."""
+    return init_parallel_state(
+        dp_size=acc.dp_size,
+        dp_replicate_size=acc.dp_replicate_size,
+        dp_shard_size=acc.dp_shard_size,
+        tp_size=acc.tp_size,
+        pp_size=acc.pp_size,
+        cp_size=acc.cp_size,
+        ulysses_size=acc.ulysses_size,
+        extra_parallel_sizes=acc.extra_parallel_sizes,
+        extra_parallel_placement_innermost=acc.extra_parallel_placement_innermost,
+        extra_parallel_names=acc.extra_parallel_names,
+        mode=acc.fsdp_config.fsdp_mode,
+        async_enabled=acc.enable_async,
+        dist_timeout_minutes=acc.dist_timeout_minutes,
+    )
 
 
 class NonFiniteError(RuntimeError):
@@ -61,22 +81,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
         torch.manual_seed(train.seed)
         if train.enable_full_determinism:
             torch.use_deterministic_algorithms(True)
-        acc = train.accelerator
-        self.parallel_state = init_parallel_state(
-            dp_size=acc.dp_size,
-            dp_replicate_size=acc.dp_replicate_size,
-            dp_shard_size=acc.dp_shard_size,
-            tp_size=acc.tp_size,
-            pp_size=acc.pp_size,
-            cp_size=acc.cp_size,
-            ulysses_size=acc.ulysses_size,
-            extra_parallel_sizes=acc.extra_parallel_sizes,
-            extra_parallel_placement_innermost=acc.extra_parallel_placement_innermost,
-            extra_parallel_names=acc.extra_parallel_names,
-            mode=acc.fsdp_config.fsdp_mode,
-            async_enabled=acc.enable_async,
-            dist_timeout_minutes=acc.dist_timeout_minutes,
-        )
+        self.parallel_state = init_parallel_state_from_args(train.accelerator)
         self.is_main = self.parallel_state.is_main_process
         self.device = get_device()
         self.output_dir = train.checkpoint.output_dir
@@ -127,6 +132,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
             basic_modules=list(set(no_split_module_names(model)) | set(args.model.basic_modules)),
             enable_reentrant=args.train.gradient_checkpointing.enable_reentrant,
             enable_forward_prefetch=fsdp.forward_prefetch,
+            enable_compile=args.model.ops_implementation.compile,
             broadcast_model_weights_from_rank0=args.train.broadcast_model_weights_from_rank0,
             max_load_broadcast_size=fsdp.max_load_broadcast_size,
             expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
@@ -160,6 +166,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
             betas=opt.betas,
             eps=opt.eps,
             optimizer_type=opt.type,
+            **({} if opt.type == "anyprecision_adamw" else {"fused": opt.fused}),
             **muon,
         )
         self.lr_scheduler = build_lr_scheduler(
@@ -300,6 +307,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
             self._fit()
         finally:
             lifecycle.set_loop_active(False)
+            close_loader(self.train_dataloader)  # a stop or an error leaves the epoch's iterator mid-way
 
     def _fit(self) -> None:
         train = self.args.train
@@ -343,6 +351,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
             if self.global_step >= self.total_steps:
                 break
             self.epoch_step = 0
+        close_loader(self.train_dataloader)  # its workers are done; the final save still reads its position
         lifecycle.set_training_done()  # a stop from here on lets the final save and export finish
         if self.global_step == 0:  # the same on every rank: all raise together, and nothing is saved
             raise RuntimeError(

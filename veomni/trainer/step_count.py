@@ -89,6 +89,14 @@ def set_epoch(loader, epoch: int, first_step: int) -> None:
         loader.set_epoch(epoch)
 
 
+def close_loader(loader) -> None:
+    """Stop the worker processes of the loader's current iterator now (loaders without `close()` keep theirs until
+    their iterator is collected)."""
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+
+
 def zero_steps_message(args, dataset) -> str:
     train, data = args.train, args.data
     try:

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 ERROR_EXIT_CODE = 1
 _HEARTBEAT_SECONDS = 1.0
+_GROUP_POLL_SECONDS = 0.1  # until the process group exists: the first beat follows joining it this closely
 REPEAT_WINDOW_S = 5.0  # a stop signal this soon after the first one is the same request, told twice
 _PR_SET_PDEATHSIG = 1
 
@@ -48,6 +49,7 @@ _state = {
     "step": 0,
     "phase": "set-up",
     "handler_pid": None,  # the rank's own process (not its forked data-loader workers)
+    "joined": None,  # when this rank's heartbeat first found the process group (time.time())
 }
 
 
@@ -178,6 +180,8 @@ def _default_store():
 def _heartbeat_loop(stop: threading.Event) -> None:
     while True:
         store = _default_store()
+        if store is not None and _state["joined"] is None:
+            _state["joined"] = time.time()
         # once a stop is under way the launcher may be gone with its store: nothing left to tell it
         if store is not None and _state["stop_signal"] is None:
             beat = {"t": time.time(), "step": _state["step"], "phase": _state["phase"]}
@@ -185,7 +189,7 @@ def _heartbeat_loop(stop: threading.Event) -> None:
                 store.set(f"veomni/heartbeat/{_rank()}", json.dumps(beat))
             except Exception:  # the store went away with the launcher: nothing to report to
                 return
-        if stop.wait(_HEARTBEAT_SECONDS):
+        if stop.wait(_HEARTBEAT_SECONDS if store is not None else _GROUP_POLL_SECONDS):
             return
 
 
@@ -202,8 +206,10 @@ def _stalled_peers() -> str:
             if r == _rank():
                 continue
             key = f"veomni/heartbeat/{r}"
-            if not store.check([key]):
-                notes.append(f"rank {r} never reported")
+            if not store.check([key]):  # its first beat is due within _GROUP_POLL_SECONDS of the group's start
+                joined = _state["joined"]
+                since = f" since the process group started {now - joined:.0f} s ago" if joined else ""
+                notes.append(f"rank {r} silent{since} (stopped or hung before its first heartbeat)")
                 continue
             beat = json.loads(store.get(key))
             if now - beat["t"] > _HEARTBEAT_SECONDS * 2:

@@ -8,26 +8,56 @@ Sources (the templates shipped beside the released checkpoints):
   (tests/models/qwen2_5_omni/test_processing_qwen2_5_omni.py), `<|vision_bos|><|IMAGE|><|vision_eos|>` etc.
 The Python templates in `multimodal_chat_template.py` render the same text; tests/test_multimodal_data.py checks
 ids against `processor.apply_chat_template` with these.
+
+Each template is assembled from the pieces it repeats (Qwen2-VL and Qwen2.5-Omni differ only in their media
+branches; Qwen3-VL's user and tool turns share one content loop), and the result is the released text byte for byte.
 """
 
-QWEN2_VL = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
-    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: "
-    "{% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}"
-    "{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% endif %}"
+
+def _media_branch(kind: str, keys: str, id_flag: str, label: str, placeholder: str) -> str:
+    """One media branch of a Qwen2-style content loop (`test %}body`): count the item, say its number if asked,
+    put its placeholder tokens. `keys`: the content keys that mark the item (besides its `type`)."""
+    test = " or ".join([f"content['type'] == '{kind}'"] + [f"'{key}' in content" for key in keys.split()])
+    return (
+        f"{test} %}}{{% set {kind}_count.value = {kind}_count.value + 1 %}}{{% if {id_flag} %}}{label} "
+        f"{{{{ {kind}_count.value }}}}: {{% endif %}}{placeholder}"
+    )
+
+
+def _qwen2_template(*branches: str, counters: str) -> str:
+    """A Qwen2-style template (one line, no whitespace control): a default system turn, each turn's text and its
+    media placeholders (`branches`, tested in this order; `counters` names the per-kind counters)."""
+    return (
+        "".join(f"{{% set {kind}_count = namespace(value=0) %}}" for kind in counters.split())
+        + "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+        "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if "
+        + "{% elif ".join([*branches, "'text' in content %}{{ content['text'] }}"])
+        + "{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+_IMAGE = ("image", "image image_url", "add_vision_id", "Picture")
+_VIDEO = ("video", "video", "add_vision_id", "Video")
+
+QWEN2_VL = _qwen2_template(
+    _media_branch(*_IMAGE, "<|vision_start|><|image_pad|><|vision_end|>"),
+    _media_branch(*_VIDEO, "<|vision_start|><|video_pad|><|vision_end|>"),
+    counters="image video",
 )
 
-QWEN3_VL = """{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0].role == 'system' %}
-        {%- if messages[0].content is string %}
+QWEN2_5_OMNI = _qwen2_template(
+    _media_branch(*_IMAGE, "<|vision_bos|><|IMAGE|><|vision_eos|>"),
+    _media_branch("audio", "audio audio_url", "add_audio_id", "Audio", "<|audio_bos|><|AUDIO|><|audio_eos|>"),
+    _media_branch(*_VIDEO, "<|vision_bos|><|VIDEO|><|vision_eos|>"),
+    counters="audio image video",
+)
+
+# Qwen3-VL's template has whitespace control and indentation: its repeated pieces are cut out verbatim.
+# The text of a system message given as a list of content items (said with and without tools).
+_QWEN3_SYSTEM_TEXT = """        {%- if messages[0].content is string %}
             {{- messages[0].content }}
         {%- else %}
             {%- for content in messages[0].content %}
@@ -36,35 +66,10 @@ QWEN3_VL = """{%- if tools %}
                 {%- endif %}
             {%- endfor %}
         {%- endif %}
-        {{- '\\n\\n' }}
-    {%- endif %}
-    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\\n' }}
-        {%- if messages[0].content is string %}
-            {{- messages[0].content }}
-        {%- else %}
-            {%- for content in messages[0].content %}
-                {%- if 'text' in content %}
-                    {{- content.text }}
-                {%- endif %}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set image_count = namespace(value=0) %}
-{%- set video_count = namespace(value=0) %}
-{%- for message in messages %}
-    {%- if message.role == "user" %}
-        {{- '<|im_start|>' + message.role + '\\n' }}
-        {%- if message.content is string %}
+"""
+
+# A user or tool message's content: text, and image/video placeholders numbered across the conversation.
+_QWEN3_CONTENT = """        {%- if message.content is string %}
             {{- message.content }}
         {%- else %}
             {%- for content in message.content %}
@@ -81,7 +86,38 @@ QWEN3_VL = """{%- if tools %}
                 {%- endif %}
             {%- endfor %}
         {%- endif %}
-        {{- '<|im_end|>\\n' }}
+"""
+
+QWEN3_VL = (
+    """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+"""
+    + _QWEN3_SYSTEM_TEXT
+    + """        {{- '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' }}
+"""
+    + _QWEN3_SYSTEM_TEXT
+    + """        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- for message in messages %}
+    {%- if message.role == "user" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+"""
+    + _QWEN3_CONTENT
+    + """        {{- '<|im_end|>\\n' }}
     {%- elif message.role == "assistant" %}
         {{- '<|im_start|>' + message.role + '\\n' }}
         {%- if message.content is string %}
@@ -118,24 +154,9 @@ QWEN3_VL = """{%- if tools %}
             {{- '<|im_start|>user' }}
         {%- endif %}
         {{- '\\n<tool_response>\\n' }}
-        {%- if message.content is string %}
-            {{- message.content }}
-        {%- else %}
-            {%- for content in message.content %}
-                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}
-                    {%- set image_count.value = image_count.value + 1 %}
-                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
-                    <|vision_start|><|image_pad|><|vision_end|>
-                {%- elif content.type == 'video' or 'video' in content %}
-                    {%- set video_count.value = video_count.value + 1 %}
-                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
-                    <|vision_start|><|video_pad|><|vision_end|>
-                {%- elif 'text' in content %}
-                    {{- content.text }}
-                {%- endif %}
-            {%- endfor %}
-        {%- endif %}
-        {{- '\\n</tool_response>' }}
+"""
+    + _QWEN3_CONTENT
+    + """        {{- '\\n</tool_response>' }}
         {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
             {{- '<|im_end|>\\n' }}
         {%- endif %}
@@ -145,20 +166,4 @@ QWEN3_VL = """{%- if tools %}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
-
-QWEN2_5_OMNI = (
-    "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
-    "{% set video_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
-    "{% endif %}<|vision_bos|><|IMAGE|><|vision_eos|>"
-    "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
-    "{% set audio_count.value = audio_count.value + 1 %}{% if add_audio_id %}Audio {{ audio_count.value }}: "
-    "{% endif %}<|audio_bos|><|AUDIO|><|audio_eos|>{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: "
-    "{% endif %}<|vision_bos|><|VIDEO|><|vision_eos|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -142,6 +142,8 @@ def attend_heads(
     return heads_to_seq(out, group)
 
 
+# eager under compiled decoder layers, as the attention it wraps
+@torch.compiler.disable
 def ulysses_attention_forward(module, query, key, value, attention_mask, **kwargs):
     """The registered `veomni_ulysses:<inner>` attention: [B, H, S/sp, D] in, ([B, S/sp, H, D], None) out."""
     inner = module.config._attn_implementation[len(PREFIX) :]

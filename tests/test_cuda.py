@@ -1,0 +1,215 @@
+"""The CUDA paths, on a CUDA GPU (skipped elsewhere: CI has none; run `pytest tests/test_cuda.py` on a GPU machine,
+or `bash benchmarks/gpu_all.sh`, which also runs the GPU benchmarks).
+
+* every packed-attention kernel the device offers (torch varlen, compiled flex, flash-attn if installed, SDPA per
+  document) equals per-document fp32 attention, forward and gradients, with GQA and a sliding window; the
+  whole-row causal attention that crosses documents is shown to fail the same check;
+* a packed micro-batch through a model equals its documents one by one (bf16 compute);
+* the fused linear + cross-entropy loss equals the plain loss (bf16 head) and never holds the full logits: its
+  peak memory is measured against the plain loss's;
+* fused MoE experts (torch._grouped_mm) equal transformers' eager experts;
+* the trainer on one GPU: fp32 equals the same run on CPU step by step, and bf16 compute follows it.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import TINY_QWEN3_MOE, read_metrics, run_text_task, tiny_run_config, write_model_config, write_moe_config
+from veomni.data import MainCollator
+from veomni.models import build_foundation_model
+from veomni.ops import attention as attn
+from veomni.ops import causal_lm_loss_sum
+from veomni.ops.loss import chunked_head_loss_sum
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
+
+LENGTHS = [1, 300, 1024, 17, 655, 51]  # 2048 tokens: a 1-token document, odd lengths, one long one
+BACKENDS = ["torch_varlen", "flex", "flash_attn", "sdpa_per_document"]
+
+
+def _available(backend: str) -> bool:
+    package = {"torch_varlen": "torch.nn.attention.varlen", "flash_attn": "flash_attn"}.get(backend)
+    return package is None or attn._has_package(package)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def _attention(backend, q, k, v, lengths, window=None):
+    """veomni_varlen's forward with `backend` forced; q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, T, H, D]."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=q.device, dtype=torch.int32)
+    saved = attn.varlen_backend
+    attn.varlen_backend = lambda device, dtype: backend
+    try:
+        out, _ = attn.varlen_attention_forward(
+            None, q, k, v, None, scaling=q.shape[-1] ** -0.5, sliding_window=window, cu_seq_lens_q=cu
+        )
+    finally:
+        attn.varlen_backend = saved
+    return out
+
+
+def _whole_row_causal(q, k, v, lengths, window=None):
+    """The mistake the kernels must not make: one causal attention over the packed row, across documents."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _errors(run, lengths, window):
+    """Relative max error of `run`'s output and q/k/v gradients in bf16 against fp32 per-document attention."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(1, 16, total, 128, device="cuda", generator=g)
+    k, v = (torch.randn(1, 4, total, 128, device="cuda", generator=g) for _ in range(2))
+    grad_out = torch.randn(1, total, 16, 128, device="cuda", generator=g)
+    results = []
+    for dtype, fn in ((torch.float32, lambda *a: _attention("sdpa_per_document", *a)), (torch.bfloat16, run)):
+        leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, lengths, window)
+        out.backward(grad_out.to(dtype))
+        results.append([out, *(t.grad for t in leaves)])
+    reference, got = results
+    return [_relative_error(a, b) for a, b in zip(got, reference)]
+
+
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_attention_kernels_equal_per_document_attention(backend, window):
+    if not _available(backend):
+        pytest.skip(f"{backend} is not installed here")
+    errors = _errors(lambda *a: _attention(backend, *a), LENGTHS, window)
+    assert max(errors) < 2e-2, f"{backend}: output/dq/dk/dv relative errors {errors}"
+
+
+def test_the_check_catches_attention_across_documents():
+    errors = _errors(_whole_row_causal, LENGTHS, None)
+    assert max(errors) > 0.1, errors  # the same tolerance would have let a cross-document kernel through otherwise
+
+
+def _tiny_qwen3(folder, **overrides):
+    return write_model_config(
+        folder, architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=4096, hidden_size=256,
+        intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, **overrides,
+    )  # fmt: skip
+
+
+def test_packed_micro_batch_equals_documents_one_by_one(tmp_path):
+    """Through the model (its default veomni_varlen attention), bf16 compute as the trainer runs it on CUDA."""
+    torch.manual_seed(0)
+    model = build_foundation_model(_tiny_qwen3(str(tmp_path)), torch_dtype="float32", init_device="cuda")
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in LENGTHS]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        separate = []
+        for d in docs:  # one document per forward: no packing, transformers' SDPA
+            ids = torch.tensor([d], device="cuda")
+            separate.append(causal_lm_loss_sum(model(input_ids=ids).logits, ids)[0])
+        one_by_one = torch.stack(separate).sum()
+        one_by_one.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        batch = MainCollator()([{"input_ids": d, "labels": list(d)} for d in docs])
+        batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+        labels = batch.pop("labels")
+        packed, _ = causal_lm_loss_sum(model(**batch).logits, labels)
+    packed.backward()
+    assert abs(packed.item() - one_by_one.item()) < 2e-3 * one_by_one.item()
+    worst = max(_relative_error(p.grad, want[n]) for n, p in model.named_parameters())
+    assert worst < 3e-2, worst
+
+
+def test_fused_linear_cross_entropy_equals_plain_loss_without_the_logits():
+    torch.manual_seed(0)
+    tokens, hidden, vocab = 8192, 1024, 32768
+    h = (torch.randn(tokens, hidden, device="cuda") * 0.5).to(torch.bfloat16)
+    head = torch.nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (1, tokens), device="cuda")
+    labels[0, ::7] = -100
+    results, peaks = [], []
+    for fused in (False, True):
+        head.zero_grad()
+        leaf = h.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        if fused:
+            loss, _ = chunked_head_loss_sum(head, leaf[None], labels, chunk_size=1024)
+        else:
+            loss, _ = causal_lm_loss_sum(head(leaf[None]), labels)
+        (loss / 1000.0).backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        results.append((loss.detach(), leaf.grad, head.weight.grad.clone()))
+    (plain_loss, plain_dh, plain_dw), (fused_loss, fused_dh, fused_dw) = results
+    assert abs(fused_loss.item() - plain_loss.item()) < 1e-4 * plain_loss.item()
+    assert _relative_error(fused_dh, plain_dh) < 2e-2
+    assert _relative_error(fused_dw, plain_dw) < 2e-2
+    full_logits = tokens * vocab * 4  # the fp32 logits the plain loss materialises
+    assert peaks[1] < peaks[0] - full_logits, f"peak {peaks[1] / 2**20:.0f} MiB vs plain {peaks[0] / 2**20:.0f} MiB"
+
+
+def test_fused_experts_equal_eager_experts(tmp_path):
+    config = write_moe_config(str(tmp_path), **dict(TINY_QWEN3_MOE, hidden_size=256, moe_intermediate_size=128))
+    models = {}
+    for impl in ("eager", "fused"):
+        torch.manual_seed(0)
+        models[impl] = build_foundation_model(
+            config, torch_dtype="float32", init_device="cuda", moe_implementation=impl
+        )
+    ids = torch.randint(0, 512, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    results = {}
+    for impl, model in models.items():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = causal_lm_loss_sum(model(input_ids=ids).logits, ids)
+        loss.backward()
+        results[impl] = loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    (eager_loss, eager_grads), (fused_loss, fused_grads) = results["eager"], results["fused"]
+    assert abs(fused_loss - eager_loss) < 2e-3 * eager_loss
+    worst = max(_relative_error(fused_grads[n], g) for n, g in eager_grads.items())
+    assert worst < 3e-2, worst
+
+
+def test_trainer_on_one_gpu_equals_the_cpu_run(tmp_path):
+    config = tiny_run_config(str(tmp_path))
+    fp32 = ["--train.accelerator.fsdp_config.mixed_precision.param_dtype", "float32"]
+    gpu = run_text_task(config, 1, str(tmp_path / "gpu"), fp32)
+    gpu_bf16 = run_text_task(config, 1, str(tmp_path / "gpu_bf16"))
+    os.environ["VEOMNI_DEVICE"] = "cpu"
+    try:
+        cpu = run_text_task(config, 1, str(tmp_path / "cpu"), fp32)
+    finally:
+        del os.environ["VEOMNI_DEVICE"]
+    assert len(gpu) == len(cpu) == 10
+    for a, b, c in zip(gpu, cpu, gpu_bf16):
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * b["loss"], (a["step"], a["loss"], b["loss"])
+        assert abs(c["loss"] - b["loss"]) < 2e-2 * b["loss"], (c["step"], c["loss"], b["loss"])
+    assert read_metrics(str(tmp_path / "gpu"))[-1]["loss"] < cpu[0]["loss"]
+
+
+def test_compiled_decoder_layers_equal_eager(tmp_path):
+    """ops_implementation.compile: the same loss and gradients as eager (fp32: only the order of sums differs)."""
+    from veomni.distributed.torch_parallelize import _basic_module_instances, compile_basic_modules
+
+    config = _tiny_qwen3(str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in LENGTHS]
+    batch = MainCollator()([{"input_ids": d, "labels": list(d)} for d in docs])
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+    labels = batch.pop("labels")
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = build_foundation_model(config, torch_dtype="float32", init_device="cuda")
+        if compiled:
+            compile_basic_modules(_basic_module_instances(model, ["Qwen3DecoderLayer"]))
+        loss, _ = causal_lm_loss_sum(model(**batch).logits, labels)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    assert abs(compiled_loss - eager_loss) < 1e-5 * eager_loss
+    worst = max(_relative_error(compiled_grads[n], g) for n, g in eager_grads.items())
+    assert worst < 1e-4, worst
