@@ -201,7 +201,9 @@ class profiled:
         events = prof.key_averages()
         kernels = sum(e.self_device_time_total for e in events) / 1e3 / self.active  # ms per step on the GPU
         print(f"--- profile: {self.label}, GPU busy {kernels:.1f} ms per step (kernel time, {self.active} steps)")
-        print(events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=60))
+        print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+        print(f"--- profile: {self.label}, by host (CPU) time")
+        print(events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
 
 
 def time_trainer(trainer, steps, warmup, label=""):

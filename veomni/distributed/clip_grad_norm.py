@@ -90,6 +90,6 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, norm_type: float = 2
     params = [p for p in model.parameters() if p.grad is not None]
     total = total_grad_norm(params, norm_type).item()
     coef = max_norm / (total + 1e-6)
-    if max_norm > 0 and coef < 1.0:  # a Python scalar works for DTensor and plain grads alike
-        torch._foreach_mul_([p.grad for p in params], coef)
+    if max_norm > 0 and coef < 1.0:  # on the local shards: scaling them scales the DTensor, without its dispatch
+        torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], coef)
     return total

@@ -132,8 +132,9 @@ def chunked_head_loss_sum(
     flat = hidden.reshape(-1, hidden.shape[-1])
     # only positions with a target reach the head: masked ones add exactly 0 to the sum and its gradient, and in SFT
     # (prompts, image tokens) they are most of the row
-    keep = targets != IGNORE_INDEX
-    flat, targets = flat[keep], targets[keep]
+    # (index_select, not a boolean mask: its backward is an index_add, where a mask's would wait for the GPU again)
+    keep = torch.nonzero(targets != IGNORE_INDEX).squeeze(1)
+    flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
     if torch.is_grad_enabled() and isinstance(head, nn.Linear) and not isinstance(head.weight, DTensor):
         total = _LinearCrossEntropySum.apply(flat, head.weight, head.bias, targets, chunk_size)
         return total, (targets != IGNORE_INDEX).sum()

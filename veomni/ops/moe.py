@@ -88,6 +88,9 @@ def fused_experts_forward(
     counts = torch.bincount(flat, minlength=num_experts)
     x = hidden_states[token_of]
     gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    if torch.is_autocast_enabled(x.device.type):  # as a Linear under autocast (grouped_mm takes no fp32 under it)
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
     ep = getattr(self, "_veomni_ep", None)
     if ep is None:
         y = _grouped_mlp(x, counts.tolist(), gate_up, down, self._apply_gate)
