@@ -362,10 +362,10 @@ def time_trainer_model(folder, checkpointing, batch, args):
 
 
 def time_bare_model(folder, checkpointing, batch, args):
+    from veomni.distributed.compile import compile_basic_modules
     from veomni.distributed.torch_parallelize import (
         _basic_module_instances,
         _enable_gradient_checkpointing,
-        compile_basic_modules,
         no_split_module_names,
     )
     from veomni.models import build_foundation_model

@@ -192,7 +192,8 @@ def test_trainer_on_one_gpu_equals_the_cpu_run(tmp_path):
 
 def test_compiled_decoder_layers_equal_eager(tmp_path):
     """ops_implementation.compile: the same loss and gradients as eager (fp32: only the order of sums differs)."""
-    from veomni.distributed.torch_parallelize import _basic_module_instances, compile_basic_modules
+    from veomni.distributed.compile import compile_basic_modules
+    from veomni.distributed.torch_parallelize import _basic_module_instances
 
     config = _tiny_qwen3(str(tmp_path))
     g = torch.Generator().manual_seed(0)

@@ -188,9 +188,12 @@ class FSDPConfig:
 
     fsdp_mode: Literal["fsdp2", "ddp"] = _doc("Data-parallel engine.", default="fsdp2")
     full_shard: bool = _doc("Shard parameters, grads and optimizer state (ZeRO-3).", default=True)
-    reshard_after_forward: bool = _doc(
-        "Free gathered parameters after forward (ignored on a one-rank shard group, where it frees nothing).",
-        default=True,
+    reshard_after_forward: Optional[bool] = _doc(
+        "Free gathered parameters after forward (backward gathers them again). null (default): yes, except on a "
+        "one-rank shard group, where keeping them (a bf16 copy, 2 bytes per parameter) spares backward a second "
+        "gather and cast of every layer (0.6B on one H100: 0.80 -> 0.90 of a bare loop's speed, with the CUDA grad "
+        "norm). true/false: always/never.",
+        default=None,
     )
     offload: bool = _doc("Keep sharded parameters on CPU (FSDP2 CPUOffloadPolicy).", default=False)
     forward_prefetch: bool = _doc("Prefetch the next FSDP unit's parameters in forward.", default=True)

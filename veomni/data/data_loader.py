@@ -340,9 +340,11 @@ class MicroBatchLoader(StatefulDataLoader):
 
     @_iterator.setter
     def _iterator(self, iterator) -> None:
-        # StatefulDataLoader replaces (or drops) its iterator on a new epoch's iter() and in load_state_dict
+        # StatefulDataLoader drops its iterator in load_state_dict (whose position is then gone): its workers stop.
+        # A new iter() replaces it, but the old one may still be iterated (two iterators, as a DataLoader allows):
+        # it keeps its workers, and frees them when it ends or is collected.
         previous, self._live[0] = self._live[0], iterator
-        if previous is not iterator:
+        if iterator is None and previous is not None:
             _stop_workers([previous])
 
     def __iter__(self):

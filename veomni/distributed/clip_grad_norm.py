@@ -44,8 +44,9 @@ def _group_norm(grads, norm_type: float) -> torch.Tensor:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     if local[0].is_cuda:  # CUDA reductions are tree-shaped (no CPU-style drift): one fused kernel for all of them
-        norms = torch.stack(torch._foreach_norm([t for t in local if t.numel()] or [local[0].new_zeros(1)], norm_type))
-        local = norms.to(torch.float64)
+        tensors = [t for t in local if t.numel()] or [local[0].new_zeros(1)]
+        # fp32 results whatever the gradients' dtype: a bf16 norm is rounded (0.2%), an fp16 one overflows at 65504
+        local = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32)).to(torch.float64)
     else:  # hundreds of per-tensor kernels: cheap on CPU, ~a launch each on an accelerator
         local = torch.stack([_local_norm64(t, norm_type) for t in local])
     norm = torch.linalg.vector_norm(local, norm_type)

@@ -4,13 +4,13 @@ meta-device materialisation with weights read on rank 0 and broadcast."""
 from functools import partial
 from typing import Any, List, Optional, Sequence
 
-import torch
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
+from .compile import compile_basic_modules
 from .mixed_precision import resolve_precision
 from .parallel_plan import apply_expert_parallel, expert_shard_placement
 from .parallel_state import get_parallel_state
@@ -46,19 +46,6 @@ def _basic_module_instances(model: nn.Module, basic_modules: Sequence[str]) -> L
         raise ValueError(f"none of basic_modules {sorted(names)} occurs in {type(model).__name__}")
     depth = {id(m): name.count(".") for name, m in model.named_modules()}
     return sorted(found, key=lambda m: -depth[id(m)])  # stable: forward order kept within a depth
-
-
-def compile_basic_modules(units: List[nn.Module]) -> None:
-    """`torch.compile` each unit's `forward` (not the module: FSDP's hooks, activation checkpointing and the state
-    dict's names stay as they are). Inductor fuses what eager runs as many small memory-bound kernels: the RMS
-    norms with their fp32 upcasts, rotary embeddings, SwiGLU, residual adds, the bf16 casts. The attention and
-    MoE-experts dispatch stay eager (`torch.compiler.disable` in veomni.ops): a graph break around kernels that
-    are fused already. Units of one class share their compiled code; sequence lengths that vary between
-    micro-batches make it recompile once with dynamic shapes."""
-    for unit in units:
-        unit.forward = torch.compile(unit.forward)
-    if units:
-        logger.info(f"torch.compile: the forward of {len(units)} {type(units[0]).__name__} units (cold compile ahead)")
 
 
 def _prefetch_chains(units: List[nn.Module]) -> List[List[nn.Module]]:
@@ -99,7 +86,7 @@ def build_parallelize_model(
     init_device: str = "cpu",
     weights_path: Optional[str] = None,
     enable_full_shard: bool = True,
-    enable_reshard_after_forward: bool = True,
+    enable_reshard_after_forward: Optional[bool] = None,
     mixed_precision: Any = None,
     enable_gradient_checkpointing: bool = False,
     enable_fsdp_offload: bool = False,
@@ -140,7 +127,12 @@ def build_parallelize_model(
         apply_tensor_parallel(model, state.tp_mesh)
     if enable_gradient_checkpointing:
         _enable_gradient_checkpointing(model, enable_reentrant)
-    if enable_compile:
+    if enable_compile:  # after checkpointing is set, which the compiled forward takes over
+        if enable_gradient_checkpointing and enable_reentrant:
+            raise ValueError(
+                "model.ops_implementation.compile with train.gradient_checkpointing.enable_reentrant: compiled layers "
+                "checkpoint non-reentrantly; set enable_reentrant false"
+            )
         compile_basic_modules(_basic_module_instances(model, basic_modules or []))
     on_meta = init_device == "meta" or any(p.is_meta for p in model.parameters())
     reference_init = _reference_init(model) if on_meta and weights_path is None else None
@@ -163,9 +155,11 @@ def build_parallelize_model(
     mesh = state.fsdp_mesh
     mp_policy = _mixed_precision_policy(mixed_precision) or MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=get_device_type() == "cuda") if enable_fsdp_offload else None
-    # over a single rank a resharded parameter is the whole parameter: resharding saves no memory, and backward
-    # would gather (copy and cast) every unit a second time
-    reshard = enable_reshard_after_forward and enable_full_shard and mesh.size() > 1
+    # None: reshard, except over a single rank, where keeping the gathered (cast) copies costs 2 bytes per
+    # parameter and spares backward a second gather and cast of every unit, the bulk of FSDP's host time there
+    if enable_reshard_after_forward is None:
+        enable_reshard_after_forward = mesh.size() > 1
+    reshard = enable_reshard_after_forward and enable_full_shard
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard, "mp_policy": mp_policy}
     if offload is not None:
         kwargs["offload_policy"] = offload

@@ -5,7 +5,8 @@ forward it takes over the output head and runs it on `chunk_size` tokens at a ti
 logits of only one chunk live at once. In training this is a fused linear + cross-entropy: each chunk's gradients
 (softmax - one-hot, through the head) are computed in the forward pass, so backward neither recomputes the
 logits nor the softmax (~10% of a step of the demo model; the price is the head's weight gradient held from
-forward to backward). A tensor-parallel head (DTensor weight) checkpoints each chunk and recomputes it instead.
+forward to backward; no second-order gradients: a create_graph backward raises). A tensor-parallel head (DTensor
+weight) checkpoints each chunk and recomputes it instead.
 The head's own forward is still called once as a module, so FSDP's hooks and tied embeddings behave as in the
 plain forward.
 """
@@ -94,6 +95,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
+        if torch.is_grad_enabled():  # create_graph: the saved gradients carry no graph, a penalty on them would be 0
+            raise RuntimeError(
+                "the fused linear + cross-entropy loss has no second-order gradient (create_graph=True): set "
+                "model.ops_implementation.loss_chunk_size 0 for the plain loss"
+            )
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         scale = grad_total.float()
         return (
@@ -116,7 +122,7 @@ def _scaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _scaled_in_fp32(grad: torch.Tensor, scale: torch.Tensor, rows: int = 4096) -> torch.Tensor:
     """A block of rows at a time, so no fp32 copy of a head-sized gradient is made."""
     out = torch.empty_like(grad)
-    for start in range(0, grad.shape[0], rows):  # slices, not out=: a create_graph backward may differentiate by it
+    for start in range(0, grad.shape[0], rows):
         out[start : start + rows] = grad[start : start + rows].float() * scale
     return out
 

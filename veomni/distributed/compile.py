@@ -1,0 +1,57 @@
+"""`model.ops_implementation.compile`: `torch.compile` of each basic module (decoder layer, vision block).
+
+Inductor fuses what eager runs as many small memory-bound kernels: the RMS norms with their fp32 upcasts, rotary
+embeddings, SwiGLU, residual adds, bf16 casts. The attention and MoE-experts dispatch stay eager
+(`torch.compiler.disable` in veomni.ops): a graph break around kernels that are fused already.
+
+What is compiled is the layer's own `forward`, installed on the instance, so the module, FSDP2's hooks on it and
+the state-dict names stay as they are. transformers checkpoints activations inside `forward` (a wrapper on every
+subclass of `GradientCheckpointingLayer`, FSDP's `FSDP<Layer>` included, of which only the outermost checkpoints):
+a compiled layer skips those wrappers, so when checkpointing is on it is applied here instead, around the compiled
+forward (non-reentrant), and transformers' own is switched off for the layer.
+"""
+
+import types
+from typing import Callable, List
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def _undecorated_forward(unit: nn.Module) -> Callable:
+    """The class's own `forward`, without transformers' checkpointing wrappers."""
+    forward = type(unit).forward
+    while forward.__code__.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
+        forward = forward.__wrapped__
+    return forward
+
+
+class CompiledForward:
+    """A unit's compiled forward, checkpointed (when the unit had activation checkpointing on) in training."""
+
+    def __init__(self, unit: nn.Module):
+        self.unit = unit
+        self.compiled = torch.compile(types.MethodType(_undecorated_forward(unit), unit))
+        self.checkpointing = bool(getattr(unit, "gradient_checkpointing", False))
+        if self.checkpointing:
+            unit.gradient_checkpointing = False  # done here, outside the compiled region
+
+    def __call__(self, *args, **kwargs):
+        if self.checkpointing and self.unit.training and torch.is_grad_enabled():
+            return checkpoint(self.compiled, *args, use_reentrant=False, **kwargs)
+        return self.compiled(*args, **kwargs)
+
+
+def compile_basic_modules(units: List[nn.Module]) -> None:
+    """Install a `CompiledForward` on each unit (call after enabling activation checkpointing, before sharding).
+    Units of one class share their compiled code; a sequence length that changes between micro-batches makes it
+    recompile once, with dynamic shapes."""
+    for unit in units:
+        unit.forward = CompiledForward(unit)
+    if units:
+        logger.info(f"torch.compile: the forward of {len(units)} {type(units[0]).__name__} units (cold compile ahead)")
