@@ -316,8 +316,9 @@ def dropped_samples(loader) -> int:
 
 class MicroBatchLoader(StatefulDataLoader):
     """The StatefulDataLoader over a micro-batch stream that stops its worker processes as soon as their iterator is
-    abandoned: when a new epoch's iterator replaces it, when a state is loaded, on `close()`, and when the loader
-    itself is collected (unless the iterator is still in use: `for batch in build_dataloader(...)`).
+    abandoned: when a state is loaded, on `close()` (the trainer's, at the end of training or on a stop), and when the
+    loader itself is collected (unless the iterator is still in use: `for batch in build_dataloader(...)`). A new
+    iter() leaves the previous iterator working, as a DataLoader does: it may still be iterated.
 
     torch shuts an iterator's workers down only when the iterator is garbage collected. An iterator left mid-epoch
     (max_steps reached, a resume, the end of training) otherwise keeps its workers alive until then, and when the
