@@ -216,6 +216,7 @@ def varlen_attention_forward(
     if dropout and backend in ("torch_varlen", "flex"):  # neither kernel takes attention dropout
         _log_once(f"attention dropout {dropout}: {backend} has none; running causal SDPA per document instead")
         backend = "sdpa_per_document"
+    _log_once(f"{VARLEN}: packed documents attend through {backend} ({query.device.type}, {query.dtype})")
     max_len = kwargs.get("max_length_q")
     if backend in ("flash_attn", "torch_varlen"):
         cu32 = cu.to(device=query.device, dtype=torch.int32)
