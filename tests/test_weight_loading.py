@@ -56,7 +56,7 @@ def test_single_file_and_bad_checkpoint_errors(model_dir, tmp_path):
         build_foundation_model(str(tmp_path), str(tmp_path), torch_dtype="float32")
     del bad["model.layers.0.mlp.gate_proj.weight"]
     save_file(bad, str(tmp_path / "model.safetensors"))
-    with pytest.raises(KeyError, match="missing weights"):
+    with pytest.raises(ValueError, match="no tensor for the model.s .model.layers.0.mlp.gate_proj.weight"):
         build_foundation_model(str(tmp_path), str(tmp_path), torch_dtype="float32")
 
 

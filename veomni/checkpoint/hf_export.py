@@ -4,15 +4,18 @@ live (sharded) model or from a DCP checkpoint, loadable by plain `transformers.A
 
 import copy
 import json
+import math
 import os
 import shutil
-from typing import Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from ..models.hf_conversion import TensorGroup, convert_group, plan_save
 from ..models.loader import tied_parameter_names
 from ..utils.logging import get_logger
 
@@ -64,32 +67,73 @@ def _save_readable(tensors: Dict[str, torch.Tensor], path: str) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def write_safetensors(state_dict: Dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
-    """One file, or shards with a `model.safetensors.index.json`, written beside each other atomically enough
-    (index last) that a reader never sees an index pointing at missing shards."""
-    os.makedirs(out_dir, exist_ok=True)
-    shards, current, size = [], {}, 0
-    for name in sorted(state_dict):
-        tensor = state_dict[name].detach().contiguous().cpu()
-        nbytes = tensor.numel() * tensor.element_size()
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _buckets(sizes: List[Tuple[object, int]], max_shard_bytes: int) -> List[List[object]]:
+    """Consecutive items in shards of at most `max_shard_bytes` (an item larger than that gets a shard of its own)."""
+    shards, current, size = [], [], 0
+    for item, nbytes in sizes:
         if current and size + nbytes > max_shard_bytes:
             shards.append(current)
-            current, size = {}, 0
-        current[name] = tensor
+            current, size = [], 0
+        current.append(item)
         size += nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        _save_readable(shards[0], os.path.join(out_dir, "model.safetensors"))
-        return
+    return shards + [current]
+
+
+def write_hf_shards(
+    out_dir: str, shards: List[List[object]], produce: Callable[[List[object]], Dict[str, torch.Tensor]]
+) -> None:
+    """One `model.safetensors`, or `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json` (written
+    last, so a reader never sees an index pointing at missing shards). `produce(shard)` gives one shard's tensors,
+    so only one shard is in memory at a time."""
+    os.makedirs(out_dir, exist_ok=True)
     weight_map, total = {}, 0
     for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _save_readable(shard, os.path.join(out_dir, file))
-        for name, t in shard.items():
+        tensors = {name: t.detach().contiguous().cpu() for name, t in produce(shard).items()}
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _save_readable(tensors, os.path.join(out_dir, file))
+        for name, t in tensors.items():
             weight_map[name] = file
             total += t.numel() * t.element_size()
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        del tensors
+    if len(shards) > 1:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+
+
+def write_safetensors(state_dict: Dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Tensors exactly as given (no renaming), in shards of at most `max_shard_bytes`."""
+    names = sorted(state_dict)
+    sizes = [(n, state_dict[n].numel() * state_dict[n].element_size()) for n in names]
+    write_hf_shards(out_dir, _buckets(sizes, max_shard_bytes), lambda shard: {n: state_dict[n] for n in shard})
+
+
+def write_hub_layout(
+    model: nn.Module,
+    shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
+    read: Callable[[List[str]], Dict[str, torch.Tensor]],
+    out_dir: str,
+    max_shard_bytes: int,
+) -> None:
+    """Write the model tensors named in `shapes` under the key layout `save_pretrained` writes for `model`'s class
+    (per-expert MoE keys, the hub names of VL/Omni models): transformers' own rules, reversed. `read(names)` gives
+    the model tensors of one shard, which are converted and written before the next shard is read."""
+    groups = plan_save(model, shapes)
+    sizes = [(group, sum(_nbytes(*shapes[key]) for key in group.keys)) for group in groups]
+
+    def produce(shard: List[TensorGroup]) -> Dict[str, torch.Tensor]:
+        tensors = read([key for group in shard for key in group.keys])
+        out = {}
+        for group in shard:
+            converted = convert_group(group, {key: tensors.pop(key) for key in group.keys}, model)
+            # a converter's outputs may be views of one tensor: safetensors refuses shared storage
+            out.update({name: t if group.is_rename else t.clone() for name, t in converted.items()})
+        return out
+
+    write_hf_shards(out_dir, _buckets(sizes, max_shard_bytes), produce)
 
 
 def architecture_of(model) -> str:
@@ -107,9 +151,10 @@ def save_hf_model(model, out_dir: str, tokenizer_dir: Optional[str] = None, max_
     if dist.get_rank() == 0:
         tied = set(tied_parameter_names(model))
         state = {k: v for k, v in state.items() if k not in tied}  # HF re-ties on load
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        write_safetensors(state, tmp, max_shard_bytes)
+        write_hub_layout(model, shapes, lambda names: {n: state.pop(n) for n in names}, tmp, max_shard_bytes)
         export_config(model.config, tmp, architecture_of(model))
         copy_tokenizer(tokenizer_dir, tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -136,15 +181,20 @@ def dcp_to_hf(
     with torch.device("meta"):
         skeleton = model_class_for(config).from_config(config, trust_remote_code=trust_remote_code)
     tied = set(tied_parameter_names(skeleton))
-    reader = SafeFileSystemReader(os.path.join(checkpoint_dir, "model_optimizer"))
-    saved = reader.read_metadata().state_dict_metadata  # shapes and dtypes exactly as trained
-    state = {"model": {}}
+    folder = os.path.join(checkpoint_dir, "model_optimizer")
+    saved = SafeFileSystemReader(folder).read_metadata().state_dict_metadata  # shapes and dtypes exactly as trained
+    shapes = {}
     for key, meta in saved.items():
         name = key[len("model.") :]
         if key.startswith("model.") and name not in tied:
-            state["model"][name] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(checkpoint_dir, "model_optimizer")), no_dist=True)
-    write_safetensors(state["model"], out_dir, max_shard_bytes)
+            shapes[name] = (tuple(meta.size), meta.properties.dtype)
+
+    def read(names: List[str]) -> Dict[str, torch.Tensor]:  # one output shard's tensors from the DCP files
+        state = {"model": {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}}
+        dcp.load(state, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+        return state["model"]
+
+    write_hub_layout(skeleton, shapes, read, out_dir, max_shard_bytes)
     export_config(config, out_dir, architecture_of(skeleton))
     copy_tokenizer(config_dir, out_dir)
     return out_dir

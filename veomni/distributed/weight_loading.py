@@ -1,7 +1,14 @@
-"""Filling a (possibly sharded) model from full tensors: read once on rank 0, broadcast in bounded chunks.
+"""Filling a (possibly sharded) model from a checkpoint, one tensor group at a time.
 
-Each rank keeps only its own shard of every tensor: `distribute_tensor(..., src_data_rank=None)` slices locally
-with exactly the layout FSDP2 uses, so no further communication happens after the chunk broadcast.
+Two ways, both streaming (no rank ever holds more than one group of full tensors):
+
+* `broadcast_from_rank0`: rank 0 reads and converts (transformers' rules, veomni/models/loader.py), then broadcasts
+  in bounded chunks; a read error on rank 0 is broadcast too, so every rank raises it instead of waiting.
+* otherwise every rank reads the files itself, and a tensor that is only renamed is read as just this rank's slice
+  of it (FSDP2 / TP / EP `Shard` placements).
+
+Each rank keeps only its own shard: `distribute_tensor(..., src_data_rank=None)` slices locally with exactly the
+layout FSDP2 uses, so no further communication happens after the chunk broadcast.
 """
 
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
@@ -9,13 +16,14 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..models.loader import iter_model_weights, tied_parameter_names
+from ..models.loader import ModelWeights, WeightsMismatchError, tied_parameter_names
 from ..utils.device import get_device
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
+_FAILED = "__veomni_read_failed__"
 
 
 def _chunks(tensors: Iterable[Tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
@@ -31,25 +39,60 @@ def _chunks(tensors: Iterable[Tuple[str, torch.Tensor]], max_bytes: int) -> Iter
         yield chunk
 
 
+def _next_chunk(chunks) -> Tuple[Optional[list], Optional[BaseException]]:
+    try:
+        return next(chunks, None), None
+    except Exception as err:  # told to every rank before it is raised here
+        return None, err
+
+
 def _broadcast_chunks(source: Optional[Iterable[Tuple[str, torch.Tensor]]], max_bytes: int):
     """Rank 0 reads `source`; every rank receives the same `(name, tensor)` stream, one chunk per broadcast."""
     device = get_device()
     rank = dist.get_rank()
     chunks = _chunks(source, max_bytes) if rank == 0 else None
     while True:
-        chunk = next(chunks, None) if rank == 0 else None
-        meta = [[(n, tuple(t.shape), t.dtype) for n, t in chunk] if chunk is not None else None]
+        chunk, error = _next_chunk(chunks) if rank == 0 else (None, None)
+        if error is not None:
+            meta = [(_FAILED, isinstance(error, WeightsMismatchError), str(error))]
+        else:
+            meta = [[(n, tuple(t.shape), t.dtype) for n, t in chunk] if chunk is not None else None]
         dist.broadcast_object_list(meta, src=0)
+        if error is not None:
+            raise error
+        if isinstance(meta[0], tuple) and meta[0][0] == _FAILED:
+            _, mismatch, message = meta[0]
+            raise (WeightsMismatchError if mismatch else RuntimeError)(f"(read on rank 0) {message}")
         if meta[0] is None:
             return
         sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, s, d in meta[0]]
         if rank == 0:
-            flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in chunk]).to(device)
+            parts = [t.contiguous().view(-1).view(torch.uint8) for _, t in chunk]
+            flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)
         else:
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         dist.broadcast(flat, src=0)
         for (name, shape, dtype), part in zip(meta[0], flat.split(sizes)):
             yield name, part.view(dtype).view(shape)
+
+
+def local_index(target: torch.Tensor) -> Optional[Tuple[slice, ...]]:
+    """The slice of the full tensor that this rank's shard of `target` holds, for `Shard`/`Replicate` placements
+    (torch.chunk's split, as DTensor makes it); None where it is not one block (a strided FSDP2-over-TP shard)."""
+    if not isinstance(target, DTensor) or any(type(p) not in (Shard, Replicate) for p in target.placements):
+        return None
+    coordinate = target.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return None
+    bounds = [[0, size] for size in target.shape]
+    for mesh_dim, placement in enumerate(target.placements):
+        if isinstance(placement, Shard):
+            start, end = bounds[placement.dim]
+            parts = target.device_mesh.size(mesh_dim)
+            step = -(-(end - start) // parts)
+            lo = min(start + coordinate[mesh_dim] * step, end)
+            bounds[placement.dim] = [lo, min(lo + step, end)]
+    return tuple(slice(lo, hi) for lo, hi in bounds)
 
 
 def _shared_parameter_slots(model: nn.Module) -> List[List[Tuple[nn.Module, str]]]:
@@ -69,34 +112,53 @@ def load_full_tensors(
     max_broadcast_bytes: int = 2**30,
     source_name: str = "weights",
 ) -> None:
-    """Copy full tensors into `model`, whose parameters may be FSDP2 DTensor shards or plain tensors.
+    """Copy full tensors (under the model's names) into `model`, whose parameters may be DTensor shards or plain
+    tensors. With `broadcast_from_rank0`, only rank 0 needs `tensors` (others pass None)."""
+    stream = _broadcast_chunks(tensors, max_broadcast_bytes) if broadcast_from_rank0 else tensors
+    _copy_into(model, ((name, full, False) for name, full in stream), source_name)
 
-    With `broadcast_from_rank0`, only rank 0 needs `tensors` (others pass None).
-    """
+
+def _copy_into(model: nn.Module, stream: Iterable[Tuple[str, torch.Tensor, bool]], source_name: str) -> int:
+    """Copy the stream into `model`; returns how many tensors came as this rank's slice only."""
     state: Dict[str, torch.Tensor] = model.state_dict()
     tied = set(tied_parameter_names(model))
-    stream = _broadcast_chunks(tensors, max_broadcast_bytes) if broadcast_from_rank0 else tensors
-    loaded = set()
-    for name, full in stream:
+    loaded, slices = set(), 0
+    for name, tensor, is_local in stream:
+        slices += is_local
         if name not in state:
             if name in tied:
                 continue
             raise KeyError(f"{source_name}: key '{name}' matches no parameter of {type(model).__name__}")
         target = state[name]
-        if tuple(full.shape) != tuple(target.shape):
+        local = target.to_local() if isinstance(target, DTensor) else target
+        if not is_local and tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
-                f"{source_name}: '{name}' has shape {tuple(full.shape)}, model expects {tuple(target.shape)}"
+                f"{source_name}: '{name}' has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
             )
-        full = full.to(device=target.device, dtype=target.dtype)
-        if isinstance(target, DTensor):
-            shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-            target.to_local().copy_(shard.to_local())
-        else:
-            target.copy_(full)
+        index = None if is_local or not isinstance(target, DTensor) else local_index(target)
+        if not is_local and isinstance(target, DTensor) and index is None:  # a strided shard: DTensor slices it
+            tensor = tensor.to(device=local.device, dtype=local.dtype)
+            tensor = distribute_tensor(tensor, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        local.copy_(tensor[index] if index is not None else tensor)  # copy_ casts: no full-size fp32 temporary
         loaded.add(name)
     missing = [n for n in state if n not in loaded and n not in tied]
     if missing:
         raise KeyError(f"{source_name}: no value for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    return slices
+
+
+def load_checkpoint(model: nn.Module, weights_path: str, broadcast_from_rank0: bool, max_broadcast_bytes: int) -> None:
+    """Fill `model` (materialised, possibly sharded) from an HF checkpoint folder, with transformers' key rules."""
+    if broadcast_from_rank0 and dist.get_world_size() > 1:
+        source = None
+        if dist.get_rank() == 0:
+            source = ((name, tensor) for name, tensor, _ in ModelWeights(weights_path, model).tensors())
+        load_full_tensors(model, source, True, max_broadcast_bytes, source_name=weights_path)
+        return
+    state = model.state_dict()
+    weights = ModelWeights(weights_path, model)
+    slices = _copy_into(model, weights.tensors(lambda name: local_index(state[name])), weights_path)
+    logger.info(f"read {slices} of {len(state)} tensors as this rank's slice only (the rest whole, then sliced)")
 
 
 def materialize_meta_model(
@@ -122,12 +184,12 @@ def materialize_meta_model(
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name].to(buf.device))
-    reading = dist.get_rank() == 0 or not broadcast_from_rank0
     if weights_path is not None:
-        source = iter_model_weights(weights_path, getattr(model, "config", None)) if reading else None
+        load_checkpoint(model, weights_path, broadcast_from_rank0, max_broadcast_bytes)
         name = weights_path
     else:
+        reading = dist.get_rank() == 0 or not broadcast_from_rank0
         source = reference_init().state_dict().items() if reading else None
         name = "rank-0 initialisation"
-    load_full_tensors(model, source, broadcast_from_rank0, max_broadcast_bytes, source_name=name)
+        load_full_tensors(model, source, broadcast_from_rank0, max_broadcast_bytes, source_name=name)
     logger.info(f"materialised meta model from {name}")

@@ -73,6 +73,14 @@ def build_foundation_model(
     built on `meta`. Every model gets `model.get_position_id_func()` (M-RoPE ids for multimodal models, None for
     text); multimodal ones get the packing/FSDP adapter of veomni/models/multimodal.py.
 
+    Weights load exactly as transformers' `from_pretrained` loads them: its own key renames and conversions (hub
+    layouts of VL / Omni models, per-expert MoE keys fused, a full Omni checkpoint into its thinker), checked
+    against the model before anything is read (veomni/models/loader.py).
+
+    `torch_dtype` defaults to "bfloat16", the usual training dtype on GPUs: a model loaded that way differs from an
+    fp32 `from_pretrained` by bf16 rounding (~2e-4 relative). Pass "float32" for fp32 master weights (the trainer
+    does, per `model.torch_dtype`) and every tensor equals transformers' fp32 load bit for bit.
+
     `init_device="meta"` allocates no parameter memory: `build_parallelize_model` materialises the shards and
     loads the weights (from rank 0, broadcast) afterwards. Without weights the model is initialised from the
     current torch seed, identically on every rank. `trust_remote_code` (also accepted in `config_kwargs`) lets a

@@ -1,15 +1,28 @@
-"""Reading HF checkpoints (safetensors, or PyTorch `.bin` with `weights_only=True`; one file or a sharded index),
-one tensor at a time."""
+"""Reading HF checkpoints (safetensors, or PyTorch `.bin` with `weights_only=True`; one file or a sharded index) as
+a model's tensors, with transformers' own key renames and conversions (veomni/models/hf_conversion.py).
 
+Everything a checkpoint can get wrong is found from its headers before a tensor is read: a key the model does not
+have, a model tensor no key provides, a shape or dtype that does not fit. Tensors are then read one group at a time
+(a rank may read just its slice of a renamed tensor), so memory stays one group, never the model.
+"""
+
+import collections
 import contextlib
+import itertools
 import json
 import os
-import re
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from ..utils.logging import get_logger
+from .hf_conversion import OMNI_NON_THINKER_PREFIXES, TensorGroup, convert_group, plan_load, plan_save
+
+logger = get_logger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -18,12 +31,17 @@ INDEX_FILE = "model.safetensors.index.json"
 BIN_SINGLE_FILE = "pytorch_model.bin"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+_NON_FLOAT_SAFETENSORS = ("I", "U", "BOOL")  # safetensors dtype names of integer and boolean tensors
+READ_AHEAD = 4  # threads reading the next tensor groups while one is placed (transformers' loader uses 4 too)
 
 
-def _indexed_files(folder: str, index: str) -> List[str]:
-    with open(index) as f:
-        weight_map: Dict[str, str] = json.load(f)["weight_map"]
-    return [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
+class WeightsMismatchError(ValueError):
+    """A checkpoint that does not fit the model (a key too many or too few, a shape or dtype): said in one line."""
+
+
+def _index(path: str) -> Dict[str, str]:
+    with open(path) as f:
+        return json.load(f)["weight_map"]
 
 
 def safetensors_files(weights_path: str) -> List[str]:
@@ -39,7 +57,10 @@ def safetensors_files(weights_path: str) -> List[str]:
     names = sorted(os.listdir(weights_path)) if os.path.isdir(weights_path) else []
     for index, single, prefix, suffix in formats:
         if os.path.isfile(os.path.join(weights_path, index)):
-            return _indexed_files(weights_path, os.path.join(weights_path, index))
+            return [
+                os.path.join(weights_path, name)
+                for name in sorted(set(_index(os.path.join(weights_path, index)).values()))
+            ]
         if os.path.isfile(os.path.join(weights_path, single)):
             return [os.path.join(weights_path, single)]
         found = [f for f in names if f.startswith(prefix) and f.endswith(suffix)]
@@ -65,15 +86,98 @@ def load_pickled_weights(path: str) -> Dict[str, torch.Tensor]:
     return state
 
 
-def iter_safetensors(weights_path: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` file by file, so memory is bounded by one tensor (one `.bin` shard), not the model."""
-    for path in safetensors_files(weights_path):
+class CheckpointFiles:
+    """A checkpoint's keys, the file of each and its shape and dtype (from the safetensors headers), and reads of one
+    tensor or a slice of it. Use as a context manager: file handles stay open until it closes."""
+
+    def __init__(self, weights_path: str):
+        self.path = weights_path
+        self.files = safetensors_files(weights_path)
+        self.file_of: Dict[str, str] = {}
+        self.shape: Dict[str, Tuple[int, ...]] = {}
+        self.is_float: Dict[str, bool] = {}
+        self._handles: Dict[str, object] = {}
+        self._pickled: Tuple[Optional[str], Dict[str, torch.Tensor]] = (None, {})
+        self._lock = threading.Lock()  # reads come from several threads: opening files and `.bin` shards is serial
+        for path in self.files:
+            for key, shape, is_float in self._header(path):
+                if key in self.file_of:
+                    raise WeightsMismatchError(f"{path}: key '{key}' is also in {self.file_of[key]}")
+                self.file_of[key], self.shape[key], self.is_float[key] = path, shape, is_float
+        self._check_index()
+
+    def _header(self, path: str):
         if path.endswith(_PICKLE_SUFFIXES):
-            yield from load_pickled_weights(path).items()
-            continue
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            for key, tensor in self._pickled_file(path).items():
+                yield key, tuple(tensor.shape), tensor.is_floating_point()
+            return
+        handle = self._handle(path)
+        for key in handle.keys():
+            view = handle.get_slice(key)
+            yield key, tuple(view.get_shape()), not view.get_dtype().startswith(_NON_FLOAT_SAFETENSORS)
+
+    def _check_index(self) -> None:
+        for index in (INDEX_FILE, BIN_INDEX_FILE):
+            path = os.path.join(self.path, index) if os.path.isdir(self.path) else ""
+            if os.path.isfile(path):
+                for key, file in _index(path).items():
+                    if key not in self.file_of:
+                        raise WeightsMismatchError(f"{path}: lists '{key}' in {file}, which does not hold it")
+                return
+
+    def _handle(self, path: str):
+        with self._lock:
+            if path not in self._handles:
+                self._handles[path] = safe_open(path, framework="pt", device="cpu")
+            return self._handles[path]
+
+    def _pickled_file(self, path: str) -> Dict[str, torch.Tensor]:
+        with self._lock:
+            if self._pickled[0] != path:  # one `.bin` shard in memory at a time
+                self._pickled = (path, load_pickled_weights(path))
+            return self._pickled[1]
+
+    def keys(self) -> List[str]:
+        return list(self.file_of)
+
+    def read(self, key: str, index: Optional[Tuple[slice, ...]] = None) -> torch.Tensor:
+        """The tensor `key`, or only `tensor[index]` (read from disk as just that slice)."""
+        path = self.file_of[key]
+        if path.endswith(_PICKLE_SUFFIXES):
+            tensor = self._pickled_file(path)[key]
+            return tensor[index] if index is not None else tensor
+        if index is None:
+            return self._handle(path).get_tensor(key)
+        return self._handle(path).get_slice(key)[index]
+
+    def neighbours(self, key: str) -> List[str]:
+        """The files holding keys of `key`'s module (where a missing `key` would be expected)."""
+        parent = key.rsplit(".", 2)[0] + "."
+        return sorted({os.path.basename(f) for k, f in self.file_of.items() if k.startswith(parent)})
+
+    def release(self, path: str) -> None:
+        """Done with `path`: unmap it (its pages stop counting in this process's memory)."""
+        with self._lock:
+            self._handles.pop(path, None)
+            if self._pickled[0] == path:
+                self._pickled = (None, {})
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._pickled = (None, {})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def iter_safetensors(weights_path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield a checkpoint's `(key, tensor)` as stored, file by file: memory is one tensor (one `.bin` shard)."""
+    with CheckpointFiles(weights_path) as files:
+        for key in files.keys():
+            yield key, files.read(key)
 
 
 @contextlib.contextmanager
@@ -105,41 +209,12 @@ def tied_parameter_names(model: nn.Module) -> List[str]:
     return tied
 
 
-@torch.no_grad()
-def load_weights(model: nn.Module, weights_path: str, strict: bool = True) -> None:
-    """Copy a safetensors checkpoint into a materialised (non-meta, non-sharded) model."""
-    state = model.state_dict()
-    tied = set(tied_parameter_names(model))
-    loaded = set()
-    for name, tensor in iter_model_weights(weights_path, getattr(model, "config", None)):
-        if name not in state:
-            if strict and name not in tied:
-                raise KeyError(
-                    f"{weights_path}: checkpoint key '{name}' matches no parameter of {type(model).__name__}"
-                )
-            continue
-        target = state[name]
-        if target.shape != tensor.shape:
-            raise ValueError(
-                f"{weights_path}: '{name}' has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
-            )
-        target.copy_(tensor.to(target.dtype))
-        loaded.add(name)
-    missing = [n for n in state if n not in loaded and n not in tied and n not in _non_persistent(model)]
-    if strict and missing:
-        raise KeyError(f"{weights_path}: missing weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-
-
-def _non_persistent(model: nn.Module) -> set:
+def non_persistent_buffers(model: nn.Module) -> set:
     names = set()
     for prefix, module in model.named_modules():
         for b in module._non_persistent_buffers_set:
             names.add(f"{prefix}.{b}" if prefix else b)
     return names
-
-
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_proj|up_proj)$")
 
 
 def num_experts_of(config) -> Optional[int]:
@@ -151,38 +226,124 @@ def num_experts_of(config) -> Optional[int]:
     return None
 
 
-def fuse_experts(tensors: Iterable[Tuple[str, torch.Tensor]], num_experts: Optional[int]):
-    """Per-expert HF keys (`experts.{e}.gate_proj.weight` ...) and stacked `experts.gate_proj`/`up_proj` become the
-    fused `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]; everything else passes through.
-    A layer's experts are held only until its last one arrives, so memory stays about one layer."""
-    pending: Dict[str, Dict[Tuple[int, str], torch.Tensor]] = {}
-    stacked: Dict[str, Dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors:
-        match = _PER_EXPERT.match(name)
-        if match and num_experts:
-            layer = pending.setdefault(match["prefix"], {})
-            layer[(int(match["expert"]), match["proj"])] = tensor
-            if len(layer) == 3 * num_experts:
-                del pending[match["prefix"]]
-                gate_up = [torch.cat([layer[(e, "gate_proj")], layer[(e, "up_proj")]]) for e in range(num_experts)]
-                yield f"{match['prefix']}.gate_up_proj", torch.stack(gate_up)
-                yield f"{match['prefix']}.down_proj", torch.stack([layer[(e, "down_proj")] for e in range(num_experts)])
-            continue
-        match = _STACKED.match(name)
-        if match:
-            pair = stacked.setdefault(match["prefix"], {})
-            pair[match["proj"]] = tensor
-            if len(pair) == 2:
-                del stacked[match["prefix"]]
-                yield f"{match['prefix']}.gate_up_proj", torch.cat([pair["gate_proj"], pair["up_proj"]], dim=1)
-            continue
-        yield name, tensor
-    incomplete = sorted(pending) + sorted(stacked)
-    if incomplete:
-        raise KeyError(f"checkpoint has incomplete experts for {incomplete[:4]} (expected {num_experts} per layer)")
+def _shape_error(source: str, name: str, got: Sequence[int], want: Sequence[int], model: nn.Module) -> Exception:
+    got, want = tuple(got), tuple(want)
+    message = f"{source}: '{name}' has shape {got}, the model expects {want}"
+    is_vocab = name.endswith(("embed_tokens.weight", "lm_head.weight")) and got[1:] == want[1:] and got[:1] != want[:1]
+    if is_vocab:
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        message += (
+            f": the checkpoint's vocabulary has {got[0]} rows and the model's config says vocab_size="
+            f"{getattr(text, 'vocab_size', want[0])}; build the model from the checkpoint's own config.json"
+        )
+    return WeightsMismatchError(message)
 
 
-def iter_model_weights(weights_path: str, config=None) -> Iterator[Tuple[str, torch.Tensor]]:
-    """A checkpoint's tensors under the model's own names (experts fused on the fly)."""
-    tensors = iter_safetensors(weights_path)
-    return fuse_experts(tensors, num_experts_of(config)) if config is not None else tensors
+class ModelWeights:
+    """A checkpoint read as `model`'s tensors (names, shapes and dtypes checked against `model` up front).
+
+    `model` may be on meta, sharded (FSDP2 / TP / EP DTensors) or real: only its names, shapes and dtypes are used.
+    A full Omni checkpoint loads into its thinker: the speech-output parts (talker, token2wav) are skipped, said once.
+    """
+
+    def __init__(self, weights_path: str, model: nn.Module):
+        self.path, self.model = weights_path, model
+        self.files = CheckpointFiles(weights_path)
+        state = model.state_dict()
+        self.expected = {name: (tuple(t.shape), t.is_floating_point()) for name, t in state.items()}
+        tied = set(tied_parameter_names(model))
+        model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
+        skip = OMNI_NON_THINKER_PREFIXES if model_type.endswith("_thinker") else ()
+        plan = plan_load(model, self.files.keys(), state.keys(), skip_prefixes=skip)
+        self.groups = [g for g in plan.groups if not set(g.targets()) <= tied]  # HF re-ties a saved lm_head
+        if plan.unexpected:
+            key, renamed = plan.unexpected[0]
+            hint = "" if key == renamed else f" (renamed by transformers' rules to '{renamed}')"
+            raise WeightsMismatchError(
+                f"{self.files.file_of[key]}: checkpoint key '{key}'{hint} matches no parameter of "
+                f"{type(model).__name__}"
+                + (f", nor do {len(plan.unexpected) - 1} more" if len(plan.unexpected) > 1 else "")
+            )
+        if plan.skipped:
+            logger.info(f"{weights_path}: skipped {len(plan.skipped)} tensors of the Omni speech output (talker etc.)")
+        provided = {target for group in self.groups for target in group.targets()}
+        missing = [n for n in state if n not in provided and n not in tied and n not in non_persistent_buffers(model)]
+        if missing:
+            raise WeightsMismatchError(self._missing_message(missing))
+        for group in self.groups:
+            if group.is_rename:
+                (key,) = group.keys
+                self._check(group.target, self.files.shape[key], self.files.is_float[key], f"{self.files.file_of[key]}")
+
+    def _missing_message(self, missing: List[str]) -> str:
+        name = missing[0]
+        (hub,) = plan_save(self.model, [name])
+        where = self.files.neighbours(hub.target)
+        place = f"expected beside its module's other tensors in {', '.join(where)}" if where else "its module has none"
+        more = (
+            f" ({len(missing) - 1} more missing: {missing[1:4]}{' ...' if len(missing) > 4 else ''})"
+            if len(missing) > 1
+            else ""
+        )
+        return f"{self.path}: no tensor for the model's '{name}' (checkpoint name '{hub.target}'; {place}){more}"
+
+    def _check(self, name: str, shape: Sequence[int], is_float: bool, source: str) -> None:
+        if name not in self.expected:
+            raise WeightsMismatchError(f"{source}: converts to '{name}', which the model does not have")
+        want_shape, want_float = self.expected[name]
+        if tuple(shape) != want_shape:
+            raise _shape_error(source, name, shape, want_shape, self.model)
+        if is_float != want_float:
+            kinds = ("floating point", "integer") if is_float else ("integer", "floating point")
+            raise WeightsMismatchError(f"{source}: '{name}' is {kinds[0]} in the checkpoint, {kinds[1]} in the model")
+
+    def _read(self, group: TensorGroup, local_index, unread: collections.Counter):
+        index = local_index(group.target) if group.is_rename and local_index is not None else None
+        sources = {key: self.files.read(key, index) for key in group.keys}
+        for key in group.keys:
+            path = self.files.file_of[key]
+            with self.files._lock:
+                unread[path] -= 1
+                done = unread[path] == 0
+            if done:
+                self.files.release(path)
+        return sources, index
+
+    def tensors(
+        self,
+        local_index: Optional[Callable[[str], Optional[Tuple[slice, ...]]]] = None,
+        readers: int = READ_AHEAD,
+    ) -> Iterator[Tuple[str, torch.Tensor, bool]]:
+        """Yield `(model name, tensor, is_local_slice)`, a group at a time in file order. `local_index(name)` may
+        give the slice of a tensor this rank keeps: a tensor that is only renamed is then read as just that.
+        `readers` threads read the next groups while this one is converted and placed (reading is page faults
+        and copies out of the mapped files, which release the GIL); at most that many groups wait in memory."""
+        order = {path: i for i, path in enumerate(self.files.files)}
+        groups = iter(sorted(self.groups, key=lambda g: order[self.files.file_of[g.keys[0]]]))
+        unread = collections.Counter(self.files.file_of[key] for group in self.groups for key in group.keys)
+        with self.files, ThreadPoolExecutor(max(readers, 1)) as pool:
+            pending = collections.deque()
+            for group in itertools.islice(groups, max(readers, 1)):
+                pending.append((group, pool.submit(self._read, group, local_index, unread)))
+            while pending:
+                group, future = pending.popleft()
+                sources, index = future.result()
+                following = next(groups, None)
+                if following is not None:
+                    pending.append((following, pool.submit(self._read, following, local_index, unread)))
+                if group.is_rename:
+                    yield group.target, sources[group.keys[0]], index is not None
+                    continue
+                for name, tensor in convert_group(group, sources, self.model).items():
+                    source = f"{self.path} ({len(group.keys)} tensors from '{group.keys[0]}')"
+                    self._check(name, tensor.shape, tensor.is_floating_point(), source)
+                    yield name, tensor, False
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, weights_path: str) -> None:
+    """Copy a checkpoint into a materialised (non-meta, non-sharded) model, exactly as `from_pretrained` would."""
+    state = model.state_dict()
+    for name, tensor, _ in ModelWeights(weights_path, model).tensors():
+        state[name].copy_(tensor.to(state[name].dtype))

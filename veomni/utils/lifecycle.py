@@ -226,8 +226,17 @@ def _stalled_peers() -> str:
 def _user_error_types():
     from ..arguments.parser import ConfigError
     from ..data.data_transform import DataFormatError
+    from ..models.loader import WeightsMismatchError
 
-    types = [ConfigError, DataFormatError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError]
+    types = [
+        ConfigError,
+        DataFormatError,
+        WeightsMismatchError,
+        FileNotFoundError,
+        NotADirectoryError,
+        IsADirectoryError,
+        PermissionError,
+    ]
     try:
         from ..checkpoint.checkpointer import CheckpointError
 
