@@ -8,6 +8,9 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# the data caches of mapping datasets (veomni/data/sample_cache.py) go to a folder of this test session, not to the
+# user's ~/.cache; the launches the tests start inherit it
+os.environ.setdefault("VEOMNI_DATA_CACHE", __import__("tempfile").mkdtemp(prefix="veomni-test-data-cache-"))
 
 
 # Real media and real processor folders for the multimodal data tests: built once per session (the 151k-token Qwen

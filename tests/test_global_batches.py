@@ -1,6 +1,6 @@
 """Global batches independent of the world size: the samples of each global step are the same on 1, 2 and 4
-ranks (and any number of loader workers), with documents longer than max_seq_len; a resume on another world size
-continues the same sequence. (2 real ranks vs 1 process on such data: tests/test_parity_data_parallel.py, whose
+ranks (and any number of loader workers for mapping data; streamed data depends on the workers per rank, not on
+the ranks), with documents longer than max_seq_len; a resume on another world size continues the same sequence. (2 real ranks vs 1 process on such data: tests/test_parity_data_parallel.py, whose
 documents are longer than max_seq_len.)"""
 
 import json
@@ -22,13 +22,14 @@ def long_docs(tmp_path_factory):
     rng = random.Random(0)
     path = tmp_path_factory.mktemp("long") / "docs.jsonl"
     with open(path, "w") as f:
-        for d in range(1, 61):
+        for d in range(1, 161):
             f.write(json.dumps({"input_ids": [d * 1000 + t for t in range(rng.randint(5, 120))]}) + "\n")
     return str(path)
 
 
-def _loader(path, rank, dp, dyn, workers=0, micro=2):
-    dataset = token_dataset(path, "mapping", max_seq_len=MAX_LEN, seed=5)
+def _loader(path, rank, dp, dyn, workers=0, micro=2, kind="mapping"):
+    stream = {"shuffle_buffer_size": 8, "unit_bytes": 1024} if kind == "iterable" else {}
+    dataset = token_dataset(path, kind, max_seq_len=MAX_LEN, seed=5, **stream)
     loader = token_loader(
         dataset, rank, dp, workers, max_seq_len=MAX_LEN, dyn=dyn, micro=micro, dlbs=GLOBAL // (micro * dp),
         dyn_bsz_buffer_size=16, seed=5,
@@ -45,7 +46,7 @@ def _samples(micro_batch):
 def _global_steps(loaders, start=0, count=None):
     """Per global step: the micro-batches of all ranks in rank order."""
     per_rank = [[[_samples(mb) for mb in step] for step in loader] for loader in loaders]
-    steps = [sum((rank[s] for rank in per_rank), []) for s in range(len(per_rank[0]))]
+    steps = [sum((rank[s] for rank in per_rank), []) for s in range(min(len(r) for r in per_rank))]
     return steps[start:] if count is None else steps[start : start + count]
 
 
@@ -66,18 +67,32 @@ def test_global_steps_identical_on_1_2_4_ranks_and_with_workers(long_docs, dyn):
 
 
 @pytest.mark.parametrize("dyn", [False, True])
-def test_resume_on_another_world_size_continues_the_sequence(long_docs, dyn):
-    one = _global_steps([_loader(long_docs, 0, 1, dyn)])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_streamed_global_steps_identical_on_1_2_4_ranks(long_docs, dyn, workers):
+    """Streamed files: each of the step's micro-batch slots is its own stream, read by the rank that owns it."""
+    one = _global_steps([_loader(long_docs, 0, 1, dyn, workers, kind="iterable")])
+    assert len(one) >= 8 and any(s % 1000 for step in one for mb in step for s in mb)
+    for dp in (2, 4):
+        steps = _global_steps([_loader(long_docs, r, dp, dyn, workers, kind="iterable") for r in range(dp)])
+        assert steps == one, f"{dp} ranks"
+    seen = sorted(s for step in one for mb in step for s in mb)
+    assert len(seen) == len(set(seen))  # no sample twice
+
+
+@pytest.mark.parametrize("dyn", [False, True])
+@pytest.mark.parametrize("kind", ["mapping", "iterable"])
+def test_resume_on_another_world_size_continues_the_sequence(long_docs, dyn, kind):
+    one = _global_steps([_loader(long_docs, 0, 1, dyn, kind=kind)])
     saved = []
     for r in range(2):  # 2 ranks train 3 steps and save
-        loader = _loader(long_docs, r, 2, dyn)
+        loader = _loader(long_docs, r, 2, dyn, kind=kind)
         it = iter(loader)
         for _ in range(3):
             next(it)
         saved.append(loader.state_dict())
     resumed = []
     for r in range(4):  # 4 ranks resume from the 2-rank states
-        loader = _loader(long_docs, r, 4, dyn)
+        loader = _loader(long_docs, r, 4, dyn, kind=kind)
         loader.load_state_dict(reshard_loader_state(saved, r, 4, produced=3 * 2))
         resumed.append(loader)
     assert _global_steps(resumed) == one[3:]

@@ -1,5 +1,6 @@
-"""Under torchrun (2 ranks, 2 loader workers each): a streamed epoch delivers every record exactly once across
-all ranks and workers. argv: data folder, number of records."""
+"""Under torchrun (2 ranks, 2 loader workers each): a streamed epoch delivers no record twice across all ranks and
+workers, and every record it does not deliver is counted (the slots' streams end with the first that runs dry).
+argv: data folder, number of records."""
 
 import sys
 from functools import partial
@@ -7,7 +8,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from veomni.data import build_dataloader, build_dataset
+from veomni.data import build_dataloader, build_dataset, data_report
 from veomni.data.data_transform import process_pretrain_example
 from veomni.distributed import destroy_parallel_state, init_parallel_state
 
@@ -24,12 +25,13 @@ def main(folder, n):
         for mb in step:
             ids, pos = mb["input_ids"][0], mb["position_ids"][0]
             mine += [int(ids[i]) - 1000 for i in torch.nonzero(pos == 0).flatten()]
+    report = data_report(loader)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    seen = [r for part in everyone for r in part]
-    assert len(seen) == len(set(seen)) == int(n), (len(seen), len(set(seen)))
-    assert set(seen) == set(range(int(n)))
-    assert all(len(part) > 0 for part in everyone)
+    dist.all_gather_object(everyone, (mine, report["unread"] + report["dropped"]))
+    seen = [r for part, _ in everyone for r in part]
+    assert len(seen) == len(set(seen)), (len(seen), len(set(seen)))
+    assert len(seen) + sum(lost for _, lost in everyone) == int(n), (len(seen), everyone)
+    assert set(seen) <= set(range(int(n))) and all(len(part) > 0 for part, _ in everyone)
     print(f"EXACTLY_ONCE_OK {dist.get_rank()} {len(mine)}", flush=True)
     destroy_parallel_state()
 

@@ -93,7 +93,8 @@ class DataArguments:
 
     train_path: Optional[str] = _doc("Training data: a file, a glob, a folder, or a dataset.yaml.", default=None)
     datasets_type: str = _doc(
-        "Registered dataset builder: `mapping` (small data, in memory), `iterable` (streaming), or your own "
+        "Registered dataset builder: `mapping` (any size: transformed once into a shared on-disk cache, see "
+        "data.cache_dir), `iterable` (streaming, for data read once), or your own "
         "`@DATASET_REGISTRY.register` name. A dataset.yaml train_path interleaves sources of this type.",
         default="mapping",
     )
@@ -106,6 +107,12 @@ class DataArguments:
     train_size: Optional[int] = _doc("Tokens to train on (iterable data with dyn_bsz).", default=None)
     train_sample: Optional[int] = _doc("Samples to train on (iterable data without dyn_bsz).", default=None)
     shuffle_buffer_size: int = _doc("Records in the shuffle buffer of iterable data.", default=1000)
+    cache_dir: Optional[str] = _doc(
+        "Where mapping data is cached after its one transform (token ids and sample lengths, memory-mapped by "
+        "every rank and later run; keyed by a fingerprint of the files, the transform and the tokenizer). Must be "
+        "on storage every rank sees. null: $VEOMNI_DATA_CACHE, else ~/.cache/veomni/data.",
+        default=None,
+    )
     skip_bad_samples: bool = _doc("Skip (and count) malformed or over-long samples instead of failing.", default=False)
     mm_configs: Dict[str, Any] = _doc(
         "Multimodal transform options (tasks/train_vlm.py), passed to process_sample_*: `media_dir` (base of "

@@ -1,5 +1,6 @@
 """Data: dataset registry (mapping, streaming, interleaved), sample transforms, the stateful packing loader."""
 
+from .cached_dataset import FileMappingDataset
 from .chat_template import CHAT_TEMPLATE_REGISTRY, ChatTemplate, build_chat_template
 from .data_collator import DataCollateInfo, MainCollator
 from .data_loader import build_dataloader, data_report
@@ -20,6 +21,7 @@ __all__ = [
     "DATASET_REGISTRY",
     "DataCollateInfo",
     "DataFormatError",
+    "FileMappingDataset",
     "InterleavedIterableDataset",
     "InterleavedMappingDataset",
     "IterativeDataset",

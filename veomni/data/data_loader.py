@@ -19,9 +19,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..utils.logging import get_logger
+from .cached_dataset import CachedSampleIndex, cached_sources
 from .data_collator import MainCollator
 from .dataset import StreamingDataset, samples_many, shuffled_shard_keys
 from .global_batches import BatchingStream, GlobalBatchStream, SampleIndex, first_fit
+from .streamed_batches import SlotStream, is_end_marker, reshard_slot_states, supports_slots
 
 logger = get_logger(__name__)
 
@@ -176,6 +178,8 @@ def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: in
     """
     if _has_global_position(states[0]):  # a global position is the same on every rank: valid for any world size
         return copy.deepcopy(states[0])
+    if _has_key(states[0], "slot_streams"):  # streamed slots: each sub-stream goes to its slot's new rank
+        return reshard_slot_states(states, dp_rank, dp_size)
     datasets = [s.get("dataset_state") for s in states]
     if any(not d or "cursor" not in d.get("source", {}) for d in datasets):
         raise NotImplementedError("the data position can only be resharded for map-style data without workers")
@@ -239,8 +243,12 @@ def count_loader_steps(loader, limit: Optional[int] = None) -> Optional[int]:
 
 
 def _has_global_position(node) -> bool:
+    return _has_key(node, "global_position")
+
+
+def _has_key(node, key: str) -> bool:
     if isinstance(node, dict):
-        return bool(node.get("global_position")) or any(_has_global_position(v) for v in node.values())
+        return bool(node.get(key)) or any(_has_key(v, key) for v in node.values())
     return False
 
 
@@ -275,12 +283,14 @@ def data_report(loader, count_unread: bool = True) -> Dict[str, Any]:
     for state in states.values():
         for name in ("samples", "skipped", "empty", "dropped"):
             report[name] += state.get(name, 0)
-        report["blank"] += state.get("source", {}).get("blank", 0)
+        report["blank"] += state.get("blank", state.get("source", {}).get("blank", 0))  # (slot streams: summed)
     if states and any(s.get("global_position") for s in states.values()):  # whole-dataset counts, once
         for name in ("skipped", "empty", "dropped"):
             report[name] = max(s.get(name, 0) for s in states.values())
     source = getattr(stream, "source", None)
-    if isinstance(source, StreamingDataset) and count_unread:
+    if isinstance(stream, SlotStream) and count_unread:
+        report["unread"] = stream.unread(states)
+    elif isinstance(source, StreamingDataset) and count_unread:
         workers = max(loader.num_workers, 1)
         report["unread"] = 0
         for worker in range(workers):
@@ -355,7 +365,8 @@ class MicroBatchLoader(StatefulDataLoader):
                 self.next_iter_state = closed.state_dict()
                 self._initial_iter_for_state_dict = False
             self._live[0] = None
-        return super().__iter__()
+        iterator = super().__iter__()
+        return _UntilEndMarker(iterator) if isinstance(self.stream, SlotStream) else iterator
 
     def close(self) -> None:
         """Stop the current iterator's worker processes now. `state_dict()` still gives the position reached; a
@@ -370,6 +381,26 @@ class MicroBatchLoader(StatefulDataLoader):
         """Optimizer steps in an epoch (the same on every rank): the global plan's length for sized data, a dry run
         of the micro-batch plan otherwise (None for streamed data, whose length is unknown)."""
         return _num_batches(self, self.stream, limit)
+
+
+class _UntilEndMarker:
+    """Ends the epoch at the first step a streamed slot could not fill (its micro-batches are end markers), even
+    when other loader workers still have steps: later steps would otherwise come out of order."""
+
+    def __init__(self, iterator):
+        self.iterator, self.ended = iterator, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.ended:
+            raise StopIteration
+        step = next(self.iterator)
+        if any(is_end_marker(mb) for mb in step):
+            self.ended = True
+            raise StopIteration
+        return step
 
 
 def _release(box: List[Any]) -> None:
@@ -432,10 +463,16 @@ def build_dataloader(
         drop_last=drop_last,
     )
     if is_sized(dataset):  # global batches independent of the world size (see global_batches.py)
-        index = SampleIndex(as_resumable(dataset, seed, shuffle))
-        index.order(0)  # transform every record once, here, so that loader workers inherit the samples
+        sources = cached_sources(dataset)
+        if sources is not None:  # samples in an on-disk cache every rank maps (built here on first use)
+            index = CachedSampleIndex(dataset, sources)
+        else:  # a user's own map-style data: transformed once, here, so that loader workers inherit the samples
+            index = SampleIndex(as_resumable(dataset, seed, shuffle))
+        index.order(0)
         stream = GlobalBatchStream(index, collate_fn, **batching)
-    else:
+    elif supports_slots(dataset):  # streamed files: global batches independent of the world size too
+        stream = SlotStream(dataset, collate_fn, num_workers, **batching)
+    else:  # a user's plain iterable: read in turn by the ranks and workers
         stream = MicroBatchStream(dataset, collate_fn, seed=seed, shuffle=shuffle, **batching)
     extra = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor else {}
     return MicroBatchLoader(

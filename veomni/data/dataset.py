@@ -6,7 +6,9 @@ A dataset that the loader can resume exactly offers
     samples(key)                                -> the transformed samples of one record ([] if skipped)
 Keys are tuples of ints, so the loader's resume state is a few integers per buffered sample.
 
-- MappingDataset: records in memory (small data); a seeded permutation per epoch.
+- MappingDataset: records in memory (a user's own small data); a seeded permutation per epoch.
+- FileMappingDataset (cached_dataset.py, what `datasets_type: mapping` builds): records in files, samples in a
+  shared on-disk cache built once; the same protocol and order as MappingDataset.
 - StreamingDataset (public name `IterativeDataset`): files read lazily (bounded memory) through a seeded shuffle
   buffer.
 - InterleavedDataset (`InterleavedMappingDataset` / `InterleavedIterableDataset`): several of either, drawn by
@@ -24,7 +26,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ..utils.logging import get_logger
 from .data_transform import DataFormatError
-from .readers import BLANK, RecordFiles, read_all_records, resolve_data_files
+from .readers import BLANK, RecordFiles, resolve_data_files
 
 logger = get_logger(__name__)
 Key = Tuple[int, ...]
@@ -334,22 +336,6 @@ def samples_many(source, keys: List[Key]) -> List[List[Dict[str, Any]]]:
 
 
 # ----------------------------------------------------------------------------------------------- builders
-@DATASET_REGISTRY.register("mapping")
-def build_mapping_dataset(
-    train_path: str,
-    transform: Optional[Callable] = None,
-    namespace: Literal["train", "test"] = "train",
-    seed: int = 42,
-    source_name: Optional[str] = None,
-    skip_bad_samples: bool = False,
-    **kwargs,
-) -> MappingDataset:
-    records, locations = read_all_records(resolve_data_files(train_path), skip_bad=skip_bad_samples)
-    if not records:
-        raise ValueError(f"no records in {train_path}")
-    return MappingDataset(records, locations, transform, seed=seed, skip_bad_samples=skip_bad_samples)
-
-
 @DATASET_REGISTRY.register("iterable")
 def build_iterable_dataset(
     train_path: str,

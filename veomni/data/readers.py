@@ -73,6 +73,25 @@ def _arrow_table(path: str):
         return pa.ipc.open_stream(pa.memory_map(path)).read_all()
 
 
+class LineOf:
+    """`file:line` of the record at byte `offset` of a jsonl file, as text; the line is counted when first shown."""
+
+    __slots__ = ("path", "offset", "_text")
+
+    def __init__(self, path: str, offset: int):
+        self.path, self.offset, self._text = path, offset, None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            try:
+                self._text = f"{self.path}:{_line_at(self.path, self.offset)}"
+            except OSError:
+                self._text = f"{self.path}@byte {self.offset}"
+        return self._text
+
+    __repr__ = __str__
+
+
 class RecordFiles:
     """Sequential and random access to the records of a list of files."""
 
@@ -171,7 +190,9 @@ class RecordFiles:
                 if not line.strip():
                     yield (fi, here), BLANK, "", (fi, offset)
                     continue
-                where = f"{path}:{lineno}" if lineno is not None else self.location((fi, here))
+                # mid-file (a unit of another reader, a resume) the line number is counted only if a message needs it:
+                # counting it per record would re-read the file from its start for every record
+                where = f"{path}:{lineno}" if lineno is not None else LineOf(path, here)
                 try:
                     record = _parse_json_line(line, where)
                 except DataFormatError as err:
@@ -190,17 +211,15 @@ class RecordFiles:
         return self._tables[fi]
 
     # ---------------------------------------------------------------------------------------- random access
-    def location(self, key: Key) -> str:
+    def location(self, key: Key):
         """Where a record lives, for messages: `file:line` (1-based) for jsonl, `file:row N` otherwise.
 
-        Readers keep byte offsets, not line numbers; an error is rare, so the line is counted only here."""
+        Readers keep byte offsets, not line numbers; an error is rare, so a jsonl line is counted only when the
+        location is shown (`LineOf`)."""
         path = self.files[key[0]]
         if not path.endswith(".jsonl"):
             return f"{path}:row {key[1]}"
-        try:
-            return f"{path}:{_line_at(path, key[1])}"
-        except OSError:
-            return f"{path}@byte {key[1]}"
+        return LineOf(path, key[1])
 
     def fetch(self, key: Key) -> Dict[str, Any]:
         fi, position = key

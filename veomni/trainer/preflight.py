@@ -11,8 +11,10 @@ from collections import Counter
 from typing import Any, List, Optional, Tuple
 
 from ..arguments import ConfigError
+from ..data.cached_dataset import FileMappingDataset
 from ..data.data_transform import DataFormatError
 from ..data.dataset import InterleavedDataset, MappingDataset, StreamingDataset
+from ..data.sample_cache import iter_records
 
 _DEMO_HINT = " (the demo's assets are built by `python -m veomni.utils.demo_assets`; train.sh does it)"
 
@@ -48,6 +50,8 @@ def _first_records(dataset, n: int) -> List[List[Tuple[Any, str]]]:
         return [group for source in dataset.sources for group in _first_records(source, n)]
     if isinstance(dataset, MappingDataset):
         return [list(zip(dataset.records[:n], dataset.locations[:n]))]
+    if isinstance(dataset, FileMappingDataset):  # read from the files: the cache is not built yet
+        return [list(iter_records(dataset.files, n))]
     if isinstance(dataset, StreamingDataset):
         return [[(record, where) for _, record, where, _ in itertools.islice(dataset.reader.iter_from(), n)]]
     return []  # a user's own dataset: nothing to peek into

@@ -1,0 +1,153 @@
+"""Map-style data through its on-disk sample cache: transformed once and mapped by later runs, rebuilt (never
+used) when stale or corrupt, shared by ranks that each transform their own share, and for VL samples only lengths
+cached (pixels decoded on access). The batches equal those of the in-memory dataset on the same records."""
+
+import json
+import os
+from functools import partial
+
+import numpy as np
+import pytest
+
+from helpers import REPO, document_starts, token_loader, torchrun, write_token_data
+from veomni.data import build_dataset
+from veomni.data.data_transform import process_pretrain_example
+from veomni.data.dataset import MappingDataset
+from veomni.data.readers import read_all_records
+
+MAX_LEN = 48
+CALLS = []  # records each counting transform saw (module level: a test's transform keeps one fingerprint)
+
+
+def counting_transform(example, max_seq_len):
+    CALLS.append(example["input_ids"][0])
+    return process_pretrain_example(example, tokenizer=None, max_seq_len=max_seq_len)
+
+
+def _dataset(path, cache, max_seq_len=MAX_LEN, **kw):
+    transform = partial(counting_transform, max_seq_len=max_seq_len)
+    return build_dataset(train_path=path, datasets_type="mapping", transform=transform, seed=5, cache_dir=cache, **kw)
+
+
+def _batches(dataset, dyn=True):
+    loader = token_loader(dataset, max_seq_len=MAX_LEN, dyn=dyn, micro=3, dlbs=2, dyn_bsz_buffer_size=8)
+    loader.set_epoch(0)
+    return [[mb["input_ids"].tolist() for mb in step] for step in loader]
+
+
+@pytest.fixture()
+def data(tmp_path):
+    return write_token_data(str(tmp_path / "docs.jsonl"), n=150, low=8, high=120), str(tmp_path / "cache")
+
+
+def test_second_run_maps_the_cache_and_batches_equal_the_in_memory_dataset(data):
+    path, cache = data
+    CALLS.clear()
+    first = _batches(_dataset(path, cache))
+    assert len(CALLS) == 150  # every record transformed once
+    CALLS.clear()
+    again = _dataset(path, cache)
+    assert _batches(again) == first and CALLS == []  # the second run only maps the cache
+    assert again.cache.token_mode and len(again) == 150
+    records, locations = read_all_records([path])
+    memory = MappingDataset(records, locations, partial(counting_transform, max_seq_len=MAX_LEN), seed=5)
+    for dyn in (True, False):
+        assert _batches(_dataset(path, cache), dyn) == _batches(memory, dyn), dyn
+    stored = sorted(os.listdir(again.cache.folder))
+    assert "part-00000.input_ids.bin" in stored and not any("labels" in f or "attention" in f for f in stored)
+
+
+def test_a_changed_file_or_transform_builds_a_new_cache(data):
+    path, cache = data
+    _batches(_dataset(path, cache))
+    with open(path, "a") as f:
+        f.write(json.dumps({"input_ids": list(range(5000, 5030))}) + "\n")
+    CALLS.clear()
+    assert len(_dataset(path, cache)) == 151 and len(CALLS) == 151
+    CALLS.clear()
+    _dataset(path, cache, max_seq_len=32).prepare()  # another transform argument: another cache
+    assert len(CALLS) == 151 and len(os.listdir(cache)) == 3
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest"])
+def test_a_corrupt_or_unfinished_cache_is_rebuilt_never_used(data, damage):
+    path, cache = data
+    expected = _batches(_dataset(path, cache))
+    folder = _dataset(path, cache).prepare().folder
+    tokens = os.path.join(folder, "part-00000.input_ids.bin")
+    if damage == "flip":  # one token changed, the size unchanged
+        with open(tokens, "r+b") as f:
+            f.seek(400)
+            byte = f.read(1)
+            f.seek(400)
+            f.write(bytes([byte[0] ^ 0x40]))
+    elif damage == "truncate":
+        os.truncate(tokens, os.path.getsize(tokens) - 8)
+    else:  # as a build that crashed before publishing would leave it
+        os.remove(os.path.join(folder, "manifest.json"))
+    CALLS.clear()
+    assert _batches(_dataset(path, cache)) == expected
+    assert len(CALLS) == 150  # rebuilt from the records
+
+
+def test_two_ranks_transform_each_record_once_in_total(tmp_path):
+    path = write_token_data(str(tmp_path / "docs.jsonl"), n=301, low=8, high=120)
+    script = os.path.join(REPO, "tests", "dist", "check_sample_cache.py")
+    torchrun(script, [path, str(tmp_path / "cache"), str(tmp_path)], 2, timeout=300)
+    seen = [json.load(open(tmp_path / f"calls_{rank}.json")) for rank in range(2)]
+    assert seen[0] and seen[1], "both ranks take a share"
+    assert sorted(seen[0] + seen[1]) == sorted(json.loads(line)["input_ids"][0] for line in open(path))
+    plans = [json.load(open(tmp_path / f"batches_{rank}.json")) for rank in range(2)]
+    one = _batches(_dataset(path, str(tmp_path / "cache")), dyn=True)  # one process maps the 2-rank cache
+    assert [a + b for a, b in zip(*plans)] == one  # each rank holds its half of every global step
+
+
+def _tiny_vl_transform(example, processor, template):
+    from veomni.data.multimodal import process_sample_qwen2_5_vl
+
+    CALLS.append(1)
+    return process_sample_qwen2_5_vl(example, processor=processor, chat_template=template, position_id_func=_rope)
+
+
+def _rope(input_ids, **kwargs):  # stands in for the M-RoPE function: three rows of 0..L-1
+    return np.tile(np.arange(len(input_ids)), (3, 1))
+
+
+def test_vl_samples_cache_lengths_only_and_decode_images_on_access(tmp_path, mm_assets, mm_processors):
+    from veomni.data import build_multimodal_chat_template
+
+    processor = mm_processors["qwen2_5_vl"]
+    images = mm_assets["images"]
+    with open(tmp_path / "vl.jsonl", "w") as f:
+        for name in ("astronaut", "camera", "coffee", "moon"):
+            content = [{"type": "image", "image": images[name]["path"]}, {"type": "text", "text": "What is it?"}]
+            f.write(json.dumps({"messages": [{"role": "user", "content": content},
+                                             {"role": "assistant", "content": images[name]["caption"]}]}) + "\n")  # fmt: skip
+    template = build_multimodal_chat_template("qwen2_5_vl", processor.tokenizer)
+    transform = partial(_tiny_vl_transform, processor=processor, template=template)
+    CALLS.clear()
+    dataset = build_dataset(
+        train_path=str(tmp_path / "vl.jsonl"), datasets_type="mapping", transform=transform,
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    assert len(dataset) == 4 and len(CALLS) == 4 and not dataset.cache.token_mode
+    assert sorted(os.listdir(dataset.cache.folder)) == [
+        "manifest.json", "part-00000.json", "part-00000.lengths.npy", "part-00000.records.npy"
+    ]  # fmt: skip
+    CALLS.clear()
+    sample = dataset[2]  # read back from the file and transformed now
+    assert len(CALLS) == 1 and sample[0]["pixel_values"].ndim == 2
+    assert len(sample[0]["input_ids"]) == int(dataset.cache.lengths[2])
+
+
+def test_start_of_each_document_survives_the_round_trip(data):
+    """Long documents split into pieces: the pieces of one record stay together, in order."""
+    path, cache = data
+    dataset = _dataset(path, cache, max_seq_len=16)
+    n = len(dataset)
+    pieces = [dataset[r] for r in range(n)]
+    records, _ = read_all_records([path])
+    for record, samples in zip(records, pieces):
+        joined = [t for s in samples for t in s["input_ids"].tolist()]
+        assert joined[: len(record["input_ids"])] == record["input_ids"][: len(joined)]
+    assert document_starts  # (the helper is the loader tests' own)

@@ -1,0 +1,185 @@
+"""Global batches of streamed data that do not depend on the world size.
+
+A global step is `P = global_batch_size / micro_batch_size` micro-batch *slots* (dp_size x dataloader_batch_size,
+whatever the split). Each slot j is an independent stream of micro-batches, read by loader worker w of the rank that
+owns it as `W` sub-streams (W = loader workers per rank, at least 1): sub-stream v = j * W + w reads the units (jsonl
+byte ranges, parquet row groups) that the epoch's seeded permutation deals to v out of P * W, through its own seeded
+shuffle buffer, and packs its own micro-batches (dyn_bsz from its own buffer). Global step s takes, for every slot j,
+the next micro-batch of sub-stream (j, s mod W).
+
+So the samples of step s depend on the data, the seed, P and W, not on how many ranks share the slots: rank r owns
+slots [r * a, (r + 1) * a) (a = dataloader_batch_size) and reads only their sub-streams, and a 2-rank state resumes
+on 4 ranks (each sub-stream's state moves to the rank that owns its slot now). The epoch ends at the first step a
+sub-stream cannot fill: that step yields end markers, the loader stops there, and the trainer's all-reduce makes every
+rank stop at the same step.
+"""
+
+import copy
+import itertools
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from torch.utils.data import get_worker_info
+
+from .dataset import samples_many
+from .global_batches import BatchingStream, first_fit
+
+END_OF_EPOCH = "veomni_end_of_epoch"
+_COUNTERS = ("produced", "samples", "skipped", "empty", "dropped")
+
+
+def is_end_marker(item: Any) -> bool:
+    return isinstance(item, dict) and item.get(END_OF_EPOCH, False)
+
+
+def supports_slots(dataset) -> bool:
+    """Unsized sources with keys and access by key (streamed files, interleaves of them), not a plain iterable."""
+    return hasattr(dataset, "iter_keys") and hasattr(dataset, "samples")
+
+
+class _SubStream:
+    """One sub-stream's reading and packing; `state` (a plain dict) is its resumable position."""
+
+    def __init__(self, owner: "SlotStream", shard: int, num_shards: int, state: Dict[str, Any]):
+        self.owner, self.state = owner, state
+        self.keys = owner.source.iter_keys(owner.epoch, shard, num_shards, state["source"])
+        self.cache: Dict[tuple, List[Dict[str, Any]]] = {}
+        self.exhausted = False
+
+    def _read(self) -> None:
+        owner, buffer, source = self.owner, self.state["buffer"], self.owner.source
+        while len(buffer) < owner.buffer_size and not self.exhausted:
+            chunk = list(itertools.islice(self.keys, owner.read_ahead))  # many records per (batched) transform
+            self.exhausted = len(chunk) < owner.read_ahead
+            before = {c: getattr(source, c, 0) for c in ("skipped", "empty")}
+            for key, samples in zip(chunk, samples_many(source, chunk)):
+                self.cache[key] = samples
+                buffer.extend([*key, k, len(p["input_ids"])] for k, p in enumerate(samples))
+            for c, value in before.items():  # sub-streams run one at a time: the change is this one's
+                self.state[c] += getattr(source, c, 0) - value
+
+    def next_micro_batch(self, budget: int) -> Optional[List[Dict[str, Any]]]:
+        """The next micro-batch's samples, or None when this sub-stream has no more for this epoch."""
+        owner, buffer = self.owner, self.state["buffer"]
+        self._read()
+        short = self.exhausted and owner.drop_last and not owner.dyn_bsz and len(buffer) < owner.micro_batch_size
+        if not buffer or short:
+            return None
+        if owner.dyn_bsz:
+            chosen = first_fit((entry[-1] for entry in buffer), budget)
+        else:
+            chosen = list(range(min(owner.micro_batch_size, len(buffer))))
+        picked = [buffer[i] for i in chosen]
+        for i in reversed(chosen):
+            del buffer[i]
+        samples = [self._pieces(tuple(e[:-2]))[e[-2]] for e in picked]
+        live = {tuple(e[:-2]) for e in buffer}
+        for key in [k for k in self.cache if k not in live]:
+            del self.cache[key]
+        self.state["produced"] += 1
+        self.state["samples"] += len(samples)
+        return samples
+
+    def _pieces(self, key: tuple) -> List[Dict[str, Any]]:
+        if key not in self.cache:  # a buffer restored by a resume: its records are read again by key
+            self.cache[key] = self.owner.source.samples(key)
+        return self.cache[key]
+
+
+def _fresh() -> Dict[str, Any]:
+    return {"source": {}, "buffer": [], **{c: 0 for c in _COUNTERS}}
+
+
+class SlotStream(BatchingStream):
+    """Yields this rank's collated micro-batches of each global step (see the module doc)."""
+
+    def __init__(self, source, collate_fn: Callable, num_workers: int, **batching):
+        super().__init__(collate_fn, **batching)
+        self.source = source
+        self.workers = max(num_workers, 1)
+        self.slots = self.dp_size * self.dataloader_batch_size  # P: micro-batches in a global step
+        self.read_ahead = 64
+
+    def sub_stream_ids(self, worker: int) -> List[int]:
+        first = self.dp_rank * self.dataloader_batch_size
+        return [j * self.workers + worker for j in range(first, first + self.dataloader_batch_size)]
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        info = get_worker_info()
+        worker = info.id if info else 0
+        state: Dict[str, Any] = {"slot_streams": True, "epoch": self.epoch, "streams": {}}
+        if self._resume is not None and self._resume.get("epoch") == self.epoch:
+            state = copy.deepcopy(self._resume)
+        self._resume = None
+        self._state = state
+        num_shards = self.slots * self.workers
+        subs = [
+            _SubStream(self, v, num_shards, state["streams"].setdefault(str(v), _fresh()))
+            for v in self.sub_stream_ids(worker)
+        ]
+        while True:
+            handed = []  # this step's micro-batches so far: not trained if a later slot cannot fill the step
+            for i, sub in enumerate(subs):
+                step = sub.state["produced"] * self.workers + worker  # the epoch's global step of this micro-batch
+                samples = sub.next_micro_batch(self._token_budget(self.first_step + step))
+                if samples is None:  # the step cannot be filled: the epoch ends here on every rank
+                    for earlier, n in handed:
+                        earlier.state["samples"] -= n
+                        earlier.state["dropped"] += n
+                    self._sum_counters(state)
+                    for _ in subs[i:]:
+                        yield {END_OF_EPOCH: True}
+                    return
+                handed.append((sub, len(samples)))
+                self._sum_counters(state)
+                yield self.collate_fn(samples)
+
+    @staticmethod
+    def _sum_counters(state: Dict[str, Any]) -> None:
+        """The worker's totals (what data_report and skipped_samples read) over its sub-streams."""
+        for c in _COUNTERS:
+            state[c] = sum(s[c] for s in state["streams"].values())
+        state["blank"] = sum(s["source"].get("blank", 0) for s in state["streams"].values())
+
+    def unread(self, states: Dict[int, Dict[str, Any]]) -> int:
+        """Records of this rank's sub-streams not reached when the epoch stopped (their buffers included)."""
+        source, num_shards = self.source, self.slots * self.workers
+        left = 0
+        for worker in range(self.workers):
+            streams = states.get(worker, {}).get("streams", {})
+            for v in self.sub_stream_ids(worker):
+                sub = streams.get(str(v), _fresh())
+                src = sub["source"]
+                units = source.shard_units(self.epoch, v, num_shards) if hasattr(source, "shard_units") else []
+                at, position = src.get("unit", 0), src.get("position")
+                left += sum(source.reader.count_unit(u) for u in units[at + 1 :])
+                left += source.reader.count_unit(units[at], position) if at < len(units) else 0
+                left += len(src.get("buffer", [])) + len({tuple(e[:-2]) for e in sub["buffer"]})
+        return left
+
+
+def _worker_states(loader_state: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+    """worker id -> the dataset state in a StatefulDataLoader state (the main process's as worker 0 without
+    workers)."""
+    if "dataset_state" in loader_state:
+        return {0: loader_state["dataset_state"]}
+    snapshots = loader_state.get("_snapshot", {}).get("_worker_snapshots", {})
+    return {s["worker_id"]: s["dataset_state"] for s in snapshots.values() if s.get("dataset_state") is not None}
+
+
+def reshard_slot_states(states: List[Dict[str, Any]], dp_rank: int, dp_size: int) -> Dict[str, Any]:
+    """Loader states of every rank of an earlier run -> this rank's: each sub-stream's state goes to the rank that
+    owns its slot now (the slots per step and the loader workers must be the same)."""
+    new = copy.deepcopy(states[0])
+    everything: Dict[int, Dict[str, Any]] = {}
+    for old in states:
+        for worker, dataset_state in _worker_states(old).items():
+            everything.setdefault(worker, {}).update(dataset_state["streams"])
+    for worker, dataset_state in _worker_states(new).items():
+        streams = everything[worker]  # this worker's sub-streams of every slot, from all the old ranks
+        if len(streams) % dp_size:
+            raise NotImplementedError(f"{len(streams)} streamed slots per step do not split over {dp_size} ranks")
+        per_rank = len(streams) // dp_size
+        ids = sorted(int(v) for v in streams)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        dataset_state["streams"] = {str(v): copy.deepcopy(streams[str(v)]) for v in ids}
+        SlotStream._sum_counters(dataset_state)
+    return new
