@@ -207,7 +207,7 @@ def _build_part(dataset, folder: str, part: int, units, show: bool) -> Dict[str,
         chunk.clear()
 
     for unit in units:
-        for key, record, where, next_key in reader.iter_unit(unit):
+        for key, record, where, _ in reader.iter_unit(unit):
             if record is not BLANK:
                 chunk.append((key, record, where))
                 if len(chunk) == _CHUNK:
