@@ -17,6 +17,7 @@ from torch import nn
 
 from helpers import write_model_config, write_tokenizer
 from veomni.checkpoint import Checkpointer, CheckpointError, dcp_to_hf, resolve_checkpoint
+from veomni.checkpoint.integrity import write_checksums
 from veomni.models import build_config, build_foundation_model, build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_process_group")  # the Checkpointer is collective (conftest.py)
@@ -129,10 +130,14 @@ def test_garbage_metadata_names_the_file(tmp_path):
 
 def test_crafted_extra_state_runs_nothing(tmp_path, marker):
     out = str(tmp_path / "run")
-    extra = os.path.join(_save_checkpoint(out), "extra_state", "rank_0.pt")
+    ckpt = _save_checkpoint(out)
+    extra = os.path.join(ckpt, "extra_state", "rank_0.pt")
     torch.save({"trainer": _Reduce(os.system, f"touch {marker}")}, extra)
-    with pytest.raises((pickle.UnpicklingError, CheckpointError), match="weights_only") as err:
+    with pytest.raises(CheckpointError, match="does not match its checksum"):  # the checksums catch it first
         _resume(out)
+    write_checksums(ckpt)  # an attacker who can write the file can rewrite its checksum too: nothing runs anyway
+    with pytest.raises((pickle.UnpicklingError, CheckpointError), match="weights_only") as err:
+        _resume(out)[0]["extra_states"][0]  # (each rank's extra state is read when asked for)
     assert extra in str(err.value)
 
 

@@ -109,7 +109,7 @@ def test_at_most_once_without_drop_last_and_the_rest_counted(tmp_path, corpus):
         assert len(list(loader)) == 2
         report = data_report(loader)
         assert (report["samples"], report["empty"]) == (2, 2), (kind, report)
-        assert report["blank"] == (1 if kind == "iterable" else 0), (kind, report)
+        assert report["blank"] == 1, (kind, report)  # mapping data counts them too (when its cache is built)
 
 
 class Counting(IterableDataset):

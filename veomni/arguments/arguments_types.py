@@ -117,7 +117,8 @@ class DataArguments:
     mm_configs: Dict[str, Any] = _doc(
         "Multimodal transform options (tasks/train_vlm.py), passed to process_sample_*: `media_dir` (base of "
         "relative media paths), `video_fps`, `image_kwargs` / `audio_kwargs` (extra processor kwargs, e.g. "
-        "`{max_pixels: 12544}`). max_seq_len defaults to data.max_seq_len.",
+        "`{max_pixels: 12544}`), `max_image_pixels` (an image over it is a bad sample, checked before decoding; "
+        "default 64e6). max_seq_len defaults to data.max_seq_len.",
         default_factory=dict,
     )
     dataloader: DataloaderArguments = field(default_factory=DataloaderArguments)

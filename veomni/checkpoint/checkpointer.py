@@ -33,7 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..utils.collectives import on_rank0
 from ..utils.logging import get_logger
+from .integrity import damaged_files, misfit, write_checksums
 from .safe_reader import SafeFileSystemReader, load_tensor_file
 
 logger = get_logger(__name__)
@@ -49,9 +51,11 @@ def named_optimizers(optimizer) -> Dict[str, torch.optim.Optimizer]:
 
 # ----------------------------------------------------------------------------------------------- RNG state
 def rng_state() -> Dict[str, Any]:
+    """This rank's generators: CPU, Python, NumPy, and its own accelerator's (only the device it uses: a resume may
+    see another number of devices)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
     try:
         import numpy as np
 
@@ -66,12 +70,29 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):  # saved by an earlier version: every visible device's state
+            cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
     if "numpy" in state:
         import numpy as np
 
         name, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+
+
+def reseed(seed: int, rank: int, step: int) -> None:
+    """Generators of a rank that no saved state belongs to (a resume on more ranks): seeded from (seed, rank, step)."""
+    value = (seed * 1_000_003 + rank * 10_007 + step) % 2**32
+    torch.manual_seed(value)
+    random.seed(value)
+    try:
+        import numpy as np
+
+        np.random.seed(value)
+    except ImportError:
+        pass
 
 
 # ----------------------------------------------------------------------------------------------- discovery
@@ -193,17 +214,38 @@ def _save_failure(err: BaseException, folder: str) -> CheckpointError:
         if nxt is not None:
             pending.append(nxt)
     text = " ".join(str(c) for c in chain)
+    existing = os.path.dirname(os.path.abspath(folder))
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
     try:
-        free = shutil.disk_usage(os.path.dirname(folder) or ".").free
+        free = shutil.disk_usage(existing).free
     except OSError:
         free = None
     full = any(getattr(c, "errno", None) == errno.ENOSPC for c in chain) or "No space left" in text
-    if full or (free is not None and free < 1 << 20 and "unexpected pos" in text):
+    # torch's zip writer reports a short write (a full disk, a quota) only as `unexpected pos N vs M`
+    if full or "unexpected pos" in text:
         where = next((c.filename for c in chain if getattr(c, "filename", None)), None)
         why = "the disk is full (ENOSPC" + (f" writing {where}" if where else "") + ")"
-    else:
-        why = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        if not full:
+            why = "a write was cut short, most likely a full disk or quota (torch: 'unexpected pos')"
+        if free is not None:
+            why += f"; {free / 2**20:.1f} MiB free there" + _last_checkpoint_size(folder)
+    else:  # the first failure that is not DCP's wrapper, which names only the ranks
+        cause = next((c for c in chain if type(c).__name__ != "CheckpointException"), err)
+        why = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
     return CheckpointError(f"saving checkpoint {folder} failed: {why}; the previous checkpoint is left as it was")
+
+
+def _last_checkpoint_size(folder: str) -> str:
+    """`, a checkpoint takes X MiB` from the newest complete checkpoint beside `folder`, if any."""
+    root = os.path.dirname(os.path.normpath(folder))
+    steps = list_checkpoints(root)
+    if not steps:
+        return ""
+    total = 0
+    for dirpath, _, files in os.walk(os.path.join(root, f"global_step_{steps[-1]}")):
+        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+    return f", a checkpoint takes {total / 2**20:.1f} MiB"
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -250,12 +292,14 @@ class Checkpointer:
 
     def _save(self, step, model, optimizer, extra_state, meta, attach, final: str, tmp: str) -> str:
         rank = dist.get_rank()
-        if rank == 0:
+
+        def prepare():
             shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save
             os.makedirs(os.path.join(tmp, "extra_state"))
             if attach is not None:
                 attach(tmp)
-        dist.barrier()
+
+        on_rank0(prepare)  # a failure there ends every rank at once, not in a barrier
         if not self._storage_checked:
             check_shared_storage(tmp, self.storage_patience_s)
             self._storage_checked = True
@@ -293,7 +337,9 @@ class Checkpointer:
 
     def _publish(self, tmp: str, final: str, meta: Dict[str, Any]) -> None:
         dist.barrier()  # every rank's shards and extra state are on disk
-        if dist.get_rank() == 0:
+        write_checksums(tmp)  # (collective: the ranks share the reading)
+
+        def publish():
             _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
             if os.path.isdir(final):  # re-saving a step (after a resume): the new one wins
                 shutil.rmtree(final)
@@ -301,7 +347,8 @@ class Checkpointer:
             _write_atomic(os.path.join(self.root, "latest"), os.path.basename(final))
             self._retire_old(meta["step"])
             logger.info(f"saved checkpoint {final}")
-        dist.barrier()
+
+        on_rank0(publish)
 
     def _retire_old(self, saved_step: int) -> None:
         """Keep the `save_total_limit` newest checkpoints of this run's timeline: those up to the one just saved.
@@ -343,6 +390,20 @@ class Checkpointer:
             state[f"optim.{name}"], param_groups[name] = full["state"], full["param_groups"]
         reader = SafeFileSystemReader(os.path.join(path, "model_optimizer"))
         _check_shards(path, reader)
+        damaged = damaged_files(path)  # collective, before anything is loaded
+        if damaged:
+            more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: {os.path.join(path, damaged[0])} does not match its checksum{more}; "
+                f"{_previous_good(path)}"
+            )
+        reason = misfit(state, reader.read_metadata().state_dict_metadata)
+        if reason:
+            raise CheckpointError(
+                f"checkpoint {path} was saved by a run with another model or optimizer: {reason}. Resume it with the "
+                "model and optimizer settings it was saved with (its run's veomni_config.yaml), or start a new run "
+                "(another train.checkpoint.output_dir, or --train.checkpoint.overwrite true)"
+            )
         try:
             dcp.load(state, checkpoint_id=os.path.join(path, "model_optimizer"), storage_reader=reader)
         except (OSError, RuntimeError, EOFError, ValueError, CheckpointException) as err:
@@ -355,9 +416,7 @@ class Checkpointer:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         self._continue_from(path)
-        extra = [
-            _load_extra(os.path.join(path, "extra_state", f"rank_{r}.pt"), path) for r in range(meta["world_size"])
-        ]
+        extra = ExtraStates(path, meta["world_size"])  # read on demand: a same-size resume reads one file per rank
         logger.info(f"resumed from {path} (saved at step {meta['step']} by {meta['world_size']} ranks)")
         return {"meta": meta, "extra_states": extra}
 
@@ -374,6 +433,28 @@ def _save_small(obj: Any, file: str) -> None:
             os.fsync(f.fileno())
     except OSError as err:  # a failed write() carries no file name of its own
         raise OSError(err.errno, err.strerror, file) from err
+
+
+class ExtraStates:
+    """Every rank's extra state of a checkpoint (`extras[r]`), each file read when first asked for."""
+
+    def __init__(self, checkpoint: str, world_size: int):
+        self.checkpoint, self.world_size = checkpoint, world_size
+        self._cache: Dict[int, Dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    def __getitem__(self, rank: int) -> Dict[str, Any]:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(rank)
+        if rank not in self._cache:
+            file = os.path.join(self.checkpoint, "extra_state", f"rank_{rank}.pt")
+            self._cache[rank] = _load_extra(file, self.checkpoint)
+        return self._cache[rank]
+
+    def __iter__(self):
+        return (self[r] for r in range(self.world_size))
 
 
 def _load_extra(file: str, checkpoint: str) -> Dict[str, Any]:

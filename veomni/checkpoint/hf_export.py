@@ -10,13 +10,13 @@ import shutil
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ..models.hf_conversion import TensorGroup, convert_group, plan_save
 from ..models.loader import tied_parameter_names
+from ..utils.collectives import on_rank0
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -148,19 +148,21 @@ def save_hf_model(model, out_dir: str, tokenizer_dir: Optional[str] = None, max_
     """Gather the full weights of a (sharded) model to rank 0 and write an HF folder there (call on all ranks)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
-    if dist.get_rank() == 0:
+
+    def write():
         tied = set(tied_parameter_names(model))
-        state = {k: v for k, v in state.items() if k not in tied}  # HF re-ties on load
-        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        kept = {k: v for k, v in state.items() if k not in tied}  # HF re-ties on load
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in kept.items()}
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        write_hub_layout(model, shapes, lambda names: {n: state.pop(n) for n in names}, tmp, max_shard_bytes)
+        write_hub_layout(model, shapes, lambda names: {n: kept.pop(n) for n in names}, tmp, max_shard_bytes)
         export_config(model.config, tmp, architecture_of(model))
         copy_tokenizer(tokenizer_dir, tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
         logger.info(f"exported HF model to {out_dir}")
-    dist.barrier()
+
+    on_rank0(write)  # rank 0 writes; a failure there (a full disk) ends every rank at once
 
 
 def dcp_to_hf(

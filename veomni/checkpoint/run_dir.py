@@ -13,9 +13,10 @@ empty output_dir (or `overwrite: true`). "Moved aside" renames the run's files i
 """
 
 import os
+import socket
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import IO, List, Optional
 
 from .checkpointer import list_checkpoints, resolve_checkpoint
 
@@ -23,8 +24,36 @@ from .checkpointer import list_checkpoints, resolve_checkpoint
 RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "veomni_config.yaml", "loss.png", "hf", "tensorboard", "wandb")
 
 
+LOCK_FILE = ".veomni.lock"  # held by the run that uses output_dir (never moved aside, never a run artifact)
+
+
 class RunDirError(ValueError):
-    """output_dir holds a run that the requested start would overwrite."""
+    """output_dir holds a run that the requested start would overwrite, or another run is using it now."""
+
+
+def lock_run_dir(output_dir: str) -> IO:
+    """Hold output_dir for this run: an exclusive lock on `<output_dir>/.veomni.lock`, kept while the returned file
+    stays open and released by the kernel when the process ends, however it ends (no stale lock after a SIGKILL).
+    A second run on the same folder is refused, naming the one that holds it."""
+    import fcntl
+
+    os.makedirs(output_dir, exist_ok=True)
+    handle = open(os.path.join(output_dir, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RunDirError(
+            f"train.checkpoint.output_dir={output_dir} is in use by another run ({holder}): wait for it to end or "
+            "stop it, or give this run another output_dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    return handle
 
 
 @dataclass

@@ -174,6 +174,10 @@ class CachedSampleIndex:
     def empty(self) -> int:
         return sum(s.empty for s in self.sources)
 
+    @property
+    def blank(self) -> int:  # blank lines of the files, left out when the cache was built
+        return sum(s.cache.manifest.get("blank", 0) for s in self.sources)
+
 
 @DATASET_REGISTRY.register("mapping")
 def build_mapping_dataset(

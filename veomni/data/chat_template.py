@@ -12,6 +12,11 @@ from typing import Dict, List, Sequence, Tuple
 from .data_transform import IGNORE_INDEX, DataFormatError
 from .dataset import Registry
 
+
+class ChatTemplateError(ValueError):
+    """A chat template that cannot be used for training (said in one line, at start-up)."""
+
+
 CHAT_TEMPLATE_REGISTRY = Registry("chat template")
 
 Segment = Tuple[str, bool]  # (text, trainable)
@@ -153,7 +158,7 @@ class TokenizerTemplate(ChatTemplate):
     def __init__(self, tokenizer, last_turn_only: bool = False):
         super().__init__(tokenizer)
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("chat template 'tokenizer' needs a tokenizer with a chat_template")
+            raise ChatTemplateError("chat template 'tokenizer' needs a tokenizer with a chat_template")
         self.last_turn_only = last_turn_only
         self.uses_generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.chat_template) is not None
         self.generation_prompt, self.end_of_turn = self._probe_turn_markers()
@@ -168,13 +173,20 @@ class TokenizerTemplate(ChatTemplate):
         user, reply = "VEOMNI_PROBE_QUESTION", "VEOMNI_PROBE_ANSWER"
         asked = [{"role": "user", "content": user}]
         before, prompted = self._render(asked), self._render(asked, generation_prompt=True)
+        other = "; use data.chat_template chatml or default, or a tokenizer whose template renders assistant turns"
         if not prompted.startswith(before) or prompted == before:
-            raise ValueError("the tokenizer's chat template has no generation prompt to find assistant turns by")
+            raise ChatTemplateError(
+                "the tokenizer's chat template has no generation prompt to find assistant turns by" + other
+            )
         whole = self._render(asked + [{"role": "assistant", "content": reply}])
+        if reply not in whole:  # a prompt-only template: there would be nothing to train on
+            raise ChatTemplateError("the tokenizer's chat template does not render the assistant's reply" + other)
         after = whole[whole.rindex(reply) + len(reply) :]
         specials = sorted((t for t in self.tokenizer.get_added_vocab() if t and t in after), key=after.index)
         if not specials:
-            raise ValueError("the tokenizer's chat template writes no special end-of-turn token after a reply")
+            raise ChatTemplateError(
+                "the tokenizer's chat template writes no special end-of-turn token after a reply" + other
+            )
         return prompted[len(before) :], specials[0]
 
     def get_jinja_template(self) -> str:

@@ -285,7 +285,7 @@ def data_report(loader, count_unread: bool = True) -> Dict[str, Any]:
             report[name] += state.get(name, 0)
         report["blank"] += state.get("blank", state.get("source", {}).get("blank", 0))  # (slot streams: summed)
     if states and any(s.get("global_position") for s in states.values()):  # whole-dataset counts, once
-        for name in ("skipped", "empty", "dropped"):
+        for name in ("skipped", "empty", "dropped", "blank"):
             report[name] = max(s.get(name, 0) for s in states.values())
     source = getattr(stream, "source", None)
     if isinstance(stream, SlotStream) and count_unread:

@@ -236,6 +236,7 @@ class GlobalBatchStream(BatchingStream):
         self._resume = None
         state.setdefault("samples", 0)
         state.update(skipped=self.index.skipped, empty=self.index.empty, dropped=dropped)
+        state["blank"] = getattr(self.index, "blank", 0)
         self._state = state
         mine = slice(self.dp_rank * self.accum, (self.dp_rank + 1) * self.accum)
         while state["step"] < len(steps):

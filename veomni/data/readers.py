@@ -15,7 +15,11 @@ import os
 from functools import lru_cache
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from ..utils.logging import get_logger
 from .data_transform import DataFormatError
+
+logger = get_logger(__name__)
+BIG_RECORD_BYTES = 8 << 20  # a record this large is said in the log when it is read
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 Key = Tuple[int, int]
@@ -193,6 +197,8 @@ class RecordFiles:
                 # mid-file (a unit of another reader, a resume) the line number is counted only if a message needs it:
                 # counting it per record would re-read the file from its start for every record
                 where = f"{path}:{lineno}" if lineno is not None else LineOf(path, here)
+                if len(line) > BIG_RECORD_BYTES:  # minutes of tokenising with nothing else to show for it
+                    logger.warning(f"{where}: a record of {len(line) / 2**20:.0f} MB; transforming it takes a while")
                 try:
                     record = _parse_json_line(line, where)
                 except DataFormatError as err:

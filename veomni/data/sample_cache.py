@@ -32,6 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..utils.collectives import on_rank0
 from ..utils.logging import get_logger
 from .data_transform import DataFormatError
 from .fingerprint import Unfingerprintable, files_fingerprint, fingerprint
@@ -131,7 +132,7 @@ class _PartWriter:
             os.remove(f"{self.prefix}.{name}.bin")
         self.files, self.fields = {}, []
 
-    def close(self, skipped: int, empty: int) -> Dict[str, Any]:
+    def close(self, skipped: int, empty: int, blank: int) -> Dict[str, Any]:
         """Write the index arrays and this part's description (returned)."""
         np.save(f"{self.prefix}.records.npy", np.asarray(self.records, dtype=np.int64).reshape(-1, 3))
         np.save(f"{self.prefix}.lengths.npy", np.asarray(self.lengths, dtype=np.int32))
@@ -151,6 +152,7 @@ class _PartWriter:
             "tokens": int(sum(self.lengths)),
             "skipped": skipped,
             "empty": empty,
+            "blank": blank,
             "token_mode": self.fields != [],
             "fields": fields,
             "files": {os.path.basename(p): {"bytes": os.path.getsize(p), "crc32": _crc(p)} for p in files},
@@ -206,16 +208,19 @@ def _build_part(dataset, folder: str, part: int, units, show: bool) -> Dict[str,
             writer.add(key, samples)
         chunk.clear()
 
+    blank = 0
     for unit in units:
         for key, record, where, _ in reader.iter_unit(unit):
-            if record is not BLANK:
-                chunk.append((key, record, where))
-                if len(chunk) == _CHUNK:
-                    flush()
+            if record is BLANK:
+                blank += 1
+                continue
+            chunk.append((key, record, where))
+            if len(chunk) == _CHUNK:
+                flush()
         bar.update(unit[2] - unit[1])
     flush()
     bar.close()
-    return writer.close(dataset.skipped - skipped, dataset.empty - empty)
+    return writer.close(dataset.skipped - skipped, dataset.empty - empty, blank)
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -387,10 +392,7 @@ def _build(dataset, folder: str, rank: int, world: int) -> None:
     )
     if world > 1:
         dist.barrier()
-    error = None
-    if rank == 0:
-        error = _publish(tmp, folder, world)
-    error = _from_rank0(error)
+    error = on_rank0(lambda: _publish(tmp, folder, world))  # rank 0's failure ends every rank at once
     if error:
         raise DataFormatError(error)
 
@@ -422,6 +424,7 @@ def _publish(tmp: str, folder: str, world: int) -> Optional[str]:
         "tokens": sum(p["tokens"] for p in parts),
         "skipped": sum(p["skipped"] for p in parts),
         "empty": sum(p["empty"] for p in parts),
+        "blank": sum(p.get("blank", 0) for p in parts),
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "parts": parts,
     }

@@ -1,5 +1,6 @@
 """`build_foundation_model` and `build_tokenizer`: HF-format configs, tokenizers and safetensors weights."""
 
+import json
 import os
 from typing import Any, Dict, Optional, Union
 
@@ -40,6 +41,25 @@ def to_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+class CustomCodeError(ValueError):
+    """A model or tokenizer folder that names its own Python code (`auto_map`), without model.trust_remote_code."""
+
+
+def _refuse_custom_code(path: str, file_name: str, trust_remote_code: bool) -> None:
+    """A folder whose config names custom code is refused, not quietly trained as the stock class (transformers
+    would build the built-in class of a known model_type and ignore the folder's code, which may differ)."""
+    config_file = os.path.join(path, file_name) if os.path.isdir(path) else path
+    if trust_remote_code or not os.path.isfile(config_file) or not config_file.endswith(".json"):
+        return
+    with open(config_file) as f:
+        auto_map = json.load(f).get("auto_map")
+    if auto_map:
+        raise CustomCodeError(
+            f"{config_file} names custom code (auto_map: {auto_map}): set model.trust_remote_code true to run that "
+            "code, or remove auto_map from the file to train transformers' built-in class"
+        )
+
+
 def build_config(config_path: str, trust_remote_code: bool = False, **config_kwargs) -> PretrainedConfig:
     """An HF config from a local folder or file. `trust_remote_code` (model.trust_remote_code) stays False unless the
     user asks: a folder whose config names custom Python code (`auto_map`) is refused instead of imported."""
@@ -47,14 +67,16 @@ def build_config(config_path: str, trust_remote_code: bool = False, **config_kwa
         raise ValueError("build_foundation_model needs config_path or weights_path")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"model config not found: {config_path}")
+    _refuse_custom_code(config_path, "config.json", trust_remote_code)
     return AutoConfig.from_pretrained(config_path, trust_remote_code=trust_remote_code, **config_kwargs)
 
 
 def build_tokenizer(tokenizer_path: str, trust_remote_code: bool = False, **kwargs):
     """An HF fast tokenizer from a local folder (tokenizer.json + tokenizer_config.json); custom tokenizer code
-    only with `trust_remote_code=True`."""
+    only with `trust_remote_code=True` (a folder naming it is refused otherwise)."""
     if tokenizer_path is None or not os.path.exists(tokenizer_path):
         raise FileNotFoundError(f"tokenizer not found: {tokenizer_path}")
+    _refuse_custom_code(tokenizer_path, "tokenizer_config.json", trust_remote_code)
     return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code, **kwargs)
 
 

@@ -39,7 +39,7 @@ from .callbacks import (
     WandbCallback,
 )
 from .checkpointing import CheckpointingMixin
-from .preflight import check_first_records, check_paths
+from .preflight import check_first_records, check_paths, check_vocab
 from .step_count import StepCountMixin, close_loader, set_epoch
 
 logger = get_logger(__name__)
@@ -79,7 +79,9 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
         self.args = args
         train = args.train
         torch.manual_seed(train.seed)
-        if train.enable_full_determinism:
+        if train.enable_full_determinism:  # before CUDA starts: cuBLAS reads its workspace setting once
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
             torch.use_deterministic_algorithms(True)
         self.parallel_state = init_parallel_state_from_args(train.accelerator)
         self.is_main = self.parallel_state.is_main_process
@@ -149,8 +151,10 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
         raise NotImplementedError
 
     def check_data(self) -> None:
-        """The transform on the first records: a configuration that fits no record fails here, in seconds."""
+        """The transform on the first records, and the tokenizer against the model's vocabulary: a configuration that
+        fits no record fails here, in seconds."""
         check_first_records(self.train_dataset, self.args.data)
+        check_vocab(getattr(self, "tokenizer", None), self.args.model)
 
     def build_dataloader(self):
         raise NotImplementedError

@@ -2,13 +2,15 @@
 resuming on another world size (the data loader's position is resharded over the new data-parallel ranks)."""
 
 import os
+import warnings
 from typing import Any, List, Optional
 
 import torch.distributed as dist
 
 from ..checkpoint import RunDirError, move_run_aside, plan_run, rng_state, set_rng_state
+from ..checkpoint.checkpointer import reseed
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
-from ..checkpoint.run_dir import remap_into
+from ..checkpoint.run_dir import lock_run_dir, remap_into
 from ..data.data_loader import reshard_loader_state
 from ..utils import lifecycle
 from ..utils.logging import get_logger
@@ -50,6 +52,7 @@ class CheckpointingMixin:
         answer: List[Any] = [None]
         if dist.get_rank() == 0:
             try:
+                self._run_lock = lock_run_dir(self.output_dir)  # first: a second run on this folder stops here
                 plan = plan_run(self.output_dir, ckpt.load_path, ckpt.overwrite)
                 path, moved = plan.load_path, None
                 if plan.move_aside:
@@ -78,9 +81,12 @@ class CheckpointingMixin:
         self.global_step, self.epoch = trainer["global_step"], trainer["epoch"]
         self.epoch_step, self.consumed_tokens = trainer["epoch_step"], trainer["consumed_tokens"]
         self._last_saved_step = self.global_step
-        self.lr_scheduler.load_state_dict(mine["lr_scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-            group["lr"] = lr  # the scheduler's state does not carry into the optimizer by itself
+        # The schedule is a function of the step: recomputed under this run's settings, not loaded. A resume that
+        # raises max_steps (a longer schedule) takes its very first step on the new curve, not the saved one.
+        self.lr_scheduler.last_epoch = self.global_step - 1
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended, nothing is skipped
+            warnings.simplefilter("ignore")
+            self.lr_scheduler.step()  # sets every param group's lr for step global_step + 1
         if meta["dp_size"] == state.dp_size and meta["world_size"] == dist.get_world_size():
             self.train_dataloader.load_state_dict(mine["dataloader"])
             set_rng_state(mine["rng"])
@@ -97,4 +103,14 @@ class CheckpointingMixin:
             )
         except NotImplementedError as err:
             logger.warning(f"{err}: epoch {self.epoch} starts its data again")
-        set_rng_state(extras[0]["rng"])
+        restore_rank_rng(extras, rank, self.args.train.seed, self.global_step)
+
+
+def restore_rank_rng(extras, rank: int, seed: int, step: int) -> None:
+    """Each rank its own generators after a resume on another world size: a rank that existed before gets its own
+    saved state, a new rank a fresh seed of its own (rank 0's state on every rank would give every rank the same
+    dropout masks)."""
+    if rank < len(extras):
+        set_rng_state(extras[rank]["rng"])
+    else:
+        reseed(seed, rank, step)

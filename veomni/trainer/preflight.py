@@ -3,6 +3,7 @@
 - `check_paths`: every path the config names exists (model config, weights, tokenizer, data).
 - `check_first_records`: the data transform on the first records of each source. When they all fail the same
   way, the message says so and names the fix (for a missing text key: the fields the records do hold).
+- `check_vocab`: a tokenizer with more tokens than the model's embedding has rows, before the model is built.
 """
 
 import itertools
@@ -127,3 +128,23 @@ def suggest_fix(records: List[Any], data_args) -> Optional[str]:
         return None  # the key is right; the records fail for another reason, which the message gives
     others = f" (fields of that kind: {candidates})" if len(candidates) > 1 else ""
     return f"the records hold fields {fields}: set --data.text_keys {best}{others}"
+
+
+def check_vocab(tokenizer, model_args) -> None:
+    """Raise ConfigError when the tokenizer can produce ids the model has no embedding row for (an IndexError at
+    step 1 otherwise, after the model is built)."""
+    from ..models import build_config
+    from ..models.multimodal import thinker_config
+
+    path = model_args.config_path or model_args.model_path
+    if tokenizer is None or path is None:
+        return
+    config = thinker_config(build_config(path, trust_remote_code=model_args.trust_remote_code))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise ConfigError(
+            f"the tokenizer ({model_args.tokenizer_path}) has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{vocab} ({path}): ids from {vocab} on have no embedding row. Use the model's own tokenizer, or a "
+            f"model config with vocab_size >= {len(tokenizer)}"
+        )

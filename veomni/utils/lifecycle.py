@@ -225,13 +225,17 @@ def _stalled_peers() -> str:
 # ----------------------------------------------------------------------------------------------- errors
 def _user_error_types():
     from ..arguments.parser import ConfigError
+    from ..data.chat_template import ChatTemplateError
     from ..data.data_transform import DataFormatError
+    from ..models.auto import CustomCodeError
     from ..models.loader import WeightsMismatchError
 
     types = [
         ConfigError,
         DataFormatError,
+        ChatTemplateError,
         WeightsMismatchError,
+        CustomCodeError,
         FileNotFoundError,
         NotADirectoryError,
         IsADirectoryError,
@@ -239,8 +243,9 @@ def _user_error_types():
     ]
     try:
         from ..checkpoint.checkpointer import CheckpointError
+        from ..checkpoint.run_dir import RunDirError
 
-        types.append(CheckpointError)
+        types += [CheckpointError, RunDirError]
     except ImportError:
         pass
     return tuple(types)

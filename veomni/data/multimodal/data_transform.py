@@ -129,9 +129,10 @@ def _process_sample(
     max_seq_len: int = 8192,
     image_kwargs: Optional[Dict[str, Any]] = None,
     audio_kwargs: Optional[Dict[str, Any]] = None,
+    max_image_pixels: Optional[int] = None,
     **unused,
 ) -> Dict[str, torch.Tensor]:
-    conversation = conversation_from_sample(sample, media_dir=media_dir)
+    conversation = conversation_from_sample(sample, media_dir=media_dir, max_image_pixels=max_image_pixels)
     media = media_of(conversation)
     if media["audio"] and getattr(processor, "feature_extractor", None) is None:
         raise DataFormatError("the sample has audio but the processor has no audio feature extractor")

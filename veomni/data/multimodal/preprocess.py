@@ -20,6 +20,7 @@ import base64
 import io
 import os
 import re
+import warnings
 import wave
 from typing import Any, Dict, List, Optional
 
@@ -55,16 +56,47 @@ def _read_bytes(src, media_dir: Optional[str]) -> bytes:
     raise DataFormatError(f"media file not found (and not base64): {src[:120]}")
 
 
-def load_image(src, media_dir: Optional[str] = None):
+# The most pixels an image may have before it is decoded: a small file can hold a huge image (a 17 KB PNG of 12000 x
+# 12000 pixels decodes to 0.4 GB and takes 30 s). 64M pixels is 8000 x 8000; data.mm_configs.max_image_pixels sets it.
+MAX_IMAGE_PIXELS = 64_000_000
+
+
+def _describe_source(src) -> str:
+    if isinstance(src, str):
+        return src[:120] if not src.startswith("data:") else "a data: URI"
+    if isinstance(src, dict):
+        return str(src.get("path") or src.get("url") or "embedded bytes")[:120]
+    return f"{type(src).__name__} bytes"
+
+
+def load_image(src, media_dir: Optional[str] = None, max_pixels: Optional[int] = None):
+    """An RGB PIL image. An unreadable, truncated or not-an-image file, or one over `max_pixels` (checked from its
+    header, before decoding), is a DataFormatError naming it: skipped with data.skip_bad_samples like any bad
+    record."""
     from PIL import Image
 
     if isinstance(src, Image.Image):
         return src.convert("RGB")
-    with Image.open(io.BytesIO(_read_bytes(src, media_dir))) as image:
-        return image.convert("RGB")
+    limit = max_pixels or MAX_IMAGE_PIXELS
+    try:
+        with warnings.catch_warnings():  # PIL's decompression-bomb warning: the limit below says it, per record
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(_read_bytes(src, media_dir)))
+        with image:
+            width, height = image.size
+            if width * height > limit:
+                raise DataFormatError(
+                    f"image {_describe_source(src)} is {width} x {height} pixels, over the limit of {limit:,} "
+                    "(data.mm_configs.max_image_pixels)"
+                )
+            return image.convert("RGB")
+    except DataFormatError:
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:  # PIL's ways of saying "bad file"
+        raise DataFormatError(f"unreadable image {_describe_source(src)}: {type(err).__name__}: {err}") from None
 
 
-def load_video(src, media_dir: Optional[str] = None) -> List[Any]:
+def load_video(src, media_dir: Optional[str] = None, max_pixels: Optional[int] = None) -> List[Any]:
     """A video as its frames (a list of images, or a folder of image files in name order); decoding video files
     needs a video library and is left to the data preparation step."""
     if isinstance(src, str):
@@ -72,7 +104,7 @@ def load_video(src, media_dir: Optional[str] = None) -> List[Any]:
         if not os.path.isdir(folder):
             raise DataFormatError(f"a video must be a list of frames or a folder of frames: {src[:120]}")
         src = [os.path.join(folder, name) for name in sorted(os.listdir(folder))]
-    frames = [load_image(frame, media_dir) for frame in src]
+    frames = [load_image(frame, media_dir, max_pixels) for frame in src]
     if not frames:
         raise DataFormatError("a video without frames")
     return frames
@@ -85,9 +117,12 @@ def load_audio(src, media_dir: Optional[str] = None, sampling_rate: int = AUDIO_
         return np.asarray(src, dtype=np.float32)
     if isinstance(src, dict) and "array" in src:  # HF datasets' decoded Audio
         return resample(np.asarray(src["array"], np.float32), int(src["sampling_rate"]), sampling_rate)
-    with wave.open(io.BytesIO(_read_bytes(src, media_dir))) as w:
-        width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
-        raw = w.readframes(w.getnframes())
+    try:
+        with wave.open(io.BytesIO(_read_bytes(src, media_dir))) as w:
+            width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
+            raw = w.readframes(w.getnframes())
+    except (wave.Error, EOFError, OSError) as err:
+        raise DataFormatError(f"unreadable audio {_describe_source(src)}: {type(err).__name__}: {err}") from None
     if width != 2:
         raise DataFormatError(f"only 16-bit PCM WAV audio is read here, got {8 * width}-bit")
     samples = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
@@ -102,10 +137,15 @@ def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
     return np.interp(np.arange(n) * (rate / target), np.arange(len(samples)), samples).astype(np.float32)
 
 
-_LOADERS = {"image": load_image, "video": load_video, "audio": load_audio}
+def _loaders(max_image_pixels: Optional[int]) -> Dict[str, Any]:
+    return {
+        "image": lambda src, media_dir: load_image(src, media_dir, max_image_pixels),
+        "video": lambda src, media_dir: load_video(src, media_dir, max_image_pixels),
+        "audio": load_audio,
+    }
 
 
-def _openai_part(part, media_dir: Optional[str]) -> Dict[str, Any]:
+def _openai_part(part, media_dir: Optional[str], loaders) -> Dict[str, Any]:
     if isinstance(part, str):
         return {"type": "text", "text": part}
     kind = part.get("type") or next((k for k in ("text", *MEDIA_TYPES, "image_url") if k in part), None)
@@ -121,10 +161,10 @@ def _openai_part(part, media_dir: Optional[str]) -> Dict[str, Any]:
         src = part.get(kind) if part.get(kind) is not None else part.get("url", part.get("path"))
     else:
         raise DataFormatError(f"unsupported content part type {kind!r}")
-    return {"type": kind, kind: _LOADERS[kind](src, media_dir)}
+    return {"type": kind, kind: loaders[kind](src, media_dir)}
 
 
-def _from_openai(messages, media_dir) -> List[Dict[str, Any]]:
+def _from_openai(messages, media_dir, loaders) -> List[Dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         role = _ROLES.get(m.get("role"))
@@ -132,11 +172,11 @@ def _from_openai(messages, media_dir) -> List[Dict[str, Any]]:
             raise DataFormatError(f"message {i} has role {m.get('role')!r}; expected system, user or assistant")
         content = m.get("content")
         parts = [content] if isinstance(content, str) else list(content or [])
-        out.append({"role": role, "content": [_openai_part(p, media_dir) for p in parts]})
+        out.append({"role": role, "content": [_openai_part(p, media_dir, loaders) for p in parts]})
     return out
 
 
-def _from_sharegpt(sample, media_dir) -> List[Dict[str, Any]]:
+def _from_sharegpt(sample, media_dir, loaders) -> List[Dict[str, Any]]:
     pools = {kind: list(sample.get(f"{kind}s") or []) for kind in MEDIA_TYPES}
     used = dict.fromkeys(MEDIA_TYPES, 0)
     out = []
@@ -150,7 +190,7 @@ def _from_sharegpt(sample, media_dir) -> List[Dict[str, Any]]:
                 kind = piece[1:-1]
                 if used[kind] >= len(pools[kind]):
                     raise DataFormatError(f"more {piece} markers than {kind}s in the sample")
-                parts.append({"type": kind, kind: _LOADERS[kind](pools[kind][used[kind]], media_dir)})
+                parts.append({"type": kind, kind: loaders[kind](pools[kind][used[kind]], media_dir)})
                 used[kind] += 1
             elif piece:
                 parts.append({"type": "text", "text": piece})
@@ -161,12 +201,16 @@ def _from_sharegpt(sample, media_dir) -> List[Dict[str, Any]]:
     return out
 
 
-def conversation_from_sample(sample: Dict[str, Any], media_dir: Optional[str] = None) -> List[Dict[str, Any]]:
-    """The sample's conversation in the normalised form above, media loaded."""
+def conversation_from_sample(
+    sample: Dict[str, Any], media_dir: Optional[str] = None, max_image_pixels: Optional[int] = None
+) -> List[Dict[str, Any]]:
+    """The sample's conversation in the normalised form above, media loaded (images of at most `max_image_pixels`,
+    default MAX_IMAGE_PIXELS)."""
+    loaders = _loaders(max_image_pixels)
     if "messages" in sample:
-        return _from_openai(sample["messages"], media_dir)
+        return _from_openai(sample["messages"], media_dir, loaders)
     if "conversations" in sample:
-        return _from_sharegpt(sample, media_dir)
+        return _from_sharegpt(sample, media_dir, loaders)
     raise DataFormatError(f"a multimodal sample needs 'messages' or 'conversations', got keys {sorted(sample)}")
 
 
