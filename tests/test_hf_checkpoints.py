@@ -219,3 +219,68 @@ def test_transformers_conversion_machinery_is_where_we_use_it():
     assert torch.equal(
         split["model.layers.1.mlp.experts.10.up_proj.weight"], tensors["model.layers.1.mlp.experts.10.up_proj.weight"]
     )
+
+
+# ------------------------------------------------------------------------- what from_pretrained tolerates
+def _rewrite_hub(src: str, dst: str, state: dict, **config_overrides) -> str:
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(dict(config, **config_overrides), f)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def test_tied_checkpoints_load_as_transformers_ties_them(tmp_path):
+    """A tied model whose checkpoint holds only lm_head ties to it; one holding both, different, is refused (transformers
+    would untie them, which this model is not built to do)."""
+    hub = write_hub_checkpoint("qwen3", str(tmp_path / "hub"))  # tied, lm_head not saved
+    state = _tensors(hub)
+    only_head = {k: v for k, v in state.items() if k != "model.embed_tokens.weight"}
+    only_head["lm_head.weight"] = state["model.embed_tokens.weight"]
+    folder = _rewrite_hub(hub, str(tmp_path / "head"), only_head)
+    _assert_same_tensors(build_foundation_model(folder, folder, torch_dtype="float32").state_dict(),
+                         transformers_load("qwen3", folder).state_dict(), "only lm_head")  # fmt: skip
+    both = dict(state, **{"lm_head.weight": torch.randn_like(state["model.embed_tokens.weight"])})
+    folder = _rewrite_hub(hub, str(tmp_path / "both"), both)
+    with pytest.raises(WeightsMismatchError, match="holds both with different values .* tie_word_embeddings=false"):
+        build_foundation_model(folder, folder, torch_dtype="float32")
+
+
+def test_keys_transformers_ignores_on_purpose_load(tmp_path):
+    """An old checkpoint with per-layer rotary `inv_freq` buffers loads, as in from_pretrained."""
+    hub = write_hub_checkpoint("llama", str(tmp_path / "hub"))
+    state = _tensors(hub)
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    folder = _rewrite_hub(hub, str(tmp_path / "old"), state)
+    _assert_same_tensors(build_foundation_model(folder, folder, torch_dtype="float32").state_dict(),
+                         transformers_load("llama", folder).state_dict(), "old llama")  # fmt: skip
+
+
+def test_a_converted_group_that_does_not_convert_is_named(moe_hub, tmp_path):
+    folder, state = moe_hub
+    key = "model.layers.1.mlp.experts.3.down_proj.weight"
+    bad = dict(state, **{key: torch.zeros(state[key].shape[0], state[key].shape[1] + 1)})
+    with pytest.raises(WeightsMismatchError, match=r"model.safetensors \(12 tensors from .*do not convert to .*experts.down_proj"):
+        build_foundation_model(folder, _rewrite(folder, tmp_path / "x", bad), torch_dtype="float32")
+    gate = "model.layers.1.mlp.experts.3.gate_proj.weight"  # one expert's gate missing: counts differ per pattern
+    with pytest.raises(WeightsMismatchError, match="converted from .* checkpoint keys per pattern"):
+        build_foundation_model(folder, _rewrite(folder, tmp_path / "y", {k: v for k, v in state.items() if k != gate}))
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_exporting_twice_into_one_folder_leaves_no_stale_shards(tmp_path):
+    from veomni.checkpoint import Checkpointer, dcp_to_hf
+    from veomni.checkpoint.hf_export import architecture_of, export_config
+
+    hub = write_hub_checkpoint("qwen3", str(tmp_path / "hub"))
+    model = build_foundation_model(hub, hub, torch_dtype="float32")
+    run = Checkpointer(str(tmp_path / "run"))
+    attach = lambda folder: export_config(model.config, os.path.join(folder, "hf_config"), architecture_of(model))  # noqa: E731
+    path = run.save(1, model, torch.optim.AdamW(model.parameters()), {}, {}, attach=attach)
+    out = str(tmp_path / "hf")
+    dcp_to_hf(path, out, max_shard_bytes=300_000)
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    dcp_to_hf(path, out)  # one file now: the earlier shards and index must be gone, or a reader takes them
+    assert sorted(f for f in os.listdir(out) if "safetensors" in f) == ["model.safetensors"]

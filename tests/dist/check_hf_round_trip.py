@@ -45,11 +45,11 @@ def assert_same(got: dict, want: dict, what: str) -> None:
 
 
 def check(out: str, family: str, layout: str, read: str) -> None:
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    init_parallel_state(**LAYOUTS[layout])
+    rank = dist.get_rank()
     hub = os.path.join(out, f"hub_{family}")
     if rank == 0 and not os.path.isdir(hub):
         write_checkpoint(family, hub, max_shard_size="300KB")
-    init_parallel_state(**LAYOUTS[layout])
     dist.barrier()
     moe = "fused" if layout == "ep2" else None
     model = build_foundation_model(hub, hub, init_device="meta", torch_dtype="float32", moe_implementation=moe)

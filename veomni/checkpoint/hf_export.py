@@ -196,7 +196,11 @@ def dcp_to_hf(
         dcp.load(state, storage_reader=SafeFileSystemReader(folder), no_dist=True)
         return state["model"]
 
-    write_hub_layout(skeleton, shapes, read, out_dir, max_shard_bytes)
-    export_config(config, out_dir, architecture_of(skeleton))
-    copy_tokenizer(config_dir, out_dir)
+    tmp = out_dir.rstrip("/") + ".tmp"  # as save_hf_model: no stale shards or index of an earlier export remain
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_hub_layout(skeleton, shapes, read, tmp, max_shard_bytes)
+    export_config(config, tmp, architecture_of(skeleton))
+    copy_tokenizer(config_dir, tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
     return out_dir

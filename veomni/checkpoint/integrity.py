@@ -98,11 +98,7 @@ def misfit(state: Dict[str, Any], saved: Dict[str, Any]) -> Optional[str]:
     ]
     if not missing and not shapes:
         return None
-    groups = lambda keys: sorted(
-        {k.split(".")[0] if k.startswith("model.") else ".".join(k.split(".")[:2]) for k in keys}
-    )  # noqa: E731
-    saved_optims = [g for g in groups(saved) if g.startswith("optim.")]
-    our_optims = [g for g in groups(ours) if g.startswith("optim.")]
+    saved_optims, our_optims = _optimizers(saved), _optimizers(ours)
     if saved_optims != our_optims:
         return f"it holds the state of optimizer(s) {saved_optims}, this run has {our_optims}"
     if shapes:
@@ -113,3 +109,8 @@ def misfit(state: Dict[str, Any], saved: Dict[str, Any]) -> Optional[str]:
     if model_missing:
         return f"it has no '{model_missing[0]}' ({len(model_missing)} model tensors missing): another model"
     return f"it has no '{missing[0]}' ({len(missing)} tensors missing)"
+
+
+def _optimizers(keys) -> List[str]:
+    """The optimizer state groups (`optim.<name>`) among flattened checkpoint names."""
+    return sorted({".".join(k.split(".")[:2]) for k in keys if k.startswith("optim.")})

@@ -152,7 +152,12 @@ def load_checkpoint(model: nn.Module, weights_path: str, broadcast_from_rank0: b
     if broadcast_from_rank0 and dist.get_world_size() > 1:
         source = None
         if dist.get_rank() == 0:
-            source = ((name, tensor) for name, tensor, _ in ModelWeights(weights_path, model).tensors())
+
+            def read():  # built inside the stream: a mismatch found up front is broadcast like a read error
+                for name, tensor, _ in ModelWeights(weights_path, model).tensors():
+                    yield name, tensor
+
+            source = read()
         load_full_tensors(model, source, True, max_broadcast_bytes, source_name=weights_path)
         return
     state = model.state_dict()

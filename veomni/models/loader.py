@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -56,13 +57,13 @@ def safetensors_files(weights_path: str) -> List[str]:
     )
     names = sorted(os.listdir(weights_path)) if os.path.isdir(weights_path) else []
     for index, single, prefix, suffix in formats:
+        if os.path.isfile(os.path.join(weights_path, single)):  # before the index, as from_pretrained looks
+            return [os.path.join(weights_path, single)]
         if os.path.isfile(os.path.join(weights_path, index)):
             return [
                 os.path.join(weights_path, name)
                 for name in sorted(set(_index(os.path.join(weights_path, index)).values()))
             ]
-        if os.path.isfile(os.path.join(weights_path, single)):
-            return [os.path.join(weights_path, single)]
         found = [f for f in names if f.startswith(prefix) and f.endswith(suffix)]
         if found:
             return [os.path.join(weights_path, f) for f in found]
@@ -75,7 +76,10 @@ def load_pickled_weights(path: str) -> Dict[str, torch.Tensor]:
     """A PyTorch `.bin`/`.pt` state dict, unpickled with `weights_only=True`: tensors and plain containers only,
     so a crafted file cannot run code. The error names the file."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:  # mapped, not read: the header pass and each group's reads touch only the tensors they need
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (pre-zip) file cannot be mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise ValueError(
             f"{path}: refused or unreadable PyTorch weights (loaded with weights_only=True, which allows tensors "
@@ -119,7 +123,7 @@ class CheckpointFiles:
     def _check_index(self) -> None:
         for index in (INDEX_FILE, BIN_INDEX_FILE):
             path = os.path.join(self.path, index) if os.path.isdir(self.path) else ""
-            if os.path.isfile(path):
+            if os.path.isfile(path) and not any(f.endswith((SINGLE_FILE, BIN_SINGLE_FILE)) for f in self.files):
                 for key, file in _index(path).items():
                     if key not in self.file_of:
                         raise WeightsMismatchError(f"{path}: lists '{key}' in {file}, which does not hold it")
@@ -217,6 +221,30 @@ def non_persistent_buffers(model: nn.Module) -> set:
     return names
 
 
+def ignored_unexpected(model: nn.Module) -> Optional["re.Pattern"]:
+    """Checkpoint keys `from_pretrained` drops without a word (`_adjust_missing_and_unexpected_keys`): the model's
+    `_keys_to_ignore_on_load_unexpected` (an MTP head, an Omni talker), old per-layer `rotary_emb.inv_freq`, and
+    `position_ids` buffers."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [name for name, _ in model.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+
+
+def tied_sources(model: nn.Module) -> Dict[str, str]:
+    """{tied name: the name it shares storage with} (e.g. lm_head.weight -> model.embed_tokens.weight)."""
+    seen, tied = {}, {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied[name] = seen[id(param)]
+        else:
+            seen[id(param)] = name
+    return tied
+
+
 def num_experts_of(config) -> Optional[int]:
     for source in (config, getattr(config, "text_config", None), getattr(config, "thinker_config", None)):
         for name in ("num_experts", "n_routed_experts", "num_local_experts"):
@@ -256,7 +284,22 @@ class ModelWeights:
         model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
         skip = OMNI_NON_THINKER_PREFIXES if model_type.endswith("_thinker") else ()
         plan = plan_load(model, self.files.keys(), state.keys(), skip_prefixes=skip)
-        self.groups = [g for g in plan.groups if not set(g.targets()) <= tied]  # HF re-ties a saved lm_head
+        ignore = ignored_unexpected(model)
+        if ignore is not None:
+            plan.unexpected = [(k, n) for k, n in plan.unexpected if not (ignore.search(k) or ignore.search(n))]
+        # tying as `from_pretrained` does it: a checkpoint holding only the tied name (lm_head) feeds its source;
+        # one holding both with different values is refused (transformers unties them; this model is built tied)
+        by_target = {t: g for g in plan.groups for t in g.targets()}
+        self.tie_checks: Dict[str, str] = {}
+        for name, source in tied_sources(model).items():
+            group = by_target.get(name)
+            if group is None or not group.is_rename:
+                continue
+            if source not in by_target:
+                group.target = source
+            else:
+                self.tie_checks[name] = source
+        self.groups = [g for g in plan.groups if not set(g.targets()) <= tied or g.target in self.tie_checks]
         if plan.unexpected:
             key, renamed = plan.unexpected[0]
             hint = "" if key == renamed else f" (renamed by transformers' rules to '{renamed}')"
@@ -267,11 +310,17 @@ class ModelWeights:
             )
         if plan.skipped:
             logger.info(f"{weights_path}: skipped {len(plan.skipped)} tensors of the Omni speech output (talker etc.)")
-        provided = {target for group in self.groups for target in group.targets()}
+        provided = {target for group in self.groups for target in group.targets()} | set(self.tie_checks.values())
         missing = [n for n in state if n not in provided and n not in tied and n not in non_persistent_buffers(model)]
         if missing:
             raise WeightsMismatchError(self._missing_message(missing))
         for group in self.groups:
+            counts = {pattern: len(keys) for pattern, keys in group.sources.items()}
+            if len(set(counts.values())) > 1:
+                raise WeightsMismatchError(
+                    f"{self.files.file_of[group.keys[0]]}: '{group.target}' is converted from {counts} checkpoint keys "
+                    "per pattern; each pattern needs as many (one per expert)"
+                )
             if group.is_rename:
                 (key,) = group.keys
                 self._check(group.target, self.files.shape[key], self.files.is_float[key], f"{self.files.file_of[key]}")
@@ -322,6 +371,22 @@ class ModelWeights:
         order = {path: i for i, path in enumerate(self.files.files)}
         groups = iter(sorted(self.groups, key=lambda g: order[self.files.file_of[g.keys[0]]]))
         unread = collections.Counter(self.files.file_of[key] for group in self.groups for key in group.keys)
+        held: Dict[str, torch.Tensor] = {}  # one side of a tied pair until the other arrives
+
+        def tie_check(name: str, tensor: torch.Tensor) -> None:
+            pair = self.tie_checks.get(name) or next((t for t, s in self.tie_checks.items() if s == name), None)
+            if pair is None:
+                return
+            other = held.pop(pair, None)
+            if other is None:
+                held[name] = tensor
+            elif not torch.equal(other, tensor):
+                tied_name = name if name in self.tie_checks else pair
+                raise WeightsMismatchError(
+                    f"{self.path}: the config ties '{tied_name}' to '{self.tie_checks[tied_name]}' but the checkpoint "
+                    "holds both with different values (transformers then unties them): set tie_word_embeddings=false"
+                )
+
         with self.files, ThreadPoolExecutor(max(readers, 1)) as pool:
             pending = collections.deque()
             for group in itertools.islice(groups, max(readers, 1)):
@@ -333,10 +398,17 @@ class ModelWeights:
                 if following is not None:
                     pending.append((following, pool.submit(self._read, following, local_index, unread)))
                 if group.is_rename:
-                    yield group.target, sources[group.keys[0]], index is not None
+                    tie_check(group.target, sources[group.keys[0]])
+                    if group.target not in self.tie_checks:
+                        yield group.target, sources[group.keys[0]], index is not None
                     continue
-                for name, tensor in convert_group(group, sources, self.model).items():
-                    source = f"{self.path} ({len(group.keys)} tensors from '{group.keys[0]}')"
+                source = f"{self.files.file_of[group.keys[0]]} ({len(group.keys)} tensors from '{group.keys[0]}')"
+                try:
+                    produced = convert_group(group, sources, self.model)
+                except (RuntimeError, ValueError) as err:  # e.g. one expert of another shape, one expert missing
+                    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                    raise WeightsMismatchError(f"{source}: do not convert to '{group.target}': {first}") from err
+                for name, tensor in produced.items():
                     self._check(name, tensor.shape, tensor.is_floating_point(), source)
                     yield name, tensor, False
 
