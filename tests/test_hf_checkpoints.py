@@ -262,7 +262,9 @@ def test_a_converted_group_that_does_not_convert_is_named(moe_hub, tmp_path):
     folder, state = moe_hub
     key = "model.layers.1.mlp.experts.3.down_proj.weight"
     bad = dict(state, **{key: torch.zeros(state[key].shape[0], state[key].shape[1] + 1)})
-    with pytest.raises(WeightsMismatchError, match=r"model.safetensors \(12 tensors from .*do not convert to .*experts.down_proj"):
+    with pytest.raises(
+        WeightsMismatchError, match=r"model.safetensors \(12 tensors from .*do not convert to .*experts.down_proj"
+    ):
         build_foundation_model(folder, _rewrite(folder, tmp_path / "x", bad), torch_dtype="float32")
     gate = "model.layers.1.mlp.experts.3.gate_proj.weight"  # one expert's gate missing: counts differ per pattern
     with pytest.raises(WeightsMismatchError, match="converted from .* checkpoint keys per pattern"):

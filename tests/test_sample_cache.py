@@ -151,3 +151,106 @@ def test_start_of_each_document_survives_the_round_trip(data):
         joined = [t for s in samples for t in s["input_ids"].tolist()]
         assert joined[: len(record["input_ids"])] == record["input_ids"][: len(joined)]
     assert document_starts  # (the helper is the loader tests' own)
+
+
+def _weighted(example):  # a float field: the cache keeps lengths only, the transform runs again on access
+    ids = example["input_ids"]
+    return [{"input_ids": ids, "labels": ids, "loss_weights": [0.5] * len(ids)}]
+
+
+def test_float_fields_are_not_rounded_into_the_token_files(data):
+    path, cache = data
+    dataset = build_dataset(train_path=path, datasets_type="mapping", transform=_weighted, cache_dir=cache)
+    assert not dataset.prepare().token_mode
+    assert dataset[3][0]["loss_weights"][:3] == [0.5, 0.5, 0.5]
+
+
+def test_a_sample_outside_the_cache_is_an_index_error(data):
+    path, cache = data
+    built = _dataset(path, cache).prepare()
+    built.sample(built.num_samples - 1)
+    for bad in (built.num_samples, -1):
+        with pytest.raises(IndexError, match=f"sample {bad} of a data cache of {built.num_samples}"):
+            built.sample(bad)
+
+
+def test_skipping_bad_records_stays_linear(tmp_path, monkeypatch):
+    """A skipped record's location (its line, counted from the file's start) is made text only when shown."""
+    import veomni.data.readers as readers
+
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i in range(2000):
+            f.write(json.dumps({"oops": i} if i % 10 == 3 else {"input_ids": [i % 500 + 3] * 20}) + "\n")
+    counted = []
+    line_at = readers._line_at
+    monkeypatch.setattr(readers, "_line_at", lambda *a: counted.append(a) or line_at(*a))
+    transform = partial(process_pretrain_example, tokenizer=None, max_seq_len=32)
+    dataset = build_dataset(
+        train_path=str(tmp_path / "docs.jsonl"), datasets_type="mapping", transform=transform,
+        skip_bad_samples=True, cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    built = dataset.prepare()
+    assert built.num_samples == 1800 and built.manifest["skipped"] == 200
+    assert len(counted) <= 5  # the five that are logged, not one per skipped record
+
+
+def test_a_finished_cache_of_another_job_is_kept_not_replaced(data):
+    """Two jobs built the same cache at once: the later to publish keeps the earlier's (which may be in use)."""
+    import shutil
+
+    from veomni.data import sample_cache
+
+    path, cache = data
+    folder = _dataset(path, cache).prepare().folder
+    inode = os.stat(os.path.join(folder, "part-00000.input_ids.bin")).st_ino
+    late = folder + ".building-late"  # the other job's finished build, about to be published
+    shutil.copytree(folder, late)
+    assert sample_cache._publish(late, folder, 1) is None
+    assert not os.path.exists(late) and os.stat(os.path.join(folder, "part-00000.input_ids.bin")).st_ino == inode
+    shutil.copytree(folder, late)
+    os.remove(os.path.join(folder, "part-00000.lengths.npy"))  # a stale cache is replaced
+    assert sample_cache._publish(late, folder, 1) is None
+    assert sample_cache.SampleCache(folder).num_records == 150 and os.listdir(cache) == [os.path.basename(folder)]
+
+
+def test_a_rank_failing_its_share_fails_every_rank_at_once(tmp_path):
+    path = write_token_data(str(tmp_path / "docs.jsonl"), n=301, low=8, high=120)
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": "no input_ids: rank 1's share"}) + "\n")
+    script = os.path.join(REPO, "tests", "dist", "check_sample_cache.py")
+    torchrun(script, [path, str(tmp_path / "cache"), str(tmp_path), "expect-failure"], 2, timeout=120)
+    errors = [open(tmp_path / f"error_{rank}.txt").read() for rank in range(2)]
+    assert "KeyError" in errors[1] and "rank 1 failed building its share of the data cache" in errors[0], errors
+    assert not os.listdir(tmp_path / "cache")  # nothing half-built left
+
+
+def test_fingerprint_follows_helpers_base_classes_and_tensor_values(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    import torch
+
+    from veomni.data.fingerprint import fingerprint
+
+    source = (
+        "def helper(ids):\n    return ids[:4]\n\n"
+        "class Base:\n    def encode(self, ids):\n        return {'input_ids': ids}\n\n"
+        "class Sub(Base):\n    pass\n\n"
+        "def transform(example, template):\n    return [template.encode(helper(example['ids']))]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def fingerprint_of(text):
+        (tmp_path / "user_transform.py").write_text(text)
+        sys.modules.pop("user_transform", None)
+        importlib.invalidate_caches()
+        module = importlib.import_module("user_transform")
+        return fingerprint(partial(module.transform, template=module.Sub()))
+
+    original = fingerprint_of(source)
+    assert fingerprint_of(source) == original
+    assert fingerprint_of(source.replace("ids[:4]", "ids[:5]")) != original  # a helper the transform calls
+    assert fingerprint_of(source.replace("{'input_ids': ids}", "{'input_ids': ids[1:]}")) != original  # a base
+    table = torch.arange(100)
+    assert fingerprint(partial(_weighted, table=table)) != fingerprint(partial(_weighted, table=table.flip(0)))
+    assert fingerprint(torch.ones(3, dtype=torch.bfloat16)) != fingerprint(torch.zeros(3, dtype=torch.bfloat16))

@@ -1,5 +1,5 @@
 """Under torchrun: the first run over a mapping dataset builds its sample cache with every rank transforming its own
-share. argv: DATA CACHE OUT. Writes OUT/calls_<rank>.json (the records this rank transformed) and
+share. argv: DATA CACHE OUT [expect-failure]. Writes OUT/calls_<rank>.json (the records this rank transformed) and
 OUT/batches_<rank>.json (this rank's micro-batches of each global step)."""
 
 import json
@@ -13,10 +13,18 @@ import test_sample_cache as t  # noqa: E402
 from veomni.distributed import destroy_parallel_state, init_parallel_state  # noqa: E402
 
 
-def main(data: str, cache: str, out: str) -> None:
+def main(data: str, cache: str, out: str, mode: str = "") -> None:
     state = init_parallel_state()
     t.CALLS.clear()
     dataset = t._dataset(data, cache)
+    if mode == "expect-failure":  # one rank's share holds a bad record: every rank raises at once
+        try:
+            dataset.prepare()
+        except Exception as err:
+            with open(os.path.join(out, f"error_{state.dp_rank}.txt"), "w") as f:
+                f.write(f"{type(err).__name__}: {err}")
+        destroy_parallel_state()
+        return
     assert len(dataset) == sum(1 for _ in open(data))  # builds the cache (collective)
     with open(os.path.join(out, f"calls_{state.dp_rank}.json"), "w") as f:
         json.dump(list(t.CALLS), f)

@@ -337,6 +337,7 @@ class MicroBatchLoader(StatefulDataLoader):
     """
 
     def __init__(self, stream, **kwargs):
+        self.epoch_ended = False  # the last streamed epoch ended at a slot that ran out (not at a stop)
         self._live = [None]  # the current iterator, in a box the finalizer can reach without holding the loader
         super().__init__(stream, **kwargs)
         self.stream = stream
@@ -366,7 +367,8 @@ class MicroBatchLoader(StatefulDataLoader):
                 self._initial_iter_for_state_dict = False
             self._live[0] = None
         iterator = super().__iter__()
-        return _UntilEndMarker(iterator) if isinstance(self.stream, SlotStream) else iterator
+        self.epoch_ended = False
+        return _UntilEndMarker(iterator, self) if isinstance(self.stream, SlotStream) else iterator
 
     def close(self) -> None:
         """Stop the current iterator's worker processes now. `state_dict()` still gives the position reached; a
@@ -387,8 +389,8 @@ class _UntilEndMarker:
     """Ends the epoch at the first step a streamed slot could not fill (its micro-batches are end markers), even
     when other loader workers still have steps: later steps would otherwise come out of order."""
 
-    def __init__(self, iterator):
-        self.iterator, self.ended = iterator, False
+    def __init__(self, iterator, loader):
+        self.iterator, self.loader, self.ended = iterator, weakref.ref(loader), False
 
     def __iter__(self):
         return self
@@ -399,6 +401,9 @@ class _UntilEndMarker:
         step = next(self.iterator)
         if any(is_end_marker(mb) for mb in step):
             self.ended = True
+            loader = self.loader()
+            if loader is not None:  # the trainer then counts the records left unread
+                loader.epoch_ended = True
             raise StopIteration
         return step
 

@@ -97,33 +97,46 @@ class _Transforming:
     empty: int = 0  # records that gave no sample (empty text, a one-token document): counted, not errors
 
     def _apply(self, record: Any, where: str) -> List[Dict[str, Any]]:
+        if isinstance(record, DataFormatError):  # the reader's error, already naming file and line
+            return self._reject(record, None)
         try:
-            if isinstance(record, DataFormatError):  # the reader's error, already naming file and line
-                raise record
             out = self.transform(record) if self.transform is not None else record
         except DataFormatError as err:
-            message = str(err) if err is record else f"{where}: {err}"
-            if not self.skip_bad_samples:
-                raise DataFormatError(message + " (set data.skip_bad_samples to skip such samples)") from None
-            self.skipped += 1
-            if self.skipped <= 5:
-                logger.warning(f"skipped bad sample: {message}")
-            return []
+            return self._reject(err, where)
         out = out if isinstance(out, list) else [out]
         self.empty += not out
         return out
 
-    def _apply_many(self, records: List[Any], wheres: List[str]) -> List[List[Dict[str, Any]]]:
+    def _reject(self, err: DataFormatError, where: Optional[Any]) -> List[Dict[str, Any]]:
+        """Raise the bad record's error, or skip it. `where` (a lazy location: counting a jsonl line reads the
+        file up to it) becomes text only when the message is shown, so skipping stays linear in the data."""
+
+        def message() -> str:
+            return str(err) if where is None else f"{where}: {err}"
+
+        if not self.skip_bad_samples:
+            raise DataFormatError(message() + " (set data.skip_bad_samples to skip such samples)") from None
+        self.skipped += 1
+        if self.skipped <= 5:
+            logger.warning(f"skipped bad sample: {message()}")
+        return []
+
+    def _apply_many(self, records: List[Any], wheres: List[Any]) -> List[List[Dict[str, Any]]]:
         """`_apply` over many records, through the transform's batched form when it has one."""
         batched = _batched_form(self.transform)
         if batched is None:
             return [self._apply(r, w) for r, w in zip(records, wheres)]
         ok = [i for i, r in enumerate(records) if not isinstance(r, DataFormatError)]
-        results: List[Any] = list(records)
+        out: List[List[Dict[str, Any]]] = [[] for _ in records]
+        for i, record in enumerate(records):
+            if isinstance(record, DataFormatError):
+                out[i] = self._reject(record, None)
         for i, res in zip(ok, batched([records[i] for i in ok])):  # a transform's error gets its record's location
-            results[i] = DataFormatError(f"{wheres[i]}: {res}") if isinstance(res, DataFormatError) else res
-        out = [self._apply(res, w) if isinstance(res, DataFormatError) else res for res, w in zip(results, wheres)]
-        self.empty += sum(not isinstance(res, DataFormatError) and not o for res, o in zip(results, out))
+            if isinstance(res, DataFormatError):
+                out[i] = self._reject(res, wheres[i])
+            else:
+                out[i] = res
+                self.empty += not res
         return out
 
 
@@ -199,6 +212,19 @@ class StreamingDataset(IterableDataset, _Transforming):
         self.reader = RecordFiles(files)
         self.units = self.reader.units(unit_bytes)
         self._pending: Dict[Key, Tuple[Any, str]] = {}
+
+    def cut_units(self, at_least: int) -> None:
+        """Cut the units finer (each into equal pieces) until there are `at_least`, so that many readers each get
+        several: a reader with one or two units runs out early and ends the streamed epoch for everyone."""
+        if not self.units or len(self.units) >= at_least:
+            return
+        pieces = -(-at_least // len(self.units))
+        units: List[Tuple[int, int, int]] = []
+        for fi, start, end in self.units:
+            least = 256 if self.files[fi].endswith(".jsonl") else 1  # bytes or rows: a piece holds something
+            step = max(-(-(end - start) // pieces), least)
+            units += [(fi, a, min(a + step, end)) for a in range(start, end, step)]
+        self.units = units
 
     def shard_units(self, epoch: int, shard: int, num_shards: int) -> List[Tuple[int, int, int]]:
         import torch
@@ -306,6 +332,11 @@ class InterleavedDataset(IterableDataset):
                 state["active"].remove(i)
                 continue
             yield (i, *key)
+
+    def cut_units(self, at_least: int) -> None:
+        for source in self.sources:
+            if hasattr(source, "cut_units"):
+                source.cut_units(at_least)
 
     def samples(self, key: Key) -> List[Dict[str, Any]]:
         return self.sources[key[0]].samples(tuple(key[1:]))

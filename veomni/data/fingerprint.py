@@ -1,17 +1,21 @@
 """Fingerprints: a short hash that changes whenever the data files, the transform or the tokenizer would change
 the samples, so that a sample cache built under one set of them is never used under another.
 
-Functions are hashed by their source code (an edited transform invalidates caches), tokenizers by their full
-serialisation and chat template, configs and processors by their JSON, other objects by their class and state.
-An object that cannot be fingerprinted (a lambda's closure over an open file, say) raises `Unfingerprintable`:
-its data is then not cached rather than cached under a key that would miss a change.
+Functions are hashed by the source of their whole module (an edited transform, or a helper it calls from the same
+file, invalidates caches), objects by the source of every class of their type's MRO and their state, tensors and
+arrays by value, tokenizers by their full serialisation and chat template, configs and processors by their JSON.
+Every fingerprint also covers the source of `veomni/data`, whose code the built-in transforms call. An object that
+cannot be fingerprinted (a lambda's closure over an open file, say) raises `Unfingerprintable`: its data is then
+not cached rather than cached under a key that would miss a change.
 """
 
 import functools
 import hashlib
 import inspect
+import logging
 import os
 import pickle
+import sys
 from typing import Any, List
 
 import numpy as np
@@ -24,7 +28,7 @@ class Unfingerprintable(TypeError):
 
 
 def fingerprint(*objects: Any) -> str:
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(_package_source().encode())
     for obj in objects:
         digest.update(_describe(obj, 0, set()).encode("utf-8", "surrogatepass"))
         digest.update(b"\0")
@@ -36,11 +40,53 @@ def files_fingerprint(files: List[str]) -> List[Any]:
     return [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
 
 
+@functools.lru_cache(maxsize=None)
+def _package_source() -> str:
+    """A hash of veomni/data's sources (the built-in transforms and what they call)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _file_hash(path: str, size: int, mtime_ns: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _module_source(name: str) -> str:
+    """A hash of the source file of module `name` ("" for a module without one, as a builtin)."""
+    path = getattr(sys.modules.get(name), "__file__", None)
+    if not path or not os.path.isfile(path):
+        return ""
+    stat = os.stat(path)
+    return _file_hash(path, stat.st_size, stat.st_mtime_ns)
+
+
+def _class_sources(kind: type) -> str:
+    """The sources of every class in `kind`'s MRO (a base class edited changes what the object does)."""
+    parts = []
+    for cls in kind.__mro__:
+        if cls.__module__ == "builtins":
+            continue
+        try:
+            parts.append(hashlib.sha256(inspect.getsource(cls).encode()).hexdigest())
+        except (OSError, TypeError):
+            parts.append(f"{cls.__module__}.{cls.__qualname__}:{_module_source(cls.__module__)}")
+    return ",".join(parts)
+
+
 def _function(fn, depth: int, seen: set) -> str:
     try:
         code = inspect.getsource(fn)
     except (OSError, TypeError):
         code = getattr(getattr(fn, "__code__", None), "co_code", b"").hex()
+    code += ":" + _module_source(getattr(fn, "__module__", None) or "")  # helpers of the same file
     batched = getattr(fn, "batched", None)  # a transform's batched form gives the same samples: part of it
     extra = _describe(batched, depth + 1, seen) if batched is not None and batched is not fn else ""
     # what a closure or default arguments hold changes the function as much as its code (module globals it reads
@@ -72,6 +118,12 @@ def _describe(obj: Any, depth: int, seen: set) -> str:
         return "dict{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
     if isinstance(obj, np.ndarray):
         return f"nd:{obj.dtype}:{obj.shape}:{hashlib.sha256(np.ascontiguousarray(obj).tobytes()).hexdigest()}"
+    if _is_tensor(obj):  # by value (its bytes: bf16 has no numpy type)
+        flat = obj.detach().cpu().contiguous().reshape(-1)
+        raw = flat.view(sys.modules["torch"].uint8).numpy().tobytes() if flat.numel() else b""
+        return f"tensor:{obj.dtype}:{tuple(obj.shape)}:{hashlib.sha256(raw).hexdigest()}"
+    if isinstance(obj, logging.Logger):  # its level cache changes as it is used: the name is what matters
+        return f"logger:{obj.name}"
     if isinstance(obj, functools.partial):
         args = _describe(list(obj.args), depth + 1, seen)
         return f"partial({_describe(obj.func, depth + 1, seen)},{args},{_describe(obj.keywords, depth + 1, seen)})"
@@ -97,14 +149,16 @@ def _describe(obj: Any, depth: int, seen: set) -> str:
     if inspect.isclass(obj):
         return f"class:{obj.__module__}.{obj.__qualname__}"
     state = getattr(obj, "__dict__", None)
-    if state is not None:  # the class's code and the object's state
+    if state is not None:  # the classes' code and the object's state
         kind = type(obj)
-        try:
-            code = hashlib.sha256(inspect.getsource(kind).encode()).hexdigest()
-        except (OSError, TypeError):
-            code = ""
+        code = _class_sources(kind)
         return f"obj:{kind.__module__}.{kind.__qualname__}:{code}:{_describe(dict(state), depth + 1, seen)}"
     try:
         return f"pickle:{hashlib.sha256(pickle.dumps(obj, protocol=4)).hexdigest()}"
     except Exception as err:
         raise Unfingerprintable(f"cannot fingerprint a {type(obj).__name__}: {err}") from None
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")  # (a tensor exists only once torch is imported)
+    return torch is not None and isinstance(obj, torch.Tensor)

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..utils.collectives import on_rank0
+from ..utils.collectives import host_group, on_every_rank, on_rank0
 from ..utils.logging import get_logger
 from .data_transform import DataFormatError
 from .fingerprint import Unfingerprintable, files_fingerprint, fingerprint
@@ -65,25 +65,25 @@ def _world() -> Tuple[int, int]:
     return 0, 1
 
 
-def _all_ok(ok: bool) -> bool:
-    """True when `ok` holds on every rank (a collective on every rank alike)."""
+def _all_ok(ok: bool, group) -> bool:
+    """True when `ok` holds on every rank (a collective on `group`, the host group of every rank)."""
     import torch
     import torch.distributed as dist
 
-    if _world()[1] == 1:
+    if group is None:
         return ok
     flag = torch.tensor([int(ok)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
-def _from_rank0(value: Any) -> Any:
+def _from_rank0(value: Any, group) -> Any:
     import torch.distributed as dist
 
-    if _world()[1] == 1:
+    if group is None:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -166,13 +166,13 @@ def _token_arrays(sample: Dict[str, Any], n: int) -> Optional[Dict[str, np.ndarr
     """Every field as an int32 array of the sample's length, or None when one is something else."""
     out = {}
     for name, value in sample.items():
-        if isinstance(value, np.ndarray) and value.dtype.kind not in "iu":
-            return None
         if not isinstance(value, (list, tuple, np.ndarray)) or len(value) != n:
             return None
         try:
-            array = np.asarray(value, dtype=np.int64)
+            array = np.asarray(value) if n else np.zeros(0, np.int64)
         except (TypeError, ValueError, OverflowError):
+            return None
+        if array.dtype.kind not in "iu":  # floats (loss weights), bools, objects: kept as the transform made them
             return None
         if array.ndim != 1 or (n and (array.min() < _INT32.min or array.max() > _INT32.max)):
             return None
@@ -266,6 +266,8 @@ class SampleCache:
 
     def sample(self, i: int) -> Dict[str, np.ndarray]:
         """Sample `i` (token mode): every field as an int64 array."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} of a data cache of {self.num_samples} samples ({self.folder})")
         part = int(np.searchsorted(self.sample_bases, i, side="right")) - 1
         j = i - int(self.sample_bases[part])
         start, end = int(self._token_starts[part][j]), int(self._token_starts[part][j + 1])
@@ -334,27 +336,35 @@ def _problem(folder: str, share: Tuple[int, int]) -> Optional[str]:
 
 def open_or_build(dataset, cache_dir: Optional[str], name: str = "data") -> SampleCache:
     """The dataset's cache, built if needed by all ranks together (call on every rank alike). A transform that
-    cannot be fingerprinted gets a cache of this run's own, never reused, removed at exit."""
+    cannot be fingerprinted gets a cache of this run's own, never reused, removed at exit.
+
+    The ranks coordinate on a gloo group of their own (CPU flags work under NCCL too) whose timeout allows for a
+    long build (`VEOMNI_HOST_TIMEOUT_MINUTES`); a rank that fails its share fails every rank at once."""
+    with host_group() as group:
+        return _open_or_build(dataset, cache_dir, name, group)
+
+
+def _open_or_build(dataset, cache_dir: Optional[str], name: str, group) -> SampleCache:
     rank, world = _world()
     try:
         key = fingerprint(FORMAT, files_fingerprint(dataset.files), dataset.transform, dataset.skip_bad_samples)
     except Unfingerprintable as err:
-        key = _from_rank0(f"unshared-{uuid.uuid4().hex[:12]}")
+        key = _from_rank0(f"unshared-{uuid.uuid4().hex[:12]}", group)
         logger.warning(f"the data transform cannot be fingerprinted ({err}): its cache serves this run only")
         if rank == 0:
             atexit.register(shutil.rmtree, os.path.join(cache_dir or default_cache_dir(), f"{name}-{key}"), True)
     folder = os.path.join(cache_dir or default_cache_dir(), f"{name}-{key}")
     problem = _problem(folder, (rank, world))
-    if _all_ok(problem is None):
+    if _all_ok(problem is None, group):
         cache = SampleCache(folder)
         if rank == 0:
             logger.info(f"data cache {cache.describe()}")
         return cache
     if rank == 0 and os.path.exists(folder):
         logger.warning(f"data cache {folder} is unusable ({problem}): rebuilding it")
-    _build(dataset, folder, rank, world)
+    _build(dataset, folder, rank, world, group)
     problem = _problem(folder, (rank, world))
-    if not _all_ok(problem is None):
+    if not _all_ok(problem is None, group):
         raise DataFormatError(
             f"data cache {folder}: unusable right after building it on rank {rank} ({problem}); data.cache_dir "
             "must be on storage every rank sees"
@@ -365,20 +375,20 @@ def open_or_build(dataset, cache_dir: Optional[str], name: str = "data") -> Samp
     return cache
 
 
-def _build(dataset, folder: str, rank: int, world: int) -> None:
-    import torch.distributed as dist
-
-    tmp = _from_rank0(f"{folder}.building-{uuid.uuid4().hex[:8]}")
-    if rank == 0:
-        os.makedirs(tmp)
-    if world > 1:
-        dist.barrier()
+def _build(dataset, folder: str, rank: int, world: int, group) -> None:
+    tmp = _from_rank0(f"{folder}.building-{uuid.uuid4().hex[:8]}", group)
+    on_rank0(lambda: os.makedirs(tmp), group)
     units = RecordFiles(dataset.files).units()
     start, cpu = time.perf_counter(), time.process_time()
+
+    def build_share() -> Dict[str, Any]:
+        return _build_part(dataset, tmp, rank, _shares(units, world)[rank], show=rank == 0)
+
     try:
-        meta = _build_part(dataset, tmp, rank, _shares(units, world)[rank], show=rank == 0)
-    except BaseException:  # a bad record (or a stop): the half-built cache only takes space
-        shutil.rmtree(tmp, ignore_errors=True)
+        meta = on_every_rank(build_share, "building its share of the data cache", group, DataFormatError)
+    except BaseException:  # a bad record on some rank (or a stop): the half-built cache only takes space
+        if rank == 0:  # (once every rank has stopped writing to it)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     seconds = time.perf_counter() - start
     meta.update(
@@ -390,9 +400,8 @@ def _build(dataset, folder: str, rank: int, world: int) -> None:
         f"data cache part {rank}: {meta['records']:,} records, {meta['tokens']:,} tokens in {seconds:.1f} s "
         f"({meta['tokens'] / max(seconds, 1e-9):,.0f} tokens/s)"
     )
-    if world > 1:
-        dist.barrier()
-    error = on_rank0(lambda: _publish(tmp, folder, world))  # rank 0's failure ends every rank at once
+    _all_ok(True, group)  # every part's description written before rank 0 reads them
+    error = on_rank0(lambda: _publish(tmp, folder, world), group)  # rank 0's failure ends every rank at once
     if error:
         raise DataFormatError(error)
 
@@ -431,8 +440,16 @@ def _publish(tmp: str, folder: str, world: int) -> Optional[str]:
     with open(os.path.join(tmp, "manifest.json.tmp"), "w") as f:
         json.dump(manifest, f)
     os.replace(os.path.join(tmp, "manifest.json.tmp"), os.path.join(tmp, "manifest.json"))
-    if os.path.exists(folder):  # an unusable earlier build, or another job's finished one: ours replaces it
-        shutil.rmtree(folder, ignore_errors=True)
+    if os.path.exists(folder):
+        if _problem(folder, (0, 1)) is None:  # another job finished the same cache meanwhile (it may be reading it)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None
+        stale = f"{folder}.stale-{uuid.uuid4().hex[:8]}"  # moved aside first: no half-deleted cache under its name
+        try:
+            os.replace(folder, stale)
+        except OSError:
+            pass
+        shutil.rmtree(stale, ignore_errors=True)
     try:
         os.replace(tmp, folder)
     except OSError:  # another job published the same cache at this moment: theirs is as good as ours

@@ -24,6 +24,7 @@ from .dataset import samples_many
 from .global_batches import BatchingStream, first_fit
 
 END_OF_EPOCH = "veomni_end_of_epoch"
+_UNITS_PER_SUB_STREAM = 16
 _COUNTERS = ("produced", "samples", "skipped", "empty", "dropped")
 
 
@@ -98,6 +99,8 @@ class SlotStream(BatchingStream):
         self.workers = max(num_workers, 1)
         self.slots = self.dp_size * self.dataloader_batch_size  # P: micro-batches in a global step
         self.read_ahead = 64
+        if hasattr(source, "cut_units"):  # >= 16 units per sub-stream: one running out early ends the epoch
+            source.cut_units(_UNITS_PER_SUB_STREAM * self.slots * self.workers)
 
     def sub_stream_ids(self, worker: int) -> List[int]:
         first = self.dp_rank * self.dataloader_batch_size
@@ -173,9 +176,9 @@ def reshard_slot_states(states: List[Dict[str, Any]], dp_rank: int, dp_size: int
     everything: Dict[int, Dict[str, Any]] = {}
     for old in states:
         for worker, dataset_state in _worker_states(old).items():
-            everything.setdefault(worker, {}).update(dataset_state["streams"])
+            everything.setdefault(worker, {}).update(dataset_state.get("streams", {}))  # ({} if never iterated)
     for worker, dataset_state in _worker_states(new).items():
-        streams = everything[worker]  # this worker's sub-streams of every slot, from all the old ranks
+        streams = everything.get(worker, {})  # this worker's sub-streams of every slot, from all the old ranks
         if len(streams) % dp_size:
             raise NotImplementedError(f"{len(streams)} streamed slots per step do not split over {dp_size} ranks")
         per_rank = len(streams) // dp_size

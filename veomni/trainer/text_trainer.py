@@ -65,7 +65,14 @@ class TextTrainer(BaseTrainer):
         return {"pad_token_id": self.tokenizer.pad_token_id or 0}
 
     def on_train_end(self) -> None:
-        report = data_report(self.train_dataloader, count_unread=False)
+        # a streamed epoch ends at the first step a slot cannot fill: what the other slots had left is said here
+        ended = getattr(self.train_dataloader, "epoch_ended", False)
+        report = data_report(self.train_dataloader, count_unread=ended)
+        if report.get("unread"):
+            logger.warning(
+                f"{report['unread']} streamed records of this rank's share were not reached when the epoch ended "
+                "(a slot ran out first; more or finer units, or fewer slots per step, leave less)"
+            )
         if report["skipped"]:
             logger.warning(f"skipped {report['skipped']} bad samples on this rank (data.skip_bad_samples)")
         if report["empty"] or report["blank"] or report["dropped"]:

@@ -1,18 +1,26 @@
-"""Rank-0 work that every rank waits for, without a barrier that could wait forever.
+"""Host-side coordination of ranks: rank-0 work every rank waits for, work every rank does, on CPU objects.
 
 A plain `if rank == 0: work(); dist.barrier()` leaves the other ranks in the barrier until the collective timeout
 when rank 0's work fails (a full disk, a permission). `on_rank0` broadcasts rank 0's result or its error instead:
-every rank returns the same value or raises the same error at once.
+every rank returns the same value or raises the same error at once. `on_every_rank` does the same for work that
+every rank does (a share of a data cache): one rank's failure is raised on all, naming the rank.
+
+`host_group` is a gloo group over every rank, for CPU tensors and objects (NCCL carries only GPU tensors) and
+with its own timeout: data preparation may keep a rank busy for longer than a training collective should wait.
 """
 
+import contextlib
+import os
 import pickle
-from typing import Any, Callable
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
 
-def on_rank0(fn: Callable[[], Any]) -> Any:
-    """`fn()` on rank 0; its result (or its exception) on every rank. Collective: call on every rank alike."""
+def on_rank0(fn: Callable[[], Any], group: Optional[dist.ProcessGroup] = None) -> Any:
+    """`fn()` on rank 0; its result (or its exception) on every rank. Collective (on `group`, default the world):
+    call on every rank alike."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn()
     box = [None]
@@ -25,10 +33,48 @@ def on_rank0(fn: Callable[[], Any]) -> Any:
                 pickle.dumps(err)
             except Exception:  # an exception that cannot travel: its type and message do
                 box = [("error", RuntimeError(f"{type(err).__name__}: {err}"))]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=group)
             raise
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     kind, value = box[0]
     if kind == "error":
         raise value
     return value
+
+
+@contextlib.contextmanager
+def host_group(timeout_minutes: Optional[float] = None) -> Iterator[Optional[dist.ProcessGroup]]:
+    """A gloo group of every rank for the `with` block (None in a world of one). Collective to create: enter it on
+    every rank alike. The timeout (`VEOMNI_HOST_TIMEOUT_MINUTES`, default 12 hours) bounds each wait in it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield None
+        return
+    if timeout_minutes is None:
+        timeout_minutes = float(os.environ.get("VEOMNI_HOST_TIMEOUT_MINUTES", 12 * 60))
+    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
+
+
+def on_every_rank(
+    fn: Callable[[], Any], what: str, group: Optional[dist.ProcessGroup] = None, error_type: type = RuntimeError
+) -> Any:
+    """`fn()` on this rank; if it fails on any rank, every rank raises (the failing rank its own error, the others
+    an `error_type` naming that rank, what it was doing and its message). Collective on `group`."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    error: Optional[BaseException] = None
+    try:
+        result = fn()
+    except Exception as err:
+        error = err
+    outcomes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            raise error_type(f"rank {rank} failed {what}: {outcome}")
+    return result
