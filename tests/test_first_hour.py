@@ -278,3 +278,40 @@ def test_exported_safetensors_are_readable_by_others(tmp_path):
     files = glob.glob(str(tmp_path / "*" / "*.safetensors"))
     assert len(files) == 3
     assert all(stat.S_IMODE(os.stat(f).st_mode) == 0o644 for f in files)
+
+
+def test_a_completed_run_is_refused_and_a_changed_schedule_is_said(tmp_path):
+    """Re-running a finished command trains nothing: it stops with one line and exit 1 (not `steps 4..3` and 0).
+    A resume with another LR and max_steps prints what changed and follows the new schedule from the resume step:
+    its learning rates equal those of a fresh run under the new settings."""
+    tmp = str(tmp_path)
+    write_token_data(f"{tmp}/data.jsonl", n=60, low=20, high=120)
+    config, out = tiny_run_config(tmp), f"{tmp}/run"
+    _train(config, out, "--train.max_steps", "3")
+    proc = _train(config, out, "--train.max_steps", "3", check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "holds a completed run (checkpoint of step 3" in said, said[-2000:]
+    assert "--train.checkpoint.overwrite true" in said and "training starts" not in said
+    new = ["--train.max_steps", "6", "--train.optimizer.lr", "1e-2"]
+    proc = _train(config, out, *new)
+    assert "train.max_steps: 3 -> 6; train.optimizer.lr: 0.003 -> 0.01" in proc.stdout
+    assert "the learning-rate schedule follows this run's settings from the resume step on" in proc.stdout
+    _train(config, f"{tmp}/fresh", *new)
+    resumed, fresh = read_metrics(out), read_metrics(f"{tmp}/fresh")
+    assert [m["step"] for m in resumed] == list(range(1, 7))
+    assert [m["lr"] for m in resumed[3:]] == [m["lr"] for m in fresh[3:]]
+
+
+def test_model_path_on_the_command_line_beats_the_yaml_config_path(tmp_path):
+    from veomni.arguments import VeOmniArguments, parse_args
+
+    config = tiny_run_config(str(tmp_path))
+    hf = str(tmp_path / "hf_model")
+    os.makedirs(hf)
+    args = parse_args(VeOmniArguments, [config, "--model.model_path", hf])
+    assert args.model.config_path == hf and args.model.tokenizer_path == hf
+    keep = str(tmp_path / "tokenizer")
+    args = parse_args(VeOmniArguments, [config, "--model.model_path", hf, "--model.tokenizer_path", keep])
+    assert args.model.config_path == hf and args.model.tokenizer_path == keep
+    args = parse_args(VeOmniArguments, [config])  # the YAML alone: its own paths
+    assert args.model.config_path == str(tmp_path / "model")

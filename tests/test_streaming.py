@@ -93,7 +93,15 @@ def test_at_most_once_without_drop_last_and_the_rest_counted(tmp_path, corpus):
     assert (report["skipped"], report["empty"]) == (0, 0) and report["blank"] <= 8
     one_slot = _loader(_dataset(corpus), micro=1, dlbs=1, drop_last=False)  # one stream: every record, once
     assert sorted(r for step in one_slot for mb in step for r in _records(mb)) == list(range(N))
-    assert data_report(one_slot) == {"samples": N, "skipped": 0, "empty": 0, "blank": 8, "dropped": 0, "unread": 0}
+    assert data_report(one_slot) == {
+        "samples": N,
+        "skipped": 0,
+        "empty": 0,
+        "blank": 8,
+        "dropped": 0,
+        "unread": 0,
+        "whole_dataset": False,
+    }
 
     class Tok:
         eos_token_id = 0

@@ -308,6 +308,7 @@ def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
             raise _unknown_key(key, "command line", valid)
         _set_path(tree, key, value)
         origins[key] = "command line"
+    _model_path_wins(tree, origins)
     args = _build(root_class, tree, origins, valid)
     from .validation import validate_args  # imports ConfigError from here
 
@@ -316,6 +317,25 @@ def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
     if train is not None and hasattr(train, "resolve"):
         train.resolve(int(os.environ.get("WORLD_SIZE", "1")))
     return args
+
+
+def _model_path_wins(tree: Dict[str, Any], origins: Dict[str, str]) -> None:
+    """`--model.model_path` on the command line beats the YAML's `model.config_path` (and `tokenizer_path`):
+    a user fine-tuning an HF folder with a from-scratch YAML means that folder's config, not the YAML's."""
+    model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
+    if origins.get("model.model_path") != "command line" or not model.get("model_path"):
+        return
+    for key in ("config_path", "tokenizer_path"):
+        dotted = f"model.{key}"
+        if model.get(key) and origins.get(dotted) != "command line":
+            from ..utils.logging import get_logger
+
+            get_logger(__name__).info(
+                f"{dotted}={model[key]} ({origins.get(dotted)}) is replaced by --model.model_path="
+                f"{model['model_path']}: the command line wins over the YAML (pass --{dotted} to keep another)"
+            )
+            del model[key]
+            origins.pop(dotted, None)
 
 
 def args_to_dict(args) -> Dict[str, Any]:

@@ -11,6 +11,7 @@ resumed run reproduces exactly the batches the uninterrupted run would have seen
 import copy
 import itertools
 import logging
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -26,6 +27,8 @@ from .global_batches import BatchingStream, GlobalBatchStream, SampleIndex, firs
 from .streamed_batches import SlotStream, is_end_marker, reshard_slot_states, supports_slots
 
 logger = get_logger(__name__)
+# torchdata's loader calls a torch API that torch has deprecated, on every iter(): nothing a user can act on
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 class _MapStyle:
@@ -284,7 +287,8 @@ def data_report(loader, count_unread: bool = True) -> Dict[str, Any]:
         for name in ("samples", "skipped", "empty", "dropped"):
             report[name] += state.get(name, 0)
         report["blank"] += state.get("blank", state.get("source", {}).get("blank", 0))  # (slot streams: summed)
-    if states and any(s.get("global_position") for s in states.values()):  # whole-dataset counts, once
+    report["whole_dataset"] = bool(states and any(s.get("global_position") for s in states.values()))
+    if report["whole_dataset"]:  # counts of the whole dataset, the same on every rank (samples stay this rank's)
         for name in ("skipped", "empty", "dropped", "blank"):
             report[name] = max(s.get(name, 0) for s in states.values())
     source = getattr(stream, "source", None)

@@ -94,6 +94,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
         self.check_data()
         self.train_dataloader = self.build_dataloader()
         self.compute_train_steps()
+        self.refuse_completed_run()
         if self.is_main:
             save_args(args, self.output_dir)
         self.global_step = 0
@@ -316,6 +317,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
     def _fit(self) -> None:
         train = self.args.train
         self.stop_signal = None
+        self.data_ran_out = False  # an epoch ended where its data did (not at a step count)
         self._fire("on_train_begin")
         for epoch in range(self.epoch, train.num_train_epochs):
             self.epoch = epoch
@@ -330,6 +332,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
                 totals = self._step_totals(micro_batches)
                 if totals is None:
                     logger.info(f"epoch {epoch} ran out of data at step {self.global_step}")
+                    self.data_ran_out = True
                     break
                 metrics = self.train_step(micro_batches, totals)
                 synchronize()

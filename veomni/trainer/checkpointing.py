@@ -2,11 +2,14 @@
 resuming on another world size (the data loader's position is resharded over the new data-parallel ranks)."""
 
 import os
+import re
 import warnings
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
+import yaml
 
+from ..arguments.parser import args_to_dict, save_args
 from ..checkpoint import RunDirError, move_run_aside, plan_run, rng_state, set_rng_state
 from ..checkpoint.checkpointer import reseed
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
@@ -16,6 +19,13 @@ from ..utils import lifecycle
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
+RUN_CONFIG = "veomni_config.yaml"
+# keys that shape the learning-rate schedule: a resume that changes them is told which schedule it follows
+_SCHEDULE_KEYS = ("train.optimizer.lr", "train.optimizer.lr_min", "train.optimizer.lr_start", "train.max_steps",
+                  "train.num_train_epochs", "train.optimizer.lr_warmup_ratio", "train.optimizer.lr_decay_style",
+                  "train.optimizer.lr_decay_ratio")  # fmt: skip
+# keys that differ between runs without changing what is trained
+_RUN_ONLY_KEYS = ("train.checkpoint.load_path", "train.checkpoint.overwrite")
 
 
 class CheckpointingMixin:
@@ -40,6 +50,7 @@ class CheckpointingMixin:
         def attach_hf_config(folder: str) -> None:  # the checkpoint carries what an HF export needs
             export_config(self.model.config, os.path.join(folder, "hf_config"), architecture_of(self.model))
             copy_tokenizer(self.args.model.tokenizer_path, os.path.join(folder, "hf_config"))
+            save_args(self.args, folder, RUN_CONFIG)  # what a resume compares its own config with
 
         self.checkpointer.save(self.global_step, self.model, self.optimizer, extra, meta, attach=attach_hf_config)
         self._last_saved_step = self.global_step
@@ -69,10 +80,40 @@ class CheckpointingMixin:
         logger.info(message + (f"; previous run moved to {moved}" if moved else ""))
         return path
 
+    def refuse_completed_run(self) -> None:
+        """A resume with no step left to train stops before the model is built, with the three ways on."""
+        step = checkpoint_step(self.resume_path) if self.resume_path else None
+        if step is not None and step >= self.total_steps:
+            raise RunDirError(
+                f"train.checkpoint.output_dir={self.output_dir} holds a completed run (checkpoint of step {step}, "
+                f"this run would train {self.total_steps} steps): nothing to train. Give a new output_dir, add "
+                "--train.checkpoint.overwrite true (the old run is moved aside), or raise train.max_steps"
+            )
+
+    def report_config_changes(self) -> None:
+        """Rank 0: what this run's resolved config changes against the checkpoint's, and the schedule rule."""
+        saved = os.path.join(self.resume_path, RUN_CONFIG) if self.resume_path else None
+        if not self.is_main or saved is None or not os.path.isfile(saved):
+            return
+        with open(saved) as f:
+            before = _flat(yaml.safe_load(f) or {})
+        now = _flat(args_to_dict(self.args))
+        changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k) and k not in _RUN_ONLY_KEYS]
+        if not changed:
+            return
+        lines = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
+        logger.warning(f"resuming with a config that differs from the checkpoint's: {lines}")
+        if any(k in _SCHEDULE_KEYS for k in changed):
+            logger.warning(
+                "the learning-rate schedule follows this run's settings from the resume step on, as if they had held "
+                "from step 0 (the saved schedule is not continued)"
+            )
+
     def maybe_resume(self) -> None:
         path = self.resume_path
         if path is None:
             return
+        self.report_config_changes()
         loaded = self.checkpointer.load(path, self.model, self.optimizer)
         meta, extras = loaded["meta"], loaded["extra_states"]
         rank, state = dist.get_rank(), self.parallel_state
@@ -104,6 +145,21 @@ class CheckpointingMixin:
         except NotImplementedError as err:
             logger.warning(f"{err}: epoch {self.epoch} starts its data again")
         restore_rank_rng(extras, rank, self.args.train.seed, self.global_step)
+
+
+def checkpoint_step(path: str) -> Optional[int]:
+    """N of a `global_step_N` checkpoint folder (None for another name)."""
+    match = re.match(r"^global_step_(\d+)$", os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def _flat(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: Dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out
 
 
 def restore_rank_rng(extras, rank: int, seed: int, step: int) -> None:

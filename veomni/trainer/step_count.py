@@ -51,10 +51,12 @@ class StepCountMixin:
                 f"({train.num_train_epochs} epoch(s)); for at least {train.max_steps} steps set "
                 f"--train.num_train_epochs {epochs}"
             )
+        whole = counted if counted and not (train.max_steps and counted >= train.max_steps) else None  # (not capped)
+        self.whole_epochs = whole is not None  # every epoch runs to the end of its data
         per_epoch = " + ".join(map(str, self.epoch_steps)) if len(set(self.epoch_steps)) > 1 else train.train_steps
         logger.info(
             f"{per_epoch} steps per epoch ({how}), {self.total_steps} in total; "
-            f"the LR schedule spans {self.total_steps}"
+            f"the LR schedule spans {self.total_steps}; {batch_description(self.args, self.train_dataset, whole)}"
         )
 
     def _count_later_epochs(self, first: int) -> List[int]:
@@ -95,6 +97,25 @@ def close_loader(loader) -> None:
     close = getattr(loader, "close", None)
     if close is not None:
         close()
+
+
+def batch_description(args, dataset, steps_per_epoch: Optional[int]) -> str:
+    """What one optimizer step holds, in samples and tokens (a token budget under dyn_bsz)."""
+    train, data = args.train, args.data
+    if train.dyn_bsz:
+        text = (
+            f"a step packs up to {train.global_batch_size * data.max_seq_len:,} tokens (dyn_bsz: global_batch_size "
+            f"{train.global_batch_size} x max_seq_len {data.max_seq_len}), however many samples that takes"
+        )
+    else:
+        text = f"a step takes {train.global_batch_size} samples of up to {data.max_seq_len} tokens"
+    try:
+        records = len(dataset)
+    except TypeError:
+        return text
+    if steps_per_epoch:
+        text += f"; about {records / steps_per_epoch:,.1f} records a step here"
+    return text
 
 
 def zero_steps_message(args, dataset) -> str:
