@@ -102,8 +102,40 @@ class DataArguments:
         "Pretraining text or chat conversations.", default="plaintext"
     )
     text_keys: str = _doc("Key of the text (or messages) in each sample.", default="text")
-    max_seq_len: int = _doc("Tokens per sequence; longer documents are split.", default=2048)
-    chat_template: str = _doc("Chat template name for conversation data.", default="default")
+    max_seq_len: int = _doc("Tokens per sequence; longer documents are split (see over_length).", default=2048)
+    chat_template: str = _doc(
+        "Chat template of conversation data. `auto`: the tokenizer's own (its tokenizer_config.json "
+        "`chat_template`, as TRL and `apply_chat_template` use it) when it ships one, else `default`; the start log "
+        "says which. `tokenizer` (insist on the tokenizer's own), `chatml`, `default` (plain `User:`/`Assistant:` "
+        "text, any tokenizer), a name registered with `@CHAT_TEMPLATE_REGISTRY.register`, or a custom jinja "
+        "template (a `.jinja` file, or the template text). A template other than the tokenizer's own is warned "
+        "about at start: the model's exported tokenizer still carries its own.",
+        default="auto",
+    )
+    conversation_format: Literal["auto", "messages", "alpaca"] = _doc(
+        "Conversation records: `messages` (OpenAI role/content or ShareGPT from/value under text_keys, `messages` "
+        "or `conversations`), `alpaca` (instruction, input, output; optional system, history: one user turn of "
+        "the instruction and input, trained on the output), or `auto` (messages when a record has them, else "
+        "Alpaca when it has instruction or output).",
+        default="auto",
+    )
+    think_loss: Literal["train", "mask", "mask_empty"] = _doc(
+        "Whether `<think>...</think>` blocks of assistant turns carry loss: `train` (as rendered by the template: "
+        "Qwen3's writes an empty `<think>\\n\\n</think>` into a last turn without reasoning, which then teaches "
+        "the model to skip thinking), `mask` (no reasoning is trained, only the answers), `mask_empty` (reasoning "
+        "is trained, empty blocks are not).",
+        default="train",
+    )
+    last_turn_only: bool = _doc(
+        "Conversation data: loss on the last assistant turn only (earlier turns are context).", default=False
+    )
+    over_length: Optional[Literal["split", "truncate", "error"]] = _doc(
+        "A sample longer than max_seq_len. null: the data type's default, `split` for plaintext (consecutive "
+        "pieces, none dropped), `error` for conversations (a bad sample: skipped with skip_bad_samples). "
+        "`truncate`: keep the first max_seq_len tokens (a conversation keeps its labels; an error if no assistant "
+        "token is left).",
+        default=None,
+    )
     train_size: Optional[int] = _doc("Tokens to train on (iterable data with dyn_bsz).", default=None)
     train_sample: Optional[int] = _doc("Samples to train on (iterable data without dyn_bsz).", default=None)
     shuffle_buffer_size: int = _doc("Records in the shuffle buffer of iterable data.", default=1000)
@@ -299,8 +331,17 @@ class TrainingArguments:
     """Batch sizes, steps, seed, logging; and the nested optimizer/accelerator/checkpoint groups."""
 
     seed: int = _doc("Random seed for init, data order and dropout.", default=42)
-    micro_batch_size: int = _doc("Samples per micro-batch (token budget = this * max_seq_len with dyn_bsz).", default=1)
-    global_batch_size: Optional[int] = _doc("Samples per optimizer step over all DP ranks.", default=None)
+    micro_batch_size: int = _doc(
+        "Samples per micro-batch; with dyn_bsz (the default) a token budget instead: micro-batches are packed up "
+        "to micro_batch_size * max_seq_len tokens, however many samples that takes.",
+        default=1,
+    )
+    global_batch_size: Optional[int] = _doc(
+        "Micro-batch slots per optimizer step over all DP ranks, in units of micro_batch_size: without dyn_bsz "
+        "that many samples; with dyn_bsz (the default) a token budget of global_batch_size * max_seq_len tokens "
+        "(short samples: many more samples per step). The start line prints both per step.",
+        default=None,
+    )
     num_train_epochs: int = _doc("Passes over the data.", default=1)
     max_steps: Optional[int] = _doc(
         "Cap on optimizer steps per epoch (the run takes steps per epoch * num_train_epochs). When one epoch of the "

@@ -3,11 +3,17 @@
 Every template renders a conversation once, tokenises the whole text once (so ids equal what
 `tokenizer.apply_chat_template` gives for the same jinja), and labels a token only when it starts inside an
 assistant span of the rendered text. `get_jinja_template()` returns the same format as HF jinja.
+
+`build_chat_template("auto", tokenizer)` (the default of `data.chat_template`) is the tokenizer's own template when it
+ships one, else the plain `default` format. Two options apply to every built-in template: `last_turn_only` (loss on
+the last assistant turn only) and `think_loss` (whether `<think>...</think>` blocks in assistant turns carry loss:
+`train` all of them, `mask` none, `mask_empty` only the empty ones a template writes for a turn without reasoning).
 """
 
+import os
 import re
 from abc import ABC, abstractmethod
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .data_transform import IGNORE_INDEX, DataFormatError
 from .dataset import Registry
@@ -22,11 +28,40 @@ CHAT_TEMPLATE_REGISTRY = Registry("chat template")
 Segment = Tuple[str, bool]  # (text, trainable)
 
 
-class ChatTemplate(ABC):
-    """Base class for custom templates: implement `encode_messages` and `get_jinja_template`."""
+THINK_LOSS = ("train", "mask", "mask_empty")
+# a reasoning block and the whitespace after it (the answer starts after it); `<think>` may sit in the generation
+# prompt (outside the assistant span): only its part inside the span is masked
+_THINK_BLOCK = re.compile(r"<think>(.*?)</think>\s*", re.S)
 
-    def __init__(self, tokenizer):
+
+class ChatTemplate(ABC):
+    """Base class for custom templates: implement `encode_messages` and `get_jinja_template`.
+
+    `last_turn_only` and `think_loss` are honoured by the built-in templates (and by subclasses of
+    SegmentChatTemplate); a custom template that handles them itself sets `supports_label_options = True`.
+    """
+
+    supports_label_options = False
+
+    def __init__(self, tokenizer, last_turn_only: bool = False, think_loss: str = "train"):
+        if think_loss not in THINK_LOSS:
+            raise ChatTemplateError(f"think_loss={think_loss!r}; expected one of {list(THINK_LOSS)}")
         self.tokenizer = tokenizer
+        self.last_turn_only = last_turn_only
+        self.think_loss = think_loss
+
+    def _trainable_spans(self, text: str, spans: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+        """The assistant character spans after `last_turn_only` and `think_loss`."""
+        if self.last_turn_only:
+            spans = spans[-1:]
+        if self.think_loss == "train":
+            return spans
+        blocks = [
+            m.span()
+            for m in _THINK_BLOCK.finditer(text)
+            if self.think_loss == "mask" or not m.group(1).strip()  # mask_empty: only blocks with no reasoning
+        ]
+        return _subtract(spans, blocks)
 
     @abstractmethod
     def encode_messages(self, messages: Sequence[Dict[str, str]], max_seq_len: int = 8192) -> Dict[str, List[int]]:
@@ -41,6 +76,8 @@ class ChatTemplate(ABC):
 class SegmentChatTemplate(ChatTemplate):
     """A template defined by `render_segments`; tokenisation and labelling are shared."""
 
+    supports_label_options = True
+
     @abstractmethod
     def render_segments(self, messages: Sequence[Dict[str, str]]) -> List[Segment]: ...
 
@@ -54,7 +91,25 @@ class SegmentChatTemplate(ChatTemplate):
             text += piece
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
+        spans = self._trainable_spans(text, spans)
         return _checked(ids, label_tokens_in_spans(ids, enc["offset_mapping"], spans), max_seq_len)
+
+
+def _subtract(spans: List[Tuple[int, int]], holes: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """The parts of the sorted, disjoint `spans` outside every (sorted, disjoint) hole."""
+    out = []
+    for start, end in spans:
+        for h_start, h_end in holes:
+            if h_end <= start or h_start >= end:
+                continue
+            if h_start > start:
+                out.append((start, h_start))
+            start = max(start, h_end)
+            if start >= end:
+                break
+        if start < end:
+            out.append((start, end))
+    return out
 
 
 def label_tokens_in_spans(ids: List[int], offsets, spans: List[Tuple[int, int]]) -> List[int]:
@@ -87,8 +142,8 @@ def _check_roles(messages, allowed=("system", "user", "assistant", "tool")):
 class ChatmlTemplate(SegmentChatTemplate):
     """`<|im_start|>role\\ncontent<|im_end|>\\n`; an assistant turn trains on its content and `<|im_end|>`."""
 
-    def __init__(self, tokenizer):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer, **options):
+        super().__init__(tokenizer, **options)
         vocab = tokenizer.get_vocab()
         missing = [t for t in ("<|im_start|>", "<|im_end|>") if t not in vocab]
         if missing:
@@ -155,11 +210,12 @@ class TokenizerTemplate(ChatTemplate):
       with data.skip_bad_samples) instead of mis-labelling a sample.
     """
 
-    def __init__(self, tokenizer, last_turn_only: bool = False):
-        super().__init__(tokenizer)
+    supports_label_options = True
+
+    def __init__(self, tokenizer, last_turn_only: bool = False, think_loss: str = "train"):
+        super().__init__(tokenizer, last_turn_only=last_turn_only, think_loss=think_loss)
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError("chat template 'tokenizer' needs a tokenizer with a chat_template")
-        self.last_turn_only = last_turn_only
         self.uses_generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.chat_template) is not None
         self.generation_prompt, self.end_of_turn = self._probe_turn_markers()
 
@@ -202,15 +258,25 @@ class TokenizerTemplate(ChatTemplate):
             if self.last_turn_only:
                 mask = _last_run_only(mask)
             labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+            if self.think_loss != "train":
+                labels = self._mask_thinking(messages, tools, ids, labels)
         else:
             text = self._render(messages, tools)
-            spans = self._assistant_spans(text, messages)
-            if self.last_turn_only:
-                spans = spans[-1:]
+            spans = self._trainable_spans(text, self._assistant_spans(text, messages))
             enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             ids = list(enc["input_ids"])
             labels = label_tokens_in_spans(ids, enc["offset_mapping"], spans)
         return _checked(ids, labels, max_seq_len)
+
+    def _mask_thinking(self, messages, tools, ids: List[int], labels: List[int]) -> List[int]:
+        """think_loss on labels from `{% generation %}` marks: the think blocks of the rendered text, by offsets."""
+        text = self._render(messages, tools)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if list(enc["input_ids"]) != ids:
+            raise DataFormatError("cannot locate the <think> blocks: the rendered text tokenises differently")
+        keep = self._trainable_spans(text, [(0, len(text))])
+        kept = label_tokens_in_spans(ids, enc["offset_mapping"], keep)
+        return [lab if k != IGNORE_INDEX else IGNORE_INDEX for lab, k in zip(labels, kept)]
 
     def _assistant_spans(self, text: str, messages) -> List[Tuple[int, int]]:
         spans, cursor = [], 0
@@ -269,7 +335,97 @@ def _last_run_only(mask: List[int]) -> List[int]:
     return out
 
 
-def build_chat_template(name: str, tokenizer, **kwargs) -> ChatTemplate:
-    """A registered template by name: `chatml`, `default`, `tokenizer`, or one added with
-    `@CHAT_TEMPLATE_REGISTRY.register(name)`; keywords go to its constructor (`last_turn_only` for `tokenizer`)."""
-    return CHAT_TEMPLATE_REGISTRY.get(name)(tokenizer, **kwargs)
+def resolve_template_name(name: str, tokenizer) -> str:
+    """`auto` -> `tokenizer` when the tokenizer ships a chat template, else `default`; other names unchanged."""
+    if name == "auto":
+        return "tokenizer" if getattr(tokenizer, "chat_template", None) else "default"
+    return name
+
+
+def _custom_jinja(name: str) -> Optional[str]:
+    """The jinja of a `data.chat_template` that is a template itself or a `.jinja` file, else None."""
+    if "{%" in name or "{{" in name:
+        return name
+    if name.endswith((".jinja", ".j2")):
+        if not os.path.isfile(name):
+            raise ChatTemplateError(f"data.chat_template: {name} does not exist")
+        with open(name, encoding="utf-8") as f:
+            return f.read()
+    return None
+
+
+def build_chat_template(
+    name: str, tokenizer, last_turn_only: bool = False, think_loss: str = "train", **kwargs
+) -> ChatTemplate:
+    """A template by name: `auto` (the tokenizer's own if it has one, else `default`), `tokenizer`, `chatml`,
+    `default`, one added with `@CHAT_TEMPLATE_REGISTRY.register(name)`, or a custom jinja template (the text itself
+    or a `.jinja` file: it becomes the tokenizer's chat_template and is used as `tokenizer`). `last_turn_only`
+    and `think_loss` (see the module doc) apply to every built-in template; other keywords go to the constructor."""
+    jinja = _custom_jinja(name)
+    if jinja is not None:
+        tokenizer.chat_template = jinja
+        name = "tokenizer"
+    name = resolve_template_name(name, tokenizer)
+    cls = CHAT_TEMPLATE_REGISTRY.get(name)
+    options = {}
+    if last_turn_only:
+        options["last_turn_only"] = True
+    if think_loss != "train":
+        options["think_loss"] = think_loss
+    if options and not getattr(cls, "supports_label_options", False):
+        raise ChatTemplateError(
+            f"chat template {name!r} does not implement {sorted(options)} (set supports_label_options and take them "
+            "in its constructor, or use a built-in template)"
+        )
+    return cls(tokenizer, **options, **kwargs)
+
+
+def training_template_note(template: ChatTemplate, requested: str, own: Optional[str]) -> Tuple[str, Optional[str]]:
+    """(an info line saying which template trains, a warning or None): the warning when the model would be served
+    with another template than it was trained on -- the tokenizer's own (`own`, which the HF export carries)."""
+    jinja = template.get_jinja_template() or None
+    if isinstance(template, TokenizerTemplate) and jinja == own:
+        which = "the tokenizer's own"
+    elif isinstance(template, TokenizerTemplate):
+        which = "a custom jinja template"
+    else:
+        which = repr(requested if requested != "auto" else "default")
+    info = f"chat template: {which} ({type(template).__name__}"
+    if requested == "auto":
+        info += ", data.chat_template auto: " + ("the tokenizer ships one" if own else "the tokenizer ships none")
+    info += f"; think_loss={template.think_loss}, last_turn_only={template.last_turn_only})"
+    if jinja == own:
+        return info, None
+    exported = "the HF export carries the training template" if jinja else "the HF export cannot carry it (no jinja)"
+    if own:
+        warning = (
+            f"training with chat template {which}, not the tokenizer's own chat template: a model served with the "
+            f"tokenizer's template sees a format it was not trained on ({exported}). Use data.chat_template auto to "
+            "train on the tokenizer's own"
+        )
+    else:
+        warning = f"the tokenizer ships no chat template; training with {which} ({exported})"
+    return info, warning
+
+
+def export_chat_template(folder: str, jinja: Optional[str]) -> None:
+    """Write the training template into a saved tokenizer folder (`tokenizer_config.json`'s `chat_template`; a
+    separate `chat_template.jinja`, which transformers prefers, is rewritten too)."""
+    import json
+
+    if not jinja:
+        return
+    path = os.path.join(folder, "tokenizer_config.json")
+    config = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    separate = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(separate):
+        with open(separate, "w", encoding="utf-8") as f:
+            f.write(jinja)
+        config.pop("chat_template", None)
+    else:
+        config["chat_template"] = jinja
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)

@@ -108,14 +108,28 @@ _SHAREGPT_ROLES = {
 }
 
 
-def _messages_of(example: Dict[str, Any], text_keys: Union[str, Sequence[str]]) -> List[Dict[str, Any]]:
+CONVERSATION_FORMATS = ("auto", "messages", "alpaca")
+ALPACA_NEEDED, ALPACA_OPTIONAL = ("instruction", "output"), ("input", "system", "history")
+
+
+def _messages_of(
+    example: Dict[str, Any], text_keys: Union[str, Sequence[str]], conversation_format: str = "auto"
+) -> List[Dict[str, Any]]:
     """OpenAI messages pass through with all their keys (tool_calls, tool_call_id, reasoning_content, ...);
-    ShareGPT `from/value` become `role/content`."""
+    ShareGPT `from/value` become `role/content`; an Alpaca record becomes a one-turn conversation (`auto`: a record
+    with `instruction` or `output` and no conversation key is read as Alpaca)."""
+    if conversation_format not in CONVERSATION_FORMATS:
+        raise ValueError(f"conversation_format={conversation_format!r}; expected one of {list(CONVERSATION_FORMATS)}")
     keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
     keys += [k for k in ("messages", "conversations") if k not in keys]
     raw = next((example[k] for k in keys if k in example), None)
+    if conversation_format == "alpaca" or (
+        conversation_format == "auto" and raw is None and any(k in example for k in ALPACA_NEEDED)
+    ):
+        return _alpaca_messages(example)
     if raw is None:
-        raise DataFormatError(f"no conversation under {keys} in record with keys {sorted(example)}")
+        alpaca = " or Alpaca fields ['instruction', 'output']" if conversation_format == "auto" else ""
+        raise DataFormatError(f"no conversation under {keys}{alpaca} in record with keys {sorted(example)}")
     if not isinstance(raw, list) or not raw:
         raise DataFormatError("empty conversation")
     messages = []
@@ -131,6 +145,33 @@ def _messages_of(example: Dict[str, Any], text_keys: Union[str, Sequence[str]]) 
         messages.append({"role": _SHAREGPT_ROLES[role], "content": content, **rest})
     if not any(m["role"] == "assistant" for m in messages):
         raise DataFormatError("conversation has no assistant message: nothing to train on")
+    return messages
+
+
+def _alpaca_messages(example: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """`{instruction, input?, output, system?, history?}` -> [system], [history turns], user, assistant: the user
+    turn is the instruction, then a newline and the input when there is one; the output is what is trained on (with
+    the answers of `history`, a list of [instruction, answer] pairs, as LLaMA-Factory's Alpaca format has it)."""
+    expected = f"an Alpaca record needs {list(ALPACA_NEEDED)} (strings; optional {list(ALPACA_OPTIONAL)})"
+    missing = [k for k in ALPACA_NEEDED if k not in example]
+    if missing:
+        raise DataFormatError(f"Alpaca record lacks {missing}: it holds fields {sorted(example)}; {expected}")
+    for key in ALPACA_NEEDED + ("input", "system"):
+        value = example.get(key)
+        if key in example and value is not None and not isinstance(value, str):
+            raise DataFormatError(f"Alpaca field '{key}' holds {type(value).__name__}; {expected}")
+    if not example["output"].strip():
+        raise DataFormatError(f"Alpaca field 'output' is empty: nothing to train on (fields {sorted(example)})")
+    messages = []
+    if example.get("system"):
+        messages.append({"role": "system", "content": example["system"]})
+    history = example.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(t, (list, tuple)) and len(t) == 2 for t in history):
+        raise DataFormatError(f"Alpaca field 'history' must be a list of [instruction, answer] pairs; {expected}")
+    for question, answer in history:
+        messages += [{"role": "user", "content": str(question)}, {"role": "assistant", "content": str(answer)}]
+    prompt = example["instruction"] + (f"\n{example['input']}" if example.get("input") else "")
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": example["output"]}]
     return messages
 
 
@@ -152,18 +193,20 @@ def process_sft_example(
     max_seq_len: int,
     text_keys: Union[str, Sequence[str]] = "messages",
     truncate: bool = False,
+    conversation_format: str = "auto",
     **kwargs,
 ) -> List[Dict[str, List[int]]]:
-    """Encode one conversation (OpenAI `role/content` with optional `tools` and `tool_calls`, or ShareGPT
-    `from/value`); loss on assistant tokens only.
+    """Encode one conversation (OpenAI `role/content` with optional `tools` and `tool_calls`, ShareGPT
+    `from/value`, or an Alpaca `instruction/input/output` record); loss on assistant tokens only.
 
-    A conversation longer than `max_seq_len` is an error by default (skip such samples with
-    `data.skip_bad_samples`); `truncate=True` keeps its first `max_seq_len` tokens, labelled as in the full
-    conversation (an error if no assistant token is left).
+    `conversation_format`: `auto` (a conversation under `text_keys`/`messages`/`conversations`, else an Alpaca record
+    when it has `instruction` or `output`), `messages` or `alpaca`. A conversation longer than `max_seq_len` is an
+    error by default (skip such samples with `data.skip_bad_samples`); `truncate=True` keeps its first
+    `max_seq_len` tokens, labelled as in the full conversation (an error if no assistant token is left).
     """
     tools = _tools_of(example)
     extra = {"tools": tools} if tools else {}
-    messages = _messages_of(example, text_keys)
+    messages = _messages_of(example, text_keys, conversation_format)
     if not truncate:
         return [chat_template.encode_messages(messages, max_seq_len=max_seq_len, **extra)]
     enc = chat_template.encode_messages(messages, max_seq_len=sys.maxsize, **extra)

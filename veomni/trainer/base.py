@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..arguments import save_args
 from ..checkpoint import Checkpointer, save_hf_model
+from ..data.chat_template import export_chat_template
 from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.mixed_precision import resolve_precision
 from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
@@ -370,6 +371,8 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
         self.checkpointer.wait()
         if train.checkpoint.save_hf_weights:
             save_hf_model(self.model, os.path.join(self.output_dir, "hf"), self.args.model.tokenizer_path)
+            if self.is_main:  # the export is served with the template the model was trained on
+                export_chat_template(os.path.join(self.output_dir, "hf"), getattr(self, "training_chat_template", None))
         self.on_train_end()
         self._fire("on_train_end")
         dist.barrier()

@@ -2,6 +2,9 @@
 
 from functools import partial
 
+import torch
+import torch.distributed as dist
+
 from ..data import build_dataloader, build_dataset
 from ..data.chat_template import build_chat_template
 from ..data.data_loader import data_report
@@ -15,19 +18,46 @@ logger = get_logger(__name__)
 
 class TextTrainer(BaseTrainer):
     def build_transform(self):
+        """The record -> sample transform of `data`; for conversations it also says (rank 0, once) which chat
+        template trains, and warns when it is not the tokenizer's own (the one the exported model carries)."""
+        from ..arguments import ConfigError
+        from ..data.chat_template import training_template_note
+
         data = self.args.data
         self.tokenizer = build_tokenizer(self.args.model.tokenizer_path, self.args.model.trust_remote_code)
+        self.training_chat_template = None  # the jinja a conversation run trains on (for the HF export)
+        allowed = ("split", "truncate") if data.data_type == "plaintext" else ("error", "truncate")
+        if data.over_length is not None and data.over_length not in allowed:
+            raise ConfigError(
+                f"data.over_length={data.over_length} does not apply to data.data_type {data.data_type}: use one "
+                f"of {list(allowed)} (or null)"
+            )
         if data.data_type == "plaintext":
             return partial(
                 process_pretrain_example,
                 tokenizer=self.tokenizer,
                 max_seq_len=data.max_seq_len,
                 text_keys=data.text_keys,
+                split_long=data.over_length != "truncate",
             )
-        chat_template = build_chat_template(data.chat_template, self.tokenizer)
+        own = getattr(self.tokenizer, "chat_template", None)
+        chat_template = build_chat_template(
+            data.chat_template, self.tokenizer, last_turn_only=data.last_turn_only, think_loss=data.think_loss
+        )
+        self.training_chat_template = chat_template.get_jinja_template() or None
+        info, warning = training_template_note(chat_template, data.chat_template, own)
+        if getattr(self, "is_main", True):
+            logger.info(info)
+            if warning:
+                logger.warning(warning)
         text_keys = "messages" if data.text_keys == "text" else data.text_keys
         return partial(
-            process_sft_example, chat_template=chat_template, max_seq_len=data.max_seq_len, text_keys=text_keys
+            process_sft_example,
+            chat_template=chat_template,
+            max_seq_len=data.max_seq_len,
+            text_keys=text_keys,
+            truncate=data.over_length == "truncate",
+            conversation_format=data.conversation_format,
         )
 
     def build_dataset(self):
@@ -65,19 +95,26 @@ class TextTrainer(BaseTrainer):
         return {"pad_token_id": self.tokenizer.pad_token_id or 0}
 
     def on_train_end(self) -> None:
-        # a streamed epoch ends at the first step a slot cannot fill: what the other slots had left is said here
-        ended = getattr(self.train_dataloader, "epoch_ended", False)
+        """One account of the data over all ranks, on rank 0: bad records skipped always; what the last epoch left
+        out (empty records, blank lines, a tail too small for a step, streamed records not reached) only when the
+        epoch ran to the end of its data, not when train.max_steps stopped it. Collective (every rank alike)."""
+        ended = self.data_ran_out or getattr(self, "whole_epochs", False)
         report = data_report(self.train_dataloader, count_unread=ended)
-        if report.get("unread"):
+        names = ("skipped", "empty", "blank", "dropped", "unread", "samples")
+        # a whole-dataset count is the same on every rank: averaged, not summed (samples are always this rank's)
+        share = dist.get_world_size(self.parallel_state.dp_group) if report["whole_dataset"] else 1
+        counts = torch.tensor(
+            [report.get(n, 0) * (1 if n == "samples" else 1 / share) for n in names], dtype=torch.float64
+        ).to(self.device)
+        dist.all_reduce(counts, group=self.parallel_state.dp_group)
+        total = {n: round(c) for n, c in zip(names, counts.tolist())}
+        if not self.is_main:
+            return
+        if total["skipped"]:
+            logger.warning(f"skipped {total['skipped']} bad samples (data.skip_bad_samples)")
+        if ended and (total["empty"] or total["blank"] or total["dropped"] or total["unread"]):
             logger.warning(
-                f"{report['unread']} streamed records of this rank's share were not reached when the epoch ended "
-                "(a slot ran out first; more or finer units, or fewer slots per step, leave less)"
-            )
-        if report["skipped"]:
-            logger.warning(f"skipped {report['skipped']} bad samples on this rank (data.skip_bad_samples)")
-        if report["empty"] or report["blank"] or report["dropped"]:
-            logger.warning(
-                f"data of the last epoch on this rank left out: {report['empty']} empty records, {report['blank']} "
-                f"blank lines, {report['dropped']} samples of a tail too small for a step "
-                f"({report['samples']} samples handed out)"
+                f"the last epoch left out {total['empty']} empty records, {total['blank']} blank lines, "
+                f"{total['dropped']} samples of a tail too small for a step, {total['unread']} streamed records not "
+                f"reached when a slot ran out ({total['samples']} samples handed out)"
             )

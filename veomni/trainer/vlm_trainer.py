@@ -79,7 +79,7 @@ class VLMTrainer(TextTrainer):
             raise ValueError(f"VLMTrainer: no multimodal transform for model_type {config.model_type!r}")
         self._check_special_ids(config)
         transform, template = TRANSFORMS[config.model_type]
-        name = args.data.chat_template if args.data.chat_template != "default" else template
+        name = args.data.chat_template if args.data.chat_template not in ("default", "auto") else template
         chat_template = build_multimodal_chat_template(name, self.tokenizer)
         # the same function model.get_position_id_func() returns; built from the config, as the data comes first
         position_id_func = build_position_id_func(config)

@@ -1,0 +1,283 @@
+"""What a run trains on, shown before it trains.
+
+- `python tasks/train_text.py CONFIG --preview N [--key value ...]` (`run_preview`): N samples as the model sees them
+  (decoded, the tokens that carry loss between `[[ ]]`, or in colour on a terminal), the packing of the first
+  micro-batch (its documents, their tokens and loss tokens), the tokens of a step and the steps of an epoch. It builds
+  the tokenizer, the data and the loader exactly as training does (the mapping cache it builds is the one training
+  maps), never the model, and exits 0.
+- `log_first_sample(trainer)`: the first record's sample, short and marked the same way, logged once (rank 0) at the
+  start of a normal run.
+
+A token carries loss when its label is not IGNORE_INDEX and it is not the first token of its document (nothing
+predicts that one): exactly what the loss counts.
+"""
+
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
+
+from ..utils.logging import get_logger
+from .data_transform import IGNORE_INDEX
+
+logger = get_logger(__name__)
+
+MARKS = ("[[", "]]")
+ANSI_MARKS = ("\x1b[1;32m", "\x1b[0m")  # bold green on a terminal
+_REPEAT = 8  # a run of this many identical tokens (image pads) is shown once, with its count
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+def loss_flags(labels: Sequence[int]) -> List[bool]:
+    """Per token of one document: does it carry loss (a label, and not the document's first token)."""
+    return [i > 0 and int(lab) != IGNORE_INDEX for i, lab in enumerate(labels)]
+
+
+def _decode(tokenizer, ids: Sequence[int]) -> str:
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and ids[j] == ids[i]:
+            j += 1
+        if j - i >= _REPEAT:
+            out.append(f"{tokenizer.decode([ids[i]])}×{j - i}")
+        else:
+            out.append(tokenizer.decode(list(ids[i:j])))
+        i = j
+    return "".join(out)
+
+
+def render_sample(tokenizer, input_ids: Sequence[int], labels: Sequence[int], color: bool = False) -> str:
+    """The document decoded, with every run of tokens that carry loss between `[[ ]]` (ANSI colour if `color`)."""
+    ids = [int(t) for t in input_ids]
+    flags = loss_flags(labels)
+    opening, closing = ANSI_MARKS if color else MARKS
+    pieces, i = [], 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and flags[j] == flags[i]:
+            j += 1
+        text = _decode(tokenizer, ids[i:j])
+        pieces.append(f"{opening}{text}{closing}" if flags[i] else text)
+        i = j
+    return "".join(pieces)
+
+
+def marked_spans(rendered: str) -> List[str]:
+    """The texts between `[[` and `]]` of a `render_sample` output (for checks and tests)."""
+    spans, start = [], 0
+    while True:
+        i = rendered.find(MARKS[0], start)
+        if i < 0:
+            return spans
+        j = rendered.find(MARKS[1], i + len(MARKS[0]))
+        spans.append(rendered[i + len(MARKS[0]) : j])
+        start = j + len(MARKS[1])
+
+
+def _shorten(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} [... {len(text) - 2 * half} characters ...] {text[-half:]}"
+
+
+# ------------------------------------------------------------------------------------------- packed batches
+def documents(micro_batch: Dict[str, Any]) -> List[Tuple[int, int]]:
+    """(start, end) of each document packed in a collated micro-batch (where its position ids restart at 0)."""
+    pos = micro_batch["position_ids"].reshape(-1, micro_batch["position_ids"].shape[-1])[0].tolist()
+    starts = [i for i, p in enumerate(pos) if p == 0] or [0]
+    return list(zip(starts, starts[1:] + [len(pos)]))
+
+
+def _row(micro_batch: Dict[str, Any], key: str) -> List[int]:
+    value = micro_batch[key]
+    return value.reshape(-1, value.shape[-1])[0].tolist()
+
+
+# ------------------------------------------------------------------------------------------------- preview
+def _bare_trainer(build_trainer: Callable[[Any], Any], args):
+    """The task's trainer object with its `args` only: `build_trainer` is called with BaseTrainer's set-up (model,
+    optimizer, checkpoints) left out, so the task's own build_transform / build_dataset / build_dataloader run."""
+    from ..trainer.base import BaseTrainer
+
+    original = BaseTrainer.__init__
+
+    def shell(self, a):
+        self.args = a
+
+    BaseTrainer.__init__ = shell
+    try:
+        return build_trainer(args)
+    finally:
+        BaseTrainer.__init__ = original
+
+
+def _one_process(args) -> None:
+    """A plain `python` preview is one process: global batches do not depend on the world size, so the data
+    parallel and model parallel sizes become 1 and a step's micro-batches all come to this process."""
+    acc, train = args.train.accelerator, args.train
+    acc.dp_size = acc.dp_replicate_size = acc.dp_shard_size = 1
+    acc.tp_size = acc.pp_size = acc.cp_size = acc.ulysses_size = 1
+    acc.extra_parallel_sizes, acc.extra_parallel_names, acc.extra_parallel_placement_innermost = [], [], []
+    train.dataloader_batch_size = train.global_batch_size // train.micro_batch_size
+
+
+def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional[TextIO] = None) -> None:
+    """Print n samples as the model sees them, the packing of a micro-batch, tokens per step and steps per epoch."""
+    import torch
+    import torch.distributed as dist
+
+    from ..distributed import destroy_parallel_state
+    from ..trainer.base import init_parallel_state_from_args
+    from ..trainer.preflight import check_first_records
+    from ..trainer.step_count import close_loader
+    from ..utils.device import get_device
+
+    out = out or sys.stdout
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        _one_process(args)
+    trainer = _bare_trainer(build_trainer, args)
+    trainer.parallel_state = init_parallel_state_from_args(args.train.accelerator)
+    trainer.is_main = trainer.parallel_state.is_main_process
+    trainer.device = get_device()
+    try:
+        trainer.train_dataset = trainer.build_dataset()
+        check_first_records(trainer.train_dataset, args.data)
+        trainer.train_dataloader = trainer.build_dataloader()
+        trainer.compute_train_steps()
+        steps: List[List[Dict[str, Any]]] = []
+        docs_seen = 0
+        for micro_batches in trainer.train_dataloader:  # the steps in training order, until n documents are seen
+            steps.append(micro_batches)
+            docs_seen += sum(len(documents(mb)) for mb in micro_batches)
+            if docs_seen >= n or len(steps) >= trainer.total_steps:
+                break
+        close_loader(trainer.train_dataloader)
+        first = steps[0] if steps else []
+        totals = torch.tensor(
+            [sum(mb["input_ids"].numel() for mb in first), sum(_loss_tokens(mb) for mb in first)],
+            dtype=torch.int64,
+            device=trainer.device,
+        )
+        dist.all_reduce(totals, group=trainer.parallel_state.dp_group)
+        if trainer.is_main:
+            color = hasattr(out, "isatty") and out.isatty() and not os.environ.get("NO_COLOR")
+            out.write(_report(trainer, steps, n, [int(t) for t in totals.tolist()], color, world))
+            out.flush()
+    finally:
+        destroy_parallel_state()
+
+
+def _loss_tokens(micro_batch: Dict[str, Any]) -> int:
+    return sum(sum(loss_flags(_row(micro_batch, "labels")[s:e])) for s, e in documents(micro_batch))
+
+
+def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) -> str:
+    args, tok = trainer.args, trainer.tokenizer
+    train, data = args.train, args.data
+    marks = "in colour" if color else "between [[ ]]"
+    lines = [f"=== {n} sample(s) as the model sees them (tokens that carry loss {marks}) ==="]
+    shown = 0
+    for s, micro_batches in enumerate(steps):
+        for m, mb in enumerate(micro_batches):
+            ids, labels = _row(mb, "input_ids"), _row(mb, "labels")
+            for d, (start, end) in enumerate(documents(mb)):
+                if shown >= n:
+                    break
+                shown += 1
+                loss = sum(loss_flags(labels[start:end]))
+                lines.append(
+                    f"--- sample {shown} (step {s + 1}, micro-batch {m + 1}, document {d + 1}): {end - start} tokens, "
+                    f"{loss} carry loss ---"
+                )
+                lines.append(render_sample(tok, ids[start:end], labels[start:end], color))
+    if shown < n:
+        lines.append(f"(the data holds {shown} sample(s) in the steps that run)")
+    if steps:
+        mb = steps[0][0]
+        ids, labels = _row(mb, "input_ids"), _row(mb, "labels")
+        spans = documents(mb)
+        budget = f", packed up to {train.micro_batch_size * data.max_seq_len:,}" if train.dyn_bsz else ""
+        lines.append(
+            f"=== packing of micro-batch 1 of step 1: {len(spans)} document(s), {len(ids):,} tokens{budget}; "
+            "position ids restart at each document, attention stays within it ==="
+        )
+        for d, (start, end) in enumerate(spans):
+            head = _shorten(tok.decode(ids[start:end]), 70)
+            loss = sum(loss_flags(labels[start:end]))
+            lines.append(f"  document {d + 1}: tokens {start}..{end - 1} ({end - start} tokens, {loss} loss) {head!r}")
+    if train.dyn_bsz:
+        per_step = (
+            f"a step packs up to {train.global_batch_size * data.max_seq_len:,} tokens (dyn_bsz: global_batch_size "
+            f"{train.global_batch_size} x max_seq_len {data.max_seq_len}) in {train.global_batch_size // train.micro_batch_size} "
+            f"micro-batch(es) of up to {train.micro_batch_size * data.max_seq_len:,}"
+        )
+    else:
+        per_step = (
+            f"a step takes {train.global_batch_size} samples of up to {data.max_seq_len} tokens, "
+            f"{train.micro_batch_size} per micro-batch"
+        )
+    epochs = getattr(trainer, "epoch_steps", [train.train_steps])
+    per_epoch = " + ".join(map(str, epochs)) if len(set(epochs)) > 1 else str(epochs[0])
+    lines += [
+        "=== steps ===",
+        f"  {per_step}",
+        f"  step 1: {totals[0]:,} tokens, {totals[1]:,} carry loss",
+        f"  {per_epoch} step(s) per epoch, {train.num_train_epochs} epoch(s): {sum(epochs)} step(s)"
+        + (f" (train.max_steps {train.max_steps})" if train.max_steps else ""),
+    ]
+    if world == 1:
+        lines.append(
+            "  (one process: global batches are the same on any number of ranks; with global_batch_size unset a "
+            "step is micro_batch_size per rank, so more ranks make larger steps)"
+        )
+    lines.append("preview only: no model was built")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------- first sample of a run
+def first_sample(dataset) -> Optional[Tuple[Dict[str, Any], str]]:
+    """The sample of the first record that gives one (and where it is), from the dataset's own transform."""
+    from ..trainer.preflight import _first_records
+    from .data_transform import DataFormatError
+
+    transform = getattr(dataset, "transform", None)
+    for source in [dataset, *getattr(dataset, "sources", [])]:
+        transform = transform or getattr(source, "transform", None)
+    for records in _first_records(dataset, 8):
+        for record, where in records:
+            if isinstance(record, Exception):
+                continue
+            try:
+                samples = transform(record) if transform is not None else record
+            except DataFormatError:
+                continue
+            samples = samples if isinstance(samples, list) else [samples]
+            if samples and "input_ids" in samples[0]:
+                return samples[0], str(where)
+        return None
+    return None
+
+
+def log_first_sample(trainer, limit: int = 1200) -> None:
+    """Log the first sample once, on rank 0, decoded and marked (the whole of it when short, else both ends)."""
+    if not getattr(trainer, "is_main", False) or getattr(trainer, "tokenizer", None) is None:
+        return
+    try:
+        found = first_sample(trainer.train_dataset)
+    except Exception as err:  # noqa: BLE001 - a courtesy print must never stop a run
+        logger.info(f"first sample not shown ({type(err).__name__}: {err})")
+        return
+    if found is None:
+        return
+    import torch
+
+    sample, where = found
+    ids = torch.as_tensor(sample["input_ids"]).reshape(-1).tolist()
+    labels = torch.as_tensor(sample["labels"]).reshape(-1).tolist() if "labels" in sample else ids
+    text = _shorten(render_sample(trainer.tokenizer, ids, labels), limit)
+    logger.info(
+        f"first sample ({where}: {len(ids)} tokens, {sum(loss_flags(labels))} carry loss, between [[ ]]; "
+        f"--preview N shows more):\n{text}"
+    )
