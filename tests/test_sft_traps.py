@@ -215,3 +215,23 @@ def test_hf_export_carries_the_template_the_run_trained_on(tmp_path, qwen3):
     exported = AutoTokenizer.from_pretrained(os.path.join(out, "hf"))
     chatml = build_chat_template("chatml", exported).get_jinja_template()
     assert exported.chat_template == chatml != AutoTokenizer.from_pretrained(qwen3).chat_template
+
+
+def test_templates_refuse_tokenizers_that_lack_their_special_tokens(tmp_path):
+    """Before the model is built: ChatML without <|im_start|>/<|im_end|> (they would be split into pieces), the
+    plain template without an eos_token (replies would end nowhere)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from veomni.data.chat_template import ChatTemplateError, build_chat_template
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(["plain words only"] * 5, trainer=trainers.BpeTrainer(vocab_size=120, show_progress=False))
+    bare = PreTrainedTokenizerFast(tokenizer_object=raw)
+    with pytest.raises(ChatTemplateError, match=r"'chatml' needs the special tokens \['<\|im_start\|>', '<\|im_end"):
+        build_chat_template("chatml", bare)
+    with pytest.raises(ChatTemplateError, match="'default' ends each assistant reply with the tokenizer's eos_token"):
+        build_chat_template("default", bare)
+    with_eos = write_tokenizer(str(tmp_path / "tok"))
+    build_chat_template("default", AutoTokenizer.from_pretrained(with_eos))

@@ -147,7 +147,10 @@ class ChatmlTemplate(SegmentChatTemplate):
         vocab = tokenizer.get_vocab()
         missing = [t for t in ("<|im_start|>", "<|im_end|>") if t not in vocab]
         if missing:
-            raise ValueError(f"chat template 'chatml' needs tokens {missing} in the tokenizer")
+            raise ChatTemplateError(
+                f"chat template 'chatml' needs the special tokens {missing}, which the tokenizer lacks (they would be "
+                "split into pieces): use data.chat_template auto for the tokenizer's own template, or another tokenizer"
+            )
 
     def render_segments(self, messages):
         _check_roles(messages)
@@ -167,6 +170,14 @@ class ChatmlTemplate(SegmentChatTemplate):
 @CHAT_TEMPLATE_REGISTRY.register("default")
 class DefaultTemplate(SegmentChatTemplate):
     """Plain-text roles, for any tokenizer: `Role:\\ncontent` blocks; assistant content ends with EOS."""
+
+    def __init__(self, tokenizer, **options):
+        super().__init__(tokenizer, **options)
+        if not tokenizer.eos_token:  # replies would end nowhere: the model never learns to stop
+            raise ChatTemplateError(
+                "chat template 'default' ends each assistant reply with the tokenizer's eos_token, and the tokenizer "
+                "has none: set eos_token in its tokenizer_config.json, or use a template of its own"
+            )
 
     def render_segments(self, messages):
         _check_roles(messages)
