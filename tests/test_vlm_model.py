@@ -115,3 +115,14 @@ def test_sequence_parallel_refuses_omni_thinkers_at_build_time(name):
 
     with pytest.raises(NotImplementedError, match=name):
         enable_multimodal_sequence_parallel(Model(), group=None)
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_output_holds_no_tower_outputs(name):
+    """The towers' per-image outputs (views) are not returned: FSDP2 would hook each and warn about views."""
+    model = _build(name)
+    sample = make_sample(model, 7, [(4, 4), (8, 4)], torch.Generator().manual_seed(3))
+    output = model(**one_sample_batch(sample), use_cache=False)
+    assert output.logits is not None
+    views = [k for k, v in output.items() if torch.is_tensor(v) and v.requires_grad and v._base is not None]
+    assert not any(k.endswith("_outputs") for k in output.keys()) and not views, list(output.keys())

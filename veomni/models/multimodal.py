@@ -129,6 +129,9 @@ def _tensors(value) -> List[torch.Tensor]:
     return []
 
 
+_ENCODER_OUTPUTS = ("image_outputs", "video_outputs", "audio_outputs")
+
+
 def _zero_of(outputs) -> Optional[torch.Tensor]:
     """0 x every output tensor of an encoder call, as one scalar on the autograd graph."""
     parts = [t.float().sum() for t in _tensors(outputs) if t.is_floating_point() and t.requires_grad]
@@ -278,10 +281,16 @@ def adapt_multimodal_model(model: nn.Module) -> nn.Module:
         if zero is not None:
             pending_zero.append(zero)
         try:
-            return hf_forward(*args, **kwargs)
+            output = hf_forward(*args, **kwargs)
         finally:
             precomputed.clear()
             pending_zero.clear()
+        # the towers' outputs, returned beside the logits: training never reads them, and as views (one per image)
+        # under FSDP2 they draw its "view tensor" warning and keep the features alive until backward. (A ModelOutput
+        # keeps a key set to None in its dict, which FSDP walks: the output is rebuilt without them.)
+        if any(output.get(name) is not None for name in _ENCODER_OUTPUTS):
+            output = type(output)(**{k: v for k, v in output.items() if k not in _ENCODER_OUTPUTS})
+        return output
 
     model.forward = forward
     model._veomni_mm_adapted = True
