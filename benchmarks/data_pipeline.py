@@ -13,13 +13,20 @@ Baselines, measured in this run:
   into max_seq_len pieces and EOS), a torch DataLoader with `DataCollatorWithFlattening` (padding-free packing)
   and 8 pieces per batch (about the same tokens per batch), the same number of workers; no cache reuse;
 - our pipeline tokenising one record at a time (as VeOmni's plaintext transform does).
-Then streaming: each of N readers (N = 1, 2, 4; run one after the other, so that the 2-core box measures parsing,
-not contention) passes over its share of the iterable dataset; tokens/s per reader stays flat when readers parse
-only their own units. Last, the resident memory of a streaming pass, sampled along the way.
+Then streaming: N readers (N = 1, 2, 4; data-parallel ranks, each a process of one thread: tokenizer and torch)
+start together and pass over their shares of the iterable dataset. Printed: tokens/s of the N together, tokens per
+CPU-second per reader and its ratio to the one-record-at-a-time mapping path (a reader tokenises only its own
+units, so this stays flat in N and in `--samples`), and the wall-clock ratio to 1 reader (about min(N, cores) when
+readers scale), next to the same ratio for N pure-Python busy loops started together just before, and the load
+average: other jobs on a shared box lower both. (The mapping path reads its files with the same reader, to build
+its sample cache: a reader slowdown shared by both shows against the HF recipe and as a per-token rate that falls
+with `--samples`, not in the streaming / mapping ratio.) Last, the resident memory of a streaming pass, sampled
+along the way.
 """
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -73,6 +80,14 @@ def rss_mb():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _packing_loader(dataset, workers: int = 0, dp_rank: int = 0, dp_size: int = 1):
+    """The loader every row measures: dynamic packing to MICRO_BATCH * MAX_SEQ_LEN tokens, one slot per step."""
+    return build_dataloader(
+        dataset=dataset, micro_batch_size=MICRO_BATCH, max_seq_len=MAX_SEQ_LEN, dyn_bsz=True, dataloader_batch_size=1,
+        num_workers=workers, dp_rank=dp_rank, dp_size=dp_size, drop_last=False,
+    )  # fmt: skip
+
+
 def run(path, tokenizer, kind="mapping", batched=True, workers=0, memory=False):
     fn = process_pretrain_example if batched else _one_at_a_time
     transform = partial(fn, tokenizer=tokenizer, max_seq_len=MAX_SEQ_LEN)
@@ -80,17 +95,7 @@ def run(path, tokenizer, kind="mapping", batched=True, workers=0, memory=False):
     # a fresh sample cache for mapping data, so the row measures its one transform, not a cache of an earlier run
     cache = {"cache_dir": tempfile.mkdtemp(prefix="bench-cache-")} if kind == "mapping" else {}
     dataset = build_dataset(train_path=path, datasets_type=kind, transform=transform, seed=0, **cache)
-    loader = build_dataloader(
-        dataset=dataset,
-        micro_batch_size=MICRO_BATCH,
-        max_seq_len=MAX_SEQ_LEN,
-        dyn_bsz=True,
-        dataloader_batch_size=1,
-        num_workers=workers,
-        dp_rank=0,
-        dp_size=1,
-        drop_last=False,
-    )
+    loader = _packing_loader(dataset, workers=workers)
     loader.set_epoch(0)
     tokens = micro = 0
     rss = []
@@ -143,27 +148,54 @@ def run_hf_recipe(path, tokenizer, workers=0):
     return tokens / elapsed, tokens, elapsed, tokens / cpu
 
 
-def streaming_per_reader(path, tokenizer, readers):
-    """Tokens/s of each of `readers` readers over its own share, run one after the other."""
-    rates = []
-    for rank in range(readers):
-        transform = partial(process_pretrain_example, tokenizer=tokenizer, max_seq_len=MAX_SEQ_LEN)
-        tic, cpu = time.perf_counter(), cpu_seconds()
-        dataset = build_dataset(train_path=path, datasets_type="iterable", transform=transform, seed=0)
-        loader = build_dataloader(
-            dataset=dataset,
-            micro_batch_size=MICRO_BATCH,
-            max_seq_len=MAX_SEQ_LEN,
-            dyn_bsz=True,
-            dataloader_batch_size=1,
-            dp_rank=rank,
-            dp_size=readers,
-            drop_last=False,
-        )
-        loader.set_epoch(0)
-        tokens = sum(mb["input_ids"].numel() for step in loader for mb in step)
-        rates.append((tokens / (time.perf_counter() - tic), tokens / (cpu_seconds() - cpu), tokens))
-    return rates
+def _stream_reader(barrier, results, rank, path, tokenizer, readers):
+    """One streaming reader (rank `rank` of `readers`), one thread, timed from opening the files to its last
+    micro-batch; puts (rank, tokens, start, end, CPU seconds) on `results`."""
+    import torch
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per reader: readers, not threads, use the cores
+    torch.set_num_threads(1)
+    transform = partial(process_pretrain_example, tokenizer=tokenizer, max_seq_len=MAX_SEQ_LEN)
+    barrier.wait()
+    tic, cpu = time.monotonic(), cpu_seconds()
+    dataset = build_dataset(train_path=path, datasets_type="iterable", transform=transform, seed=0)
+    loader = _packing_loader(dataset, dp_rank=rank, dp_size=readers)
+    loader.set_epoch(0)
+    tokens = sum(mb["input_ids"].numel() for step in loader for mb in step)
+    results.put((rank, tokens, tic, time.monotonic(), cpu_seconds() - cpu))
+
+
+def _busy_loop(barrier, results, rank, steps=25_000_000):
+    """A fixed amount of pure-Python work: what the box gives one process now."""
+    barrier.wait()
+    tic, cpu, x = time.monotonic(), cpu_seconds(), 0
+    for i in range(steps):
+        x += i * i
+    results.put((rank, steps, tic, time.monotonic(), cpu_seconds() - cpu))
+
+
+def at_once(target, processes, *args):
+    """Runs `target(barrier, results, rank, *args)` in `processes` forked processes that start their timed work
+    together. Returns (work per wall second of all together: first start to last end, the processes' results)."""
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(processes), ctx.SimpleQueue()
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # (set before the fork: no warning about a used thread pool)
+    try:
+        procs = [ctx.Process(target=target, args=(barrier, results, r, *args)) for r in range(processes)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+    finally:
+        if parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
+    if any(proc.exitcode for proc in procs):
+        sys.exit(f"{target.__name__} failed: exit codes {[proc.exitcode for proc in procs]}")
+    done = sorted(results.get() for _ in procs)
+    return sum(r[1] for r in done) / (max(r[3] for r in done) - min(r[2] for r in done)), done
 
 
 def main():
@@ -201,14 +233,24 @@ def main():
         f"raw text: ours / HF padding-free recipe = {ours[0] / hf[0]:.2f}x wall, {ours[1] / hf[3]:.2f}x CPU; "
         f"ours / one-at-a-time = {ours[0] / single[0]:.2f}x wall, {ours[1] / single[1]:.2f}x CPU"
     )
+    load, together, per_cpu, box = os.getloadavg(), {}, {}, {}
     for readers in (1, 2, 4):
-        rates = streaming_per_reader(raw, tokenizer, readers)
-        wall, cpu = [r[0] for r in rates], [r[1] for r in rates]
+        box[readers] = at_once(_busy_loop, readers)[0]  # what N busy processes get from the box just now
+        together[readers], done = at_once(_stream_reader, readers, raw, tokenizer, readers)
+        per_cpu[readers] = sum(r[1] / r[4] for r in done) / readers
         print(
-            f"streaming raw text, {readers} reader(s): tokens/s per reader {', '.join(f'{r:.0f}' for r in wall)} "
-            f"(mean {sum(wall) / len(wall):.0f}; per CPU-s mean {sum(cpu) / len(cpu):.0f}); "
-            f"tokens per reader {', '.join(str(r[2]) for r in rates)}"
+            f"streaming raw text, {readers} reader(s) at once: {together[readers]:11.0f} tokens/s together, "
+            f"{together[readers] / together[1]:.2f}x 1 reader (the box: {box[readers] / box[1]:.2f}x for busy loops); "
+            f"per CPU-s per reader {per_cpu[readers]:.0f} ({per_cpu[readers] / single[1]:.2f}x one-at-a-time mapping); "
+            f"tokens per reader {', '.join(str(r[1]) for r in done)}"
         )
+    print(
+        f"streaming: 1 reader / one-at-a-time mapping = {per_cpu[1] / single[1]:.2f}x per CPU-s "
+        f"(/ HF recipe {per_cpu[1] / hf[3]:.2f}x); "
+        f"2 readers / 1 reader = {together[2] / together[1]:.2f}x per wall second (busy loops: "
+        f"{box[2] / box[1]:.2f}x; load average {load[0]:.2f} before the streaming rows, {os.getloadavg()[0]:.2f} "
+        f"after; {os.cpu_count()} cores)"
+    )
     tps, eff, _, _, rss, _ = run(tok, tokenizer, kind="iterable", workers=a.workers, memory=True)
     print(
         f"iterable (streaming), pre-tokenised: {tps:.0f} tokens/s, efficiency {eff:.4f}; resident memory along "

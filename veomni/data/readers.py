@@ -134,10 +134,7 @@ class RecordFiles:
                 with open(path, "rb") as f:
                     f.seek(start - 1)
                     position = start - 1 + len(f.readline())
-        for item in self._iter_jsonl(fi, path, position):
-            if item[0][1] >= end:
-                return
-            yield item
+        yield from self._iter_jsonl(fi, path, position, end)
 
     def count_unit(self, unit: Unit, position: Optional[int] = None) -> int:
         """Records left in a unit from `position` (blank lines not counted), without parsing them."""
@@ -180,11 +177,12 @@ class RecordFiles:
                 yield (fi, position), (BLANK if not line.strip() else line), "", (fi, position + len(line))
                 position += len(line)
 
-    def _iter_jsonl(self, fi: int, path: str, offset: int):
+    def _iter_jsonl(self, fi: int, path: str, offset: int, end: Optional[int] = None):
+        """The records of lines starting at `offset` up to (not including) a line starting at `end` or later."""
         with open(path, "rb") as f:
             f.seek(offset)
             lineno = None if offset else 0  # line numbers are known when reading from the start
-            while True:
+            while end is None or offset < end:  # the line starting at `end` is the next unit's: not even parsed
                 line = f.readline()
                 if not line:
                     return

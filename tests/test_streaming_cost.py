@@ -1,0 +1,118 @@
+"""The streaming reader's work per record does not grow with the number of records (issue #30).
+
+A jsonl location used to be counted from the file's start for every record a reader yielded mid-file (a unit of
+another reader, a shuffled unit, a resume): 5x the records made each token 4x dearer. Here the whole loader path
+(StreamingDataset -> SlotStream -> micro-batches) reads 500 and then 5,000 records, on 1 rank and on 2 ranks, and
+counts, per record yielded, the work done: bytes pulled from the data file (every `open` of it, whoever opens it),
+records parsed, and function calls (Python and C, as sys.setprofile sees them). Each must stay flat from the small
+data to the 10x larger one. Made to fail on purpose (readers.py, then restored): the line number counted from the
+file's start per record (bytes read per byte 3.98 -> 2,524 at 5,000 records), a unit's first line found by reading
+from the file's start (3.98 -> 88), the unit plan recomputed per record (calls per record 102 -> 283).
+"""
+
+import builtins
+import io
+import json
+import os
+import random
+import sys
+from collections import Counter
+
+import pytest
+
+import veomni.data.readers as readers
+from helpers import document_starts, token_dataset, token_loader
+
+MAX_LEN = 64
+SIZES = (500, 5000)
+FLAT = 1.5  # the larger data may cost at most this much more per record than the smaller one
+
+
+def _write(path, n):
+    """`n` pre-tokenised records of 8..40 tokens (no tokenizer: the reader's work, not the tokenizer's, is
+    measured); the first token names the record."""
+    rng = random.Random(n)
+    with open(path, "w") as f:
+        for r in range(n):
+            ids = [100_000 + r] + [rng.randrange(3, 500) for _ in range(rng.randint(8, 40))]
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    return str(path)
+
+
+class _CountingFileIO(io.FileIO):
+    """The raw file under a BufferedReader: counts the bytes actually read from the file (read-ahead included)."""
+
+    def __init__(self, name, counter):
+        super().__init__(name, "r")
+        self._counter = counter
+
+    def readinto(self, buffer):
+        n = super().readinto(buffer)
+        self._counter["bytes"] += n or 0
+        return n
+
+    def readall(self):
+        data = super().readall()
+        self._counter["bytes"] += len(data)
+        return data
+
+
+def _count_reads_of(path, counter, monkeypatch):
+    """Every read-only `open` of `path` (by the readers or anything else) goes through a counting raw file."""
+    real_open, target = builtins.open, os.path.realpath(path)
+
+    def counting_open(
+        file, mode="r", buffering=-1, encoding=None, errors=None, newline=None, closefd=True, opener=None
+    ):
+        if isinstance(file, (str, os.PathLike)) and set(mode) <= set("rbt") and os.path.realpath(file) == target:
+            raw = io.BufferedReader(_CountingFileIO(file, counter))
+            return raw if "b" in mode else io.TextIOWrapper(raw, encoding=encoding, errors=errors, newline=newline)
+        return real_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+
+
+def _one_epoch_cost(path, n, ranks, monkeypatch):
+    """Per record yielded (over all ranks, run one after the other): bytes read from the data file, records
+    parsed, function calls. Also checks that every record came out exactly once."""
+    counter = Counter()
+    parse = readers._parse_json_line
+    monkeypatch.setattr(readers, "_parse_json_line", lambda line, where: counter.update(parsed=1) or parse(line, where))
+    loaders = []
+    for rank in range(ranks):  # built (units planned) outside the measured pass
+        dataset = token_dataset(path, max_seq_len=MAX_LEN, shuffle_buffer_size=64)
+        loader = token_loader(dataset, rank, ranks, max_seq_len=MAX_LEN, dyn=True, micro=4, dlbs=1)
+        loader.set_epoch(0)
+        loaders.append(loader)
+
+    def profile(frame, event, arg):
+        if event in ("call", "c_call"):
+            counter["calls"] += 1
+
+    seen = []
+    _count_reads_of(path, counter, monkeypatch)
+    sys.setprofile(profile)
+    try:
+        for loader in loaders:
+            seen += [d - 100_000 for step in loader for mb in step for d in document_starts(mb)]
+    finally:
+        sys.setprofile(None)
+        monkeypatch.undo()
+    assert sorted(seen) == list(range(len(seen))) and len(seen) > n * 0.95, "records lost or repeated"
+    size = os.path.getsize(path)
+    return {
+        "bytes read per byte of data": counter["bytes"] / size,
+        "parses per record": counter["parsed"] / len(seen),
+        "function calls per record": counter["calls"] / len(seen),
+    }
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_streaming_work_per_record_is_flat_in_the_data_size(tmp_path, monkeypatch, ranks):
+    small, large = (_one_epoch_cost(_write(tmp_path / f"{n}.jsonl", n), n, ranks, monkeypatch) for n in SIZES)
+    report = {k: (round(small[k], 2), round(large[k], 2)) for k in small}
+    print(f"{ranks} rank(s), per record at {SIZES[0]} vs {SIZES[1]} records: {report}")
+    for what in small:
+        assert large[what] <= FLAT * small[what], f"{what} grows with the data: {report}"
+    assert large["parses per record"] <= 1.01, f"records parsed more than once: {report}"
+    assert large["bytes read per byte of data"] < 8, f"the reader reads far more than its share: {report}"
