@@ -315,3 +315,22 @@ def test_model_path_on_the_command_line_beats_the_yaml_config_path(tmp_path):
     assert args.model.config_path == hf and args.model.tokenizer_path == keep
     args = parse_args(VeOmniArguments, [config])  # the YAML alone: its own paths
     assert args.model.config_path == str(tmp_path / "model")
+
+
+def test_a_run_says_what_a_step_holds_and_nothing_false_at_its_end(tmp_path):
+    """2 ranks, stopped by max_steps mid-epoch: the start says what a step holds; the end does not claim the epoch
+    left data out (it did not end), torchdata's deprecation noise is gone, and --help says what a batch is."""
+    from helpers import torchrun
+
+    tmp = str(tmp_path)
+    write_token_data(f"{tmp}/data.jsonl", n=200, low=20, high=120)
+    config = tiny_run_config(tmp)
+    proc = torchrun(TASK, [config, "--train.max_steps", "2", "--train.dyn_bsz", "true",
+                           "--train.checkpoint.output_dir", f"{tmp}/run"], 2)  # fmt: skip
+    said = proc.stdout + proc.stderr
+    assert "a step packs up to 1,024 tokens (dyn_bsz: global_batch_size 8 x max_seq_len 128)" in said
+    assert "left out" not in said and "set_vital" not in said, said[-3000:]
+    help_text = subprocess.run([sys.executable, TASK, "--help", "train"], capture_output=True, text=True).stdout
+    assert "with dyn_bsz (the default) a token budget of global_batch_size * max_seq_len tokens" in " ".join(
+        help_text.split()
+    )
