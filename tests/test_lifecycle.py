@@ -424,3 +424,24 @@ def test_teardown_skips_the_barrier_while_an_exception_propagates(one_process_gr
     assert barriers == []
     destroy_parallel_state()
     assert barriers == [1]
+
+
+def test_other_ranks_say_only_their_own_warnings(monkeypatch):
+    """A warning about the whole run is said once, by rank 0; rank 1 says its errors and its own warnings."""
+    import uuid
+
+    from veomni.utils.logging import EVERY_RANK, get_logger
+
+    said = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setattr("sys.stdout", __import__("io").StringIO())
+        logger = get_logger(f"veomni.test_{uuid.uuid4().hex}")
+        logger.info("an info line")
+        logger.warning("a warning about the run")
+        logger.warning("a bad record in this rank's share", extra=EVERY_RANK)
+        logger.error("an error")
+        said[rank] = __import__("sys").stdout.getvalue()
+    assert all(line in said["0"] for line in ("an info line", "a warning about the run", "bad record", "an error"))
+    assert "info line" not in said["1"] and "warning about the run" not in said["1"]
+    assert "a bad record in this rank's share" in said["1"] and "an error" in said["1"]

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Seque
 import yaml
 from torch.utils.data import Dataset, IterableDataset
 
-from ..utils.logging import get_logger
+from ..utils.logging import EVERY_RANK, get_logger
 from .data_transform import DataFormatError
 from .readers import BLANK, RecordFiles, resolve_data_files
 
@@ -118,7 +118,7 @@ class _Transforming:
             raise DataFormatError(message() + " (set data.skip_bad_samples to skip such samples)") from None
         self.skipped += 1
         if self.skipped <= 5:
-            logger.warning(f"skipped bad sample: {message()}")
+            logger.warning(f"skipped bad sample: {message()}", extra=EVERY_RANK)
         return []
 
     def _apply_many(self, records: List[Any], wheres: List[Any]) -> List[List[Dict[str, Any]]]:

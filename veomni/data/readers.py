@@ -15,7 +15,7 @@ import os
 from functools import lru_cache
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from ..utils.logging import get_logger
+from ..utils.logging import EVERY_RANK, get_logger
 from .data_transform import DataFormatError
 
 logger = get_logger(__name__)
@@ -196,7 +196,10 @@ class RecordFiles:
                 # counting it per record would re-read the file from its start for every record
                 where = f"{path}:{lineno}" if lineno is not None else LineOf(path, here)
                 if len(line) > BIG_RECORD_BYTES:  # minutes of tokenising with nothing else to show for it
-                    logger.warning(f"{where}: a record of {len(line) / 2**20:.0f} MB; transforming it takes a while")
+                    logger.warning(
+                        f"{where}: a record of {len(line) / 2**20:.0f} MB; transforming it takes a while",
+                        extra=EVERY_RANK,
+                    )
                 try:
                     record = _parse_json_line(line, where)
                 except DataFormatError as err:
