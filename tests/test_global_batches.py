@@ -132,3 +132,20 @@ def test_many_streamed_slots_still_read_most_of_the_epoch(tmp_path):
     assert loader.epoch_ended and trained + report["unread"] + report["dropped"] == 1200
     # 16% here (37 records a slot); 32% with the files' own 83 units (2.6 a slot)
     assert report["unread"] < 0.2 * 1200, report
+
+
+def test_build_dataloader_takes_global_batch_size_as_the_seed_passes_it(long_docs):
+    """`global_batch_size=` sets the micro-batches per rank (it was ignored); a contradiction is refused."""
+    from veomni.data import InterleaveDataset, InterleavedIterableDataset, InterleavedMappingDataset, build_dataloader
+
+    assert issubclass(InterleavedMappingDataset, InterleaveDataset)
+    assert issubclass(InterleavedIterableDataset, InterleaveDataset)
+    dataset = token_dataset(long_docs, "mapping", max_seq_len=MAX_LEN, seed=5)
+    common = dict(dataset=dataset, micro_batch_size=2, max_seq_len=MAX_LEN, dyn_bsz=False, dp_rank=0, dp_size=2)
+    loader = build_dataloader(global_batch_size=GLOBAL, **common)
+    loader.set_epoch(0)
+    assert len(next(iter(loader))) == GLOBAL // (2 * 2)  # micro-batches per rank and step
+    with pytest.raises(ValueError, match="does not split over 2 data-parallel ranks"):
+        build_dataloader(global_batch_size=6, **common)
+    with pytest.raises(ValueError, match=r"global_batch_size=8 but .* = 2 \* 3 \* 2 = 12"):
+        build_dataloader(global_batch_size=8, dataloader_batch_size=3, **common)

@@ -7,6 +7,7 @@ from .data_loader import build_dataloader, data_report
 from .data_transform import DataFormatError, process_pretrain_example, process_sft_example
 from .dataset import (
     DATASET_REGISTRY,
+    InterleaveDataset,
     InterleavedIterableDataset,
     InterleavedMappingDataset,
     IterativeDataset,
@@ -22,6 +23,7 @@ __all__ = [
     "DataCollateInfo",
     "DataFormatError",
     "FileMappingDataset",
+    "InterleaveDataset",
     "InterleavedIterableDataset",
     "InterleavedMappingDataset",
     "IterativeDataset",

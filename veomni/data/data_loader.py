@@ -423,6 +423,25 @@ def _stop_workers(box: List[Any]) -> None:
         shutdown()
 
 
+def _slots_per_rank(global_batch_size: Optional[int], micro: int, per_rank: int, dp_size: int) -> int:
+    """dataloader_batch_size from global_batch_size (when given): a step is global_batch_size / micro_batch_size
+    micro-batches over dp_size ranks. A global size that does not split, or that contradicts an explicit
+    dataloader_batch_size, is refused rather than ignored."""
+    if global_batch_size is None or global_batch_size == micro * per_rank * dp_size:
+        return per_rank
+    if per_rank == 1 and global_batch_size % (micro * dp_size) == 0:
+        return global_batch_size // (micro * dp_size)
+    from ..arguments.arguments_types import batch_split_message
+
+    if global_batch_size % (micro * dp_size):
+        raise ValueError(batch_split_message(global_batch_size, micro, dp_size))
+    raise ValueError(
+        f"global_batch_size={global_batch_size} but micro_batch_size * dataloader_batch_size * dp_size = {micro} * "
+        f"{per_rank} * {dp_size} = {micro * per_rank * dp_size}: give one of them (dataloader_batch_size "
+        f"{global_batch_size // (micro * dp_size)} matches)"
+    )
+
+
 def build_dataloader(
     dataloader_type: str = "native",
     dataset=None,
@@ -455,6 +474,7 @@ def build_dataloader(
 
         state = get_parallel_state()
         dp_rank, dp_size = state.dp_rank, state.dp_size
+    dataloader_batch_size = _slots_per_rank(global_batch_size, micro_batch_size, dataloader_batch_size, dp_size)
     if collate_fn is None:
         if not build_collate_fn:
             raise ValueError("build_collate_fn=False needs an explicit collate_fn")

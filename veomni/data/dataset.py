@@ -428,6 +428,9 @@ def _veomni_sources(path: str, spec: Dict[str, Any], paths: List[str]) -> List[D
     return [{"path": p, "weight": float(w), "name": n} for p, w, n in zip(paths, weights, names)]
 
 
+InterleaveDataset = InterleavedDataset  # the seed's name for the family (mapping | iterable interleaves)
+
+
 class InterleavedMappingDataset(InterleavedDataset):
     """Interleaved in-memory sources (the seed's name): sized, so its global batches do not depend on the world
     size."""
