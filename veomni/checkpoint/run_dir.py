@@ -77,7 +77,7 @@ def previous_run(output_dir: str) -> List[str]:
     return found
 
 
-def _inside(path: str, folder: str) -> bool:
+def is_inside(path: str, folder: str) -> bool:
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     return os.path.commonpath([path, folder]) == folder
 
@@ -100,7 +100,7 @@ def plan_run(output_dir: str, load_path: Optional[str], overwrite: bool = False)
             f"train.checkpoint.overwrite: starting over; the previous run in {output_dir} ({what}) is moved aside",
         )
     if explicit:
-        if found and not _inside(load_path, output_dir):
+        if found and not is_inside(load_path, output_dir):
             raise RunDirError(
                 f"train.checkpoint.output_dir={output_dir} already holds another run ({', '.join(found)}); "
                 f"to start a run from {load_path}, use a new output_dir or add --train.checkpoint.overwrite true "
@@ -150,7 +150,7 @@ def move_run_aside(output_dir: str, now: Optional[float] = None) -> str:
 
 def remap_into(path: Optional[str], output_dir: str, moved_to: str) -> Optional[str]:
     """A checkpoint path that pointed into the run just moved aside, pointed at its new place."""
-    if path is None or not _inside(path, output_dir):
+    if path is None or not is_inside(path, output_dir):
         return path
     rel = os.path.relpath(os.path.realpath(path), os.path.realpath(output_dir))
     return os.path.join(moved_to, rel)

@@ -13,7 +13,7 @@ from ..arguments.parser import args_to_dict, save_args
 from ..checkpoint import RunDirError, move_run_aside, plan_run, rng_state, set_rng_state
 from ..checkpoint.checkpointer import reseed
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
-from ..checkpoint.run_dir import lock_run_dir, remap_into
+from ..checkpoint.run_dir import is_inside, lock_run_dir, remap_into
 from ..data.data_loader import reshard_loader_state
 from ..utils import lifecycle
 from ..utils.logging import get_logger
@@ -81,8 +81,10 @@ class CheckpointingMixin:
         return path
 
     def refuse_completed_run(self) -> None:
-        """A resume with no step left to train stops before the model is built, with the three ways on."""
-        step = checkpoint_step(self.resume_path) if self.resume_path else None
+        """Resuming this folder's own run with no step left to train stops before the model is built, with the
+        three ways on. (A checkpoint of another folder starts a new run from it: not this trap.)"""
+        path = self.resume_path
+        step = checkpoint_step(path) if path and is_inside(path, self.output_dir) else None
         if step is not None and step >= self.total_steps:
             raise RunDirError(
                 f"train.checkpoint.output_dir={self.output_dir} holds a completed run (checkpoint of step {step}, "
