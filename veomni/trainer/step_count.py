@@ -54,9 +54,12 @@ class StepCountMixin:
         whole = counted if counted and not (train.max_steps and counted >= train.max_steps) else None  # (not capped)
         self.whole_epochs = whole is not None  # every epoch runs to the end of its data
         per_epoch = " + ".join(map(str, self.epoch_steps)) if len(set(self.epoch_steps)) > 1 else train.train_steps
+        holds = ""
+        if getattr(args, "data", None) is not None:  # (a bare trainer built in a test may have no data arguments)
+            holds = "; " + batch_description(args, getattr(self, "train_dataset", None), whole)
         logger.info(
             f"{per_epoch} steps per epoch ({how}), {self.total_steps} in total; "
-            f"the LR schedule spans {self.total_steps}; {batch_description(self.args, self.train_dataset, whole)}"
+            f"the LR schedule spans {self.total_steps}{holds}"
         )
 
     def _count_later_epochs(self, first: int) -> List[int]:
