@@ -40,6 +40,8 @@ def test_demo_runs_through_train_sh_with_overrides(tmp_path):
     for key in ("loss", "grad_norm", "lr", "tokens", "tokens_per_sec"):
         assert all(isinstance(m[key], (int, float)) for m in metrics), key
     assert metrics[0]["tokens"] > 0 and metrics[-1]["loss"] < metrics[0]["loss"]
+    # the demo evaluates its held-out split (data.eval_path) after the last step
+    assert "eval_loss" not in metrics[0] and metrics[-1]["eval_tokens"] > 10_000 and metrics[-1]["eval_ppl"] > 1
     assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
     resolved = yaml.safe_load(open(os.path.join(out, "veomni_config.yaml")))
     assert resolved["train"]["optimizer"]["lr"] == 0.002 and resolved["train"]["max_steps"] == 4

@@ -92,6 +92,12 @@ class DataArguments:
     """The training data and how records become token sequences."""
 
     train_path: Optional[str] = _doc("Training data: a file, a glob, a folder, or a dataset.yaml.", default=None)
+    eval_path: Optional[str] = _doc(
+        "Held-out data (same format and transform as train_path): its token-weighted loss and perplexity are "
+        "logged every train.eval_steps and after the last step (metrics.jsonl eval_loss / eval_ppl). Read in full, "
+        "in file order, as mapping data.",
+        default=None,
+    )
     datasets_type: str = _doc(
         "Registered dataset builder: `mapping` (any size: transformed once into a shared on-disk cache, see "
         "data.cache_dir), `iterable` (streaming, for data read once), or your own "
@@ -343,6 +349,7 @@ class TrainingArguments:
         default=None,
     )
     num_train_epochs: int = _doc("Passes over the data.", default=1)
+    eval_steps: int = _doc("Evaluate data.eval_path every this many steps (0: only after the last step).", default=0)
     max_steps: Optional[int] = _doc(
         "Cap on optimizer steps per epoch (the run takes steps per epoch * num_train_epochs). When one epoch of the "
         "data holds fewer steps, the epoch ends with the data and the log says so.",

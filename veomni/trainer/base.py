@@ -40,6 +40,7 @@ from .callbacks import (
     WandbCallback,
 )
 from .checkpointing import CheckpointingMixin
+from .evaluation import EvaluationMixin
 from .preflight import check_first_records, check_paths, check_vocab
 from .step_count import StepCountMixin, close_loader, set_epoch
 
@@ -73,7 +74,7 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-class BaseTrainer(StepCountMixin, CheckpointingMixin):
+class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
     """Builds everything from `args` and runs `fit()`. Subclasses choose the data (`build_dataset`)."""
 
     def __init__(self, args):
@@ -96,6 +97,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
         self.train_dataloader = self.build_dataloader()
         self.compute_train_steps()
         self.refuse_completed_run()
+        self.eval_dataloader = self.build_eval_dataloader()
         if self.is_main:
             save_args(args, self.output_dir)
         self.global_step = 0
@@ -228,7 +230,9 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
         else:
             loss_sum, _ = causal_lm_loss_sum(outputs.logits, labels)
         router_logits = getattr(outputs, "router_logits", None)
-        if router_logits:  # MoE load balancing (output_router_logits): per document, so no layout moves it
+        if (
+            router_logits and not self.evaluating
+        ):  # MoE load balancing (output_router_logits): per document, so no layout moves it
             config, position_ids = self.model.config, inputs.get("position_ids")
             if sp:  # a document's router statistics are summed over the ranks that hold its tokens
                 group = self.parallel_state.sp_group
@@ -350,6 +354,8 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin):
                     step_time=elapsed,
                     tokens_per_sec=totals["tokens"] / elapsed,
                 )
+                if self.should_evaluate():  # every eval_steps and after the last step, on every rank alike
+                    metrics.update(self.evaluate())
                 self._fire("on_step_end", metrics)
                 save_steps = train.checkpoint.save_steps
                 if save_steps > 0 and self.global_step % save_steps == 0:

@@ -91,6 +91,11 @@ class ProgressCallback(Callback):
                 f"lr {metrics['lr']:.3e} {metrics['tokens_per_sec']:.0f} tok/s | "
                 f"{_clock(elapsed)} elapsed, ETA {_clock(self.eta(step, total))}"
             )
+        if "eval_loss" in metrics:  # said whenever it is measured, whatever log_steps
+            self.bar.write(
+                f"step {step}/{total}: eval loss {metrics['eval_loss']:.4f} ppl {metrics['eval_ppl']:.2f} "
+                f"({metrics['eval_tokens']:,} held-out tokens)"
+            )
 
     def on_train_end(self, trainer):
         if self.bar is not None:
@@ -141,6 +146,9 @@ class LossPlotCallback(Callback):
         steps = [m["step"] for m in self.metrics.history]
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(steps, [m["loss"] for m in self.metrics.history], label="train loss")
+        evaluated = [m for m in self.metrics.history if "eval_loss" in m]
+        if evaluated:
+            ax.plot([m["step"] for m in evaluated], [m["eval_loss"] for m in evaluated], "o-", label="eval loss")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
@@ -190,7 +198,8 @@ class TensorBoardCallback(Callback):
         if self.writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and key != "step":
-                    self.writer.add_scalar(f"train/{key}", value, metrics["step"])
+                    name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                    self.writer.add_scalar(name, value, metrics["step"])
 
     def on_train_end(self, trainer):
         if self.writer is not None:

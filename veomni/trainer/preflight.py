@@ -37,6 +37,9 @@ def check_paths(args) -> None:
     if not any(c in data.train_path for c in "*?[") and not os.path.exists(data.train_path):
         hint = _DEMO_HINT if ".assets" in data.train_path else ""
         raise ConfigError(f"data.train_path: {data.train_path} does not exist{hint}")
+    if data.eval_path and not any(c in data.eval_path for c in "*?[") and not os.path.exists(data.eval_path):
+        hint = _DEMO_HINT if ".assets" in data.eval_path else ""
+        raise ConfigError(f"data.eval_path: {data.eval_path} does not exist{hint}")
 
 
 def _looks_like_hub_id(path: str) -> bool:
