@@ -35,6 +35,7 @@ BAD = [
     ("train.bsz_warmup_init_mbtoken", "0"),
     ("train.dyn_bsz_buffer_size", "0"),
     ("train.log_steps", "0"),
+    ("train.eval_steps", "-1"),
     ("train.accelerator.dist_timeout_minutes", "0"),
     ("model.ops_implementation.loss_chunk_size", "-1"),
     ("train.optimizer.lr", "-1e-4"),

@@ -69,6 +69,7 @@ RULES: Dict[str, Rule] = {
     "train.bsz_warmup_init_mbtoken": at_least(1),
     "train.dyn_bsz_buffer_size": at_least(1),
     "train.log_steps": at_least(1),
+    "train.eval_steps": at_least(0),
     "train.accelerator.dist_timeout_minutes": positive(),
     "model.ops_implementation.loss_chunk_size": at_least(0),
     # train.optimizer

@@ -61,9 +61,10 @@ class EvaluationMixin:
         )  # fmt: skip  (one process's plan, every micro-batch of it: dealt round-robin to the ranks in evaluate)
 
     def should_evaluate(self) -> bool:
+        if getattr(self, "eval_dataloader", None) is None:
+            return False
         every = self.args.train.eval_steps
-        at_end = self.global_step >= self.total_steps
-        return self.eval_dataloader is not None and (at_end or (every > 0 and self.global_step % every == 0))
+        return self.global_step >= self.total_steps or (every > 0 and self.global_step % every == 0)
 
     def evaluate(self) -> Dict[str, Any]:
         """{"eval_loss", "eval_ppl", "eval_tokens"} over the whole held-out set. Collective: every rank alike."""
