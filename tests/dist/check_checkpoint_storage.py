@@ -16,6 +16,11 @@ init_parallel_state(mode="fsdp2")
 rank, base = dist.get_rank(), sys.argv[1]
 
 
+def say(line: str) -> None:
+    """One write per line (print writes the text and its newline apart: two ranks' lines could run together)."""
+    os.write(1, (line + "\n").encode())
+
+
 def model_and_optimizer():
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
@@ -31,14 +36,14 @@ model, opt = model_and_optimizer()
 Checkpointer(shared).save(1, model, opt, {"rank": torch.tensor(rank)}, {})
 loaded = Checkpointer(shared).load(resolve_checkpoint("auto", shared), *model_and_optimizer())
 assert [int(e["rank"]) for e in loaded["extra_states"]] == [0, 1]
-print(f"SHARED_SAVE_OK {rank}", flush=True)
+say(f"SHARED_SAVE_OK {rank}")
 
 # 2. "per-node disks": each rank writes a folder of its own under the same name
 ckpt = Checkpointer(os.path.join(base, f"node{rank}"))
 ckpt.storage_patience_s = 0.5
 try:
     ckpt.save(1, *model_and_optimizer(), {}, {})
-    print(f"PER_NODE_SAVED {rank}", flush=True)
+    say(f"PER_NODE_SAVED {rank}")
 except RuntimeError as err:
-    print(f"PER_NODE_REFUSED {rank} {err}".replace("\n", " "), flush=True)
+    say(f"PER_NODE_REFUSED {rank} {err}".replace("\n", " "))
 destroy_parallel_state()
