@@ -13,7 +13,8 @@ import yaml
 
 from helpers import document_starts, token_dataset, token_loader
 from veomni.data import build_dataset
-from veomni.data.data_loader import MicroBatchLoader, data_report, dropped_samples, skipped_samples
+from veomni.data.data_loader import MicroBatchLoader
+from veomni.data.data_report import data_report, dropped_samples, skipped_samples
 from veomni.data.data_transform import DataFormatError, process_pretrain_example
 
 MAX_LEN = 64

@@ -13,7 +13,7 @@ from torch.utils.data import IterableDataset
 import veomni.data.readers as readers
 from helpers import document_starts, token_dataset, token_loader
 from veomni.data import build_dataset
-from veomni.data.data_loader import data_report
+from veomni.data.data_report import data_report
 from veomni.data.data_transform import process_pretrain_example
 
 MAX_LEN = 64

@@ -9,21 +9,14 @@
 
 import json
 import os
-import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..utils.checksum import file_crc32
+
 CHECKSUMS = "checksums.json"
-
-
-def _crc(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            crc = zlib.crc32(block, crc)
-    return crc
 
 
 def _files(folder: str) -> List[str]:
@@ -51,7 +44,7 @@ def write_checksums(folder: str) -> None:
     names = [_files(folder) if rank == 0 else None]
     if world > 1:
         dist.broadcast_object_list(names, src=0)
-    mine = {name: _crc(os.path.join(folder, name)) for name in names[0][rank::world]}
+    mine = {name: file_crc32(os.path.join(folder, name)) for name in names[0][rank::world]}
     merged = {k: v for part in _gather(mine) for k, v in part.items()}
     if rank == 0:
         with open(os.path.join(folder, CHECKSUMS), "w") as f:
@@ -70,7 +63,7 @@ def damaged_files(folder: str) -> Optional[List[str]]:
     bad = []
     for name in sorted(expected)[rank::world]:
         full = os.path.join(folder, name)
-        if not os.path.isfile(full) or _crc(full) != expected[name]:
+        if not os.path.isfile(full) or file_crc32(full) != expected[name]:
             bad.append(name)
     return sorted(b for part in _gather(bad) for b in part)
 

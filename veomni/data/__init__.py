@@ -3,7 +3,8 @@
 from .cached_dataset import FileMappingDataset
 from .chat_template import CHAT_TEMPLATE_REGISTRY, ChatTemplate, build_chat_template
 from .data_collator import DataCollateInfo, MainCollator
-from .data_loader import build_dataloader, data_report
+from .data_loader import build_dataloader
+from .data_report import data_report
 from .data_transform import DataFormatError, process_pretrain_example, process_sft_example
 from .dataset import (
     DATASET_REGISTRY,

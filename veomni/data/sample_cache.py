@@ -27,11 +27,11 @@ import os
 import shutil
 import time
 import uuid
-import zlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..utils.checksum import file_crc32
 from ..utils.collectives import host_group, on_every_rank, on_rank0
 from ..utils.logging import get_logger
 from .data_transform import DataFormatError
@@ -46,14 +46,6 @@ _INT32 = np.iinfo(np.int32)
 
 def default_cache_dir() -> str:
     return os.environ.get("VEOMNI_DATA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "veomni", "data"))
-
-
-def _crc(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            crc = zlib.crc32(block, crc)
-    return crc
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -155,7 +147,7 @@ class _PartWriter:
             "blank": blank,
             "token_mode": self.fields != [],
             "fields": fields,
-            "files": {os.path.basename(p): {"bytes": os.path.getsize(p), "crc32": _crc(p)} for p in files},
+            "files": {os.path.basename(p): {"bytes": os.path.getsize(p), "crc32": file_crc32(p)} for p in files},
         }
         with open(f"{self.prefix}.json", "w") as f:
             json.dump(meta, f)
@@ -329,7 +321,7 @@ def _problem(folder: str, share: Tuple[int, int]) -> Optional[str]:
         full = os.path.join(folder, name)
         if not os.path.isfile(full) or os.path.getsize(full) != info["bytes"]:
             return f"{name} is missing or of the wrong size"
-        if k % share[1] == share[0] and _crc(full) != info["crc32"]:
+        if k % share[1] == share[0] and file_crc32(full) != info["crc32"]:
             return f"{name} does not match its checksum (corrupt)"
     return None
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from ..data import build_dataloader, build_dataset
 from ..data.chat_template import build_chat_template
-from ..data.data_loader import data_report
+from ..data.data_report import data_report
 from ..data.data_transform import process_pretrain_example, process_sft_example
 from ..models import build_tokenizer
 from ..utils.logging import get_logger
