@@ -362,19 +362,16 @@ def time_trainer_model(folder, checkpointing, batch, args):
 
 
 def time_bare_model(folder, checkpointing, batch, args):
+    from veomni.distributed.activation_checkpointing import apply_ac
     from veomni.distributed.compile import compile_basic_modules
-    from veomni.distributed.torch_parallelize import (
-        _basic_module_instances,
-        _enable_gradient_checkpointing,
-        no_split_module_names,
-    )
+    from veomni.distributed.fsdp import basic_module_instances, no_split_module_names
     from veomni.models import build_foundation_model
 
     model = build_foundation_model(folder, init_device=DEVICE, torch_dtype="float32", moe_implementation="fused")
     if checkpointing:
-        _enable_gradient_checkpointing(model, reentrant=False)  # as the trainer does
+        apply_ac(model, reentrant=False)  # as the trainer does
     if args.compile:
-        compile_basic_modules(_basic_module_instances(model, no_split_module_names(model)))
+        compile_basic_modules(basic_module_instances(model, no_split_module_names(model)))
     model.train()
     return time_bare(model, batch, args.steps, args.warmup, os.path.basename(folder))
 

@@ -119,7 +119,9 @@ def test_cli_over_yaml_over_defaults(tmp_path):
     assert args.train.dyn_bsz is False and args.train.gradient_checkpointing.enable is True
     assert args.model.config_path == "/m" and args.model.tokenizer_path == "/m"  # derived from model_path
     assert args.train.optimizer.weight_decay == 0.0  # default
-    assert args.train.global_batch_size == 3 and args.train.dataloader_batch_size == 1
+    # outside torchrun the sizes resolve for the smallest world they fit: ep=2 needs 2 ranks, so dp=2
+    assert args.train.accelerator.dp_size == 2
+    assert args.train.global_batch_size == 6 and args.train.dataloader_batch_size == 1
 
 
 def test_unknown_yaml_key_names_file_line_and_suggestion(tmp_path):

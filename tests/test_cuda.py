@@ -193,7 +193,7 @@ def test_trainer_on_one_gpu_equals_the_cpu_run(tmp_path):
 def test_compiled_decoder_layers_equal_eager(tmp_path):
     """ops_implementation.compile: the same loss and gradients as eager (fp32: only the order of sums differs)."""
     from veomni.distributed.compile import compile_basic_modules
-    from veomni.distributed.torch_parallelize import _basic_module_instances
+    from veomni.distributed.torch_parallelize import basic_module_instances
 
     config = _tiny_qwen3(str(tmp_path))
     g = torch.Generator().manual_seed(0)
@@ -206,7 +206,7 @@ def test_compiled_decoder_layers_equal_eager(tmp_path):
         torch.manual_seed(0)
         model = build_foundation_model(config, torch_dtype="float32", init_device="cuda")
         if compiled:
-            compile_basic_modules(_basic_module_instances(model, ["Qwen3DecoderLayer"]))
+            compile_basic_modules(basic_module_instances(model, ["Qwen3DecoderLayer"]))
         loss, _ = causal_lm_loss_sum(model(**batch).logits, labels)
         loss.backward()
         results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))

@@ -55,16 +55,17 @@ def _layer_run(tmp_path, checkpointing, compiled):
     from torch.distributed.fsdp import fully_shard
 
     from helpers import write_model_config
-    from veomni.distributed import torch_parallelize as parallelize
+    from veomni.distributed.activation_checkpointing import apply_ac
     from veomni.distributed.compile import compile_basic_modules
+    from veomni.distributed.fsdp import basic_module_instances, no_split_module_names
     from veomni.models import build_foundation_model
 
     torch.manual_seed(0)
     model = build_foundation_model(write_model_config(str(tmp_path)), torch_dtype="float32")
     if checkpointing:
-        parallelize._enable_gradient_checkpointing(model, reentrant=False)
+        apply_ac(model, reentrant=False)
     if compiled:
-        compile_basic_modules(parallelize._basic_module_instances(model, parallelize.no_split_module_names(model)))
+        compile_basic_modules(basic_module_instances(model, no_split_module_names(model)))
     for layer in model.model.layers:  # the FSDP<Layer> class swap comes after, as in build_parallelize_model
         fully_shard(layer)
     fully_shard(model)

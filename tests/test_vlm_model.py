@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 from vlm_inputs import TINY, make_sample, one_sample_batch, pack
 
+from veomni.distributed.sequence_parallel.multimodal import enable_multimodal_sequence_parallel
 from veomni.models import build_config, build_foundation_model
-from veomni.models.multimodal import enable_multimodal_sequence_parallel, freeze_encoders
+from veomni.models.multimodal import freeze_encoders
 from veomni.ops import causal_lm_loss_sum
 
 

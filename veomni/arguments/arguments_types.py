@@ -378,18 +378,26 @@ class TrainingArguments:
     dataloader_batch_size: int = field(default=0, init=False, metadata={"derived": True})
     train_steps: int = field(default=0, init=False, metadata={"derived": True})
 
-    def resolve(self, world_size: int) -> None:
-        """Fill the derived sizes; called by `parse_args` once the world size is known."""
+    def resolve(self, world_size: Optional[int]) -> None:
+        """Fill the derived sizes; called by `parse_args` with torchrun's world size (None outside torchrun: the
+        smallest world the configured sizes fit, see `ParallelDims.resolve`)."""
+        from ..distributed.parallel_dims import ParallelDims
+
         acc = self.accelerator
-        model_parallel = acc.ulysses_size * acc.tp_size * acc.pp_size * acc.cp_size
-        if acc.dp_size == -1:
-            acc.dp_size = max(world_size // model_parallel, 1)
-        if acc.dp_replicate_size == -1 and acc.dp_shard_size == -1:
-            acc.dp_replicate_size, acc.dp_shard_size = 1, acc.dp_size
-        elif acc.dp_shard_size == -1:
-            acc.dp_shard_size = acc.dp_size // max(acc.dp_replicate_size, 1)
-        elif acc.dp_replicate_size == -1:
-            acc.dp_replicate_size = acc.dp_size // max(acc.dp_shard_size, 1)
+        dims = ParallelDims.resolve(
+            world_size,
+            acc.dp_size,
+            acc.dp_replicate_size,
+            acc.dp_shard_size,
+            acc.tp_size,
+            acc.pp_size,
+            acc.cp_size,
+            acc.ulysses_size,
+            acc.extra_parallel_names,
+            acc.extra_parallel_sizes,
+            acc.extra_parallel_placement_innermost,
+        )
+        acc.dp_size, acc.dp_replicate_size, acc.dp_shard_size = dims.dp, dims.dp_replicate, dims.dp_shard
         per_step = self.micro_batch_size * acc.dp_size
         if self.global_batch_size is None:
             self.global_batch_size = per_step

@@ -315,7 +315,7 @@ def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
     validate_args(args, origins)  # ranges of numeric keys, before anything is built
     train = getattr(args, "train", None)
     if train is not None and hasattr(train, "resolve"):
-        train.resolve(int(os.environ.get("WORLD_SIZE", "1")))
+        train.resolve(int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
     return args
 
 

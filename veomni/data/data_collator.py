@@ -32,6 +32,19 @@ def default_collate_infos() -> Dict[str, DataCollateInfo]:
     }
 
 
+def _refuse_implicit_sequence_parallel() -> None:
+    """A collator left to guess would pack whole rows on every rank of a Ulysses group: refuse instead."""
+    from ..distributed.parallel_state import parallel_state_or_none
+
+    state = parallel_state_or_none()
+    if state is not None and state.sp_enabled:
+        raise ValueError(
+            f"MainCollator under Ulysses sequence parallel (ulysses_size={state.sp_size}) needs sp_size and sp_rank "
+            "(this rank's slice of each row): pass sp_size=state.sp_size, sp_rank=state.sp_rank, or build it "
+            "through build_dataloader"
+        )
+
+
 @dataclass
 class MainCollator:
     collate_infos: Dict[str, DataCollateInfo] = field(default_factory=default_collate_infos)
@@ -39,21 +52,16 @@ class MainCollator:
     pad_to_length: bool = False
     max_seq_len: Optional[int] = None
     pad_token_id: int = 0
-    sp_size: Optional[int] = None  # None: from the parallel state (1 when it is not initialised)
-    sp_rank: Optional[int] = None
+    sp_size: Optional[int] = None  # Ulysses group size and this rank's place in it: given by whoever builds the
+    sp_rank: Optional[int] = None  # collator (build_dataloader, the trainers); None: no sequence parallel
 
     def __post_init__(self):
         merged = default_collate_infos()
         merged.update(self.collate_infos or {})
         self.collate_infos = merged
         if self.sp_size is None:
-            try:
-                from ..distributed.parallel_state import get_parallel_state
-
-                state = get_parallel_state()
-                self.sp_size, self.sp_rank = state.sp_size, state.sp_rank
-            except RuntimeError:
-                self.sp_size, self.sp_rank = 1, 0
+            _refuse_implicit_sequence_parallel()
+            self.sp_size = 1
         self.sp_rank = self.sp_rank or 0
 
     def __call__(self, samples: Sequence[Dict[str, Any]]) -> Dict[str, torch.Tensor]:

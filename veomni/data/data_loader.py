@@ -369,6 +369,25 @@ def _slots_per_rank(global_batch_size: Optional[int], micro: int, per_rank: int,
     )
 
 
+def _data_parallel_place():
+    from ..distributed.parallel_state import get_parallel_state
+
+    state = get_parallel_state()  # raises, naming init_parallel_state, when it was not initialised
+    return state.dp_rank, state.dp_size
+
+
+def _with_sequence_parallel(collate_fn_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The collator's sp_size / sp_rank, when the caller gave none: the parallel state's Ulysses group."""
+    if "sp_size" in collate_fn_kwargs:
+        return collate_fn_kwargs
+    from ..distributed.parallel_state import parallel_state_or_none
+
+    state = parallel_state_or_none()
+    if state is None:
+        return collate_fn_kwargs
+    return dict(collate_fn_kwargs, sp_size=state.sp_size, sp_rank=state.sp_rank)
+
+
 def build_dataloader(
     dataloader_type: str = "native",
     dataset=None,
@@ -396,16 +415,13 @@ def build_dataloader(
     """A stateful loader whose `next()` is a list of `dataloader_batch_size` collated micro-batches."""
     if dataloader_type != "native":
         raise ValueError(f"unknown dataloader type {dataloader_type!r}; only 'native' exists")
-    if dp_rank is None or dp_size is None:
-        from ..distributed.parallel_state import get_parallel_state
-
-        state = get_parallel_state()
-        dp_rank, dp_size = state.dp_rank, state.dp_size
+    if dp_rank is None or dp_size is None:  # the seed's call gives neither: this rank's place in the parallel state
+        dp_rank, dp_size = _data_parallel_place()
     dataloader_batch_size = _slots_per_rank(global_batch_size, micro_batch_size, dataloader_batch_size, dp_size)
     if collate_fn is None:
         if not build_collate_fn:
             raise ValueError("build_collate_fn=False needs an explicit collate_fn")
-        collate_fn = MainCollator(max_seq_len=max_seq_len, **(collate_fn_kwargs or {}))
+        collate_fn = MainCollator(max_seq_len=max_seq_len, **_with_sequence_parallel(collate_fn_kwargs or {}))
     batching = dict(  # the same plan for both streams
         micro_batch_size=micro_batch_size,
         max_seq_len=max_seq_len,

@@ -12,13 +12,14 @@ forward (non-reentrant), and transformers' own is switched off for the layer.
 """
 
 import types
-from typing import Callable, List
+from typing import Callable, List, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..utils.logging import get_logger
+from .fsdp import basic_module_instances
 
 logger = get_logger(__name__)
 
@@ -55,3 +56,14 @@ def compile_basic_modules(units: List[nn.Module]) -> None:
         unit.forward = CompiledForward(unit)
     if units:
         logger.info(f"torch.compile: the forward of {len(units)} {type(units[0]).__name__} units (cold compile ahead)")
+
+
+def apply_compile(model: nn.Module, basic_modules: Sequence[str], checkpointing_reentrant: bool = False) -> None:
+    """The compile step of `parallelize`: after activation checkpointing is set (the compiled forward takes it
+    over), before sharding."""
+    if checkpointing_reentrant:
+        raise ValueError(
+            "model.ops_implementation.compile with train.gradient_checkpointing.enable_reentrant: compiled layers "
+            "checkpoint non-reentrantly; set enable_reentrant false"
+        )
+    compile_basic_modules(basic_module_instances(model, basic_modules))

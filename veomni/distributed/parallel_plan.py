@@ -2,8 +2,7 @@
 
 Expert parallelism shards every fused expert tensor on dim 0 (whole experts per rank) over `ep`; FSDP then shards
 those local experts over `ep_fsdp` (dim 1), while the rest of the model is FSDP-sharded over all data ranks.
-A model family with other parameter names adds an entry to PARALLEL_PLANS (keyed by config.model_type) or sets
-`model._veomni_parallel_plan`.
+A model family with other parameter names adds an entry to PARALLEL_PLANS (keyed by config.model_type).
 """
 
 import re
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..ops.moe import FUSED, ExpertParallel
+from ..ops.moe import FUSED, ExpertParallel, set_expert_parallel
 from .parallel_state import ParallelState
 
 EXPERT_PLAN: Dict[str, Shard] = {r"(^|\.)experts\.(gate_up_proj|down_proj|gate_proj|up_proj)$": Shard(0)}
@@ -21,15 +20,12 @@ PARALLEL_PLANS: Dict[str, Dict[str, Shard]] = {"qwen3_moe": EXPERT_PLAN, "qwen2_
 
 
 def get_parallel_plan(model: nn.Module) -> Dict[str, Shard]:
-    own = getattr(model, "_veomni_parallel_plan", None)
-    if own is not None:
-        return own
     return PARALLEL_PLANS.get(getattr(model.config, "model_type", ""), EXPERT_PLAN)
 
 
-def apply_expert_parallel(model: nn.Module, state: ParallelState) -> List[nn.Module]:
+def apply_ep(model: nn.Module, state: ParallelState) -> List[nn.Module]:
     """Keep this rank's experts of every planned parameter (as a DTensor over `ep`); return the modules that
-    own them, each told how to dispatch tokens."""
+    own them, each told how to dispatch tokens (`set_expert_parallel`)."""
     implementation = getattr(model.config, "_experts_implementation", None)
     if implementation != FUSED:
         raise ValueError(
@@ -60,7 +56,7 @@ def apply_expert_parallel(model: nn.Module, state: ParallelState) -> List[nn.Mod
         if found:
             # expert grads are averaged over ep_fsdp only (ranks that hold the same experts), the rest over all
             # data ranks: scale them by 1/ep so every parameter sees the same global-token mean
-            module._veomni_ep = ExpertParallel(ep_mesh.get_group(), size, rank, grad_scale=1.0 / size)
+            set_expert_parallel(module, ExpertParallel(ep_mesh.get_group(), size, rank, grad_scale=1.0 / size))
             owners.append(module)
     if not owners:
         raise ValueError(f"expert parallel is on but no parameter of {type(model).__name__} matches its plan")
@@ -75,3 +71,6 @@ def expert_shard_placement(param: torch.Tensor, zero_comm: bool = False, ep_fsdp
     """
     local_experts = (param.to_local() if isinstance(param, DTensor) else param).shape[0]
     return Shard(0) if zero_comm and local_experts % ep_fsdp_size == 0 else Shard(1)
+
+
+apply_expert_parallel = apply_ep  # the name earlier releases exported

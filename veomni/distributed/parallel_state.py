@@ -1,21 +1,22 @@
-"""One DeviceMesh for every parallel dimension, and the groups each feature needs, in one place.
+"""The process group and the parallel state: `init_parallel_state(...)` once, `get_parallel_state()` anywhere.
 
-The main mesh has named dims (dp_replicate, dp_shard, ulysses, tp). FSDP shards over dp_shard and ulysses
-together (sequence-parallel ranks hold the same parameters, so their gradients must be summed too). Each extra
-dimension (expert parallel, `ep`) gets its own 2-D mesh (`<name>_fsdp`, `<name>`) over all ranks.
+The degrees and meshes come from `ParallelDims` (parallel_dims.py). The dense mesh has named dims (dp_replicate,
+dp_shard, ulysses, tp); FSDP shards over dp_shard and ulysses together (sequence-parallel ranks hold the same
+parameters, so their gradients must be summed too). Each extra dimension (expert parallel, `ep`) has a 2-D mesh
+(`<name>_fsdp`, `<name>`) over all ranks.
 """
 
 import os
 import sys
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..utils.device import get_device, get_device_type, get_dist_backend
+from .parallel_dims import ParallelDims, ParallelMeshes
 
 _PARALLEL_STATE: Optional["ParallelState"] = None
 
@@ -51,18 +52,28 @@ def init_distributed(timeout_minutes: float = 10) -> None:
 
 @dataclass
 class ParallelState:
-    world_size: int
-    dp_size: int
-    dp_replicate_size: int
-    dp_shard_size: int
-    ulysses_size: int
-    tp_size: int
-    mode: Literal["fsdp2", "ddp"]
-    async_enabled: bool
-    device_mesh: DeviceMesh
-    flat_meshes: Dict[str, DeviceMesh] = field(default_factory=dict)
-    extra_parallel_names: List[str] = field(default_factory=list)
-    extra_meshes: Dict[str, DeviceMesh] = field(default_factory=dict)
+    """The degrees (`dims`) and the meshes built from them, with the groups each feature asks for by name."""
+
+    dims: ParallelDims
+    meshes: ParallelMeshes
+    mode: Literal["fsdp2", "ddp"] = "fsdp2"
+    async_enabled: bool = False
+
+    @classmethod
+    def from_dims(cls, dims: ParallelDims, mode: str = "fsdp2", async_enabled: bool = False) -> "ParallelState":
+        return cls(dims, dims.build_meshes(get_device_type()), mode, async_enabled)
+
+    # ------------------------------------------------------------------ sizes
+    world_size = property(lambda self: self.dims.world_size)
+    dp_size = property(lambda self: self.dims.dp)
+    dp_replicate_size = property(lambda self: self.dims.dp_replicate)
+    dp_shard_size = property(lambda self: self.dims.dp_shard)
+    ulysses_size = property(lambda self: self.dims.ulysses)
+    tp_size = property(lambda self: self.dims.tp)
+    device_mesh = property(lambda self: self.meshes.dense, doc="The dense mesh (dp_replicate, dp_shard, ulysses, tp).")
+    flat_meshes = property(lambda self: self.meshes.flat)
+    extra_meshes = property(lambda self: self.meshes.extra)
+    extra_parallel_names = property(lambda self: [extra.name for extra in self.dims.extras])
 
     # ------------------------------------------------------------------ data parallel
     @property
@@ -84,17 +95,7 @@ class ParallelState:
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP2 shards over: 1-D (dp_shard x ulysses), or 2-D with dp_replicate for HSDP."""
-        if self.ulysses_size == 1:
-            return (
-                self.device_mesh["dp_replicate", "dp_shard"]
-                if self.dp_replicate_size > 1
-                else self.device_mesh["dp_shard"]
-            )
-        if self.dp_replicate_size == 1:
-            return self.flat_meshes["dp_shard_sp"]
-        with warnings.catch_warnings():  # HSDP over a flattened dim: torch has no other spelling yet
-            warnings.simplefilter("ignore")
-            return self.device_mesh["dp_replicate", "dp_shard_sp"]
+        return self.meshes.fsdp
 
     @property
     def fsdp_size(self) -> int:
@@ -184,54 +185,6 @@ class ParallelState:
         return dist.get_rank() == 0
 
 
-def _check_sizes(world_size, dp_size, dp_replicate_size, dp_shard_size, tp_size, pp_size, cp_size, ulysses_size):
-    for name, size in (("pp_size", pp_size), ("cp_size", cp_size)):
-        if size != 1:
-            raise NotImplementedError(f"{name}={size} is not supported yet: set it to 1")
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
-    if dp_size == -1:
-        dp_size = world_size // (ulysses_size * tp_size)
-    if dp_replicate_size == -1 and dp_shard_size == -1:
-        dp_replicate_size, dp_shard_size = 1, dp_size
-    elif dp_shard_size == -1:
-        dp_shard_size = dp_size // dp_replicate_size
-    elif dp_replicate_size == -1:
-        dp_replicate_size = dp_size // dp_shard_size
-    if dp_replicate_size * dp_shard_size != dp_size:
-        raise ValueError(
-            f"dp_replicate_size * dp_shard_size = {dp_replicate_size} * {dp_shard_size} = "
-            f"{dp_replicate_size * dp_shard_size}, but dp_size = {dp_size}"
-        )
-    product = dp_size * ulysses_size * tp_size * pp_size * cp_size
-    if product != world_size:
-        raise ValueError(
-            f"parallel sizes do not multiply to the world size: dp_size * ulysses_size * tp_size * pp_size * "
-            f"cp_size = {dp_size} * {ulysses_size} * {tp_size} * {pp_size} * {cp_size} = {product}, "
-            f"but world_size = {world_size}"
-        )
-    return dp_size, dp_replicate_size, dp_shard_size
-
-
-def _build_extra_meshes(
-    device_type: str, world_size: int, names: Sequence[str], sizes: Sequence[int], innermost: Sequence[bool]
-) -> Dict[str, DeviceMesh]:
-    if len(names) != len(sizes):
-        raise ValueError(f"extra_parallel_names {list(names)} and extra_parallel_sizes {list(sizes)} differ in length")
-    meshes = {}
-    for i, (name, size) in enumerate(zip(names, sizes)):
-        if size < 1 or world_size % size:
-            raise ValueError(f"extra parallel '{name}' size {size} does not divide world_size {world_size}")
-        outer = world_size // size
-        inner_first = innermost[i] if i < len(innermost) else True
-        if inner_first:  # adjacent ranks form one `name` group: all-to-all stays within a node
-            mesh = init_device_mesh(device_type, (outer, size), mesh_dim_names=(f"{name}_fsdp", name))
-        else:
-            mesh = init_device_mesh(device_type, (size, outer), mesh_dim_names=(name, f"{name}_fsdp"))
-        meshes[name] = mesh
-    return meshes
-
-
 def init_parallel_state(
     dp_size: int = -1,
     dp_replicate_size: int = -1,
@@ -255,45 +208,31 @@ def init_parallel_state(
     if mode not in ("fsdp2", "ddp"):
         raise ValueError(f"mode must be 'fsdp2' or 'ddp', got {mode!r}")
     init_distributed(dist_timeout_minutes)
-    world_size = dist.get_world_size()
-    dp_size, dp_replicate_size, dp_shard_size = _check_sizes(
-        world_size, dp_size, dp_replicate_size, dp_shard_size, tp_size, pp_size, cp_size, ulysses_size
+    dims = ParallelDims.resolve(
+        dist.get_world_size(),
+        dp_size,
+        dp_replicate_size,
+        dp_shard_size,
+        tp_size,
+        pp_size,
+        cp_size,
+        ulysses_size,
+        extra_parallel_names or (),
+        extra_parallel_sizes or (),
+        extra_parallel_placement_innermost or (),
     )
-    device_type = get_device_type()
-    mesh = init_device_mesh(
-        device_type,
-        (dp_replicate_size, dp_shard_size, ulysses_size, tp_size),
-        mesh_dim_names=("dp_replicate", "dp_shard", "ulysses", "tp"),
-    )
-    flat = {
-        "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-        "dp_shard_sp": mesh["dp_shard", "ulysses"]._flatten("dp_shard_sp"),
-        "dp_sp": mesh["dp_replicate", "dp_shard", "ulysses"]._flatten("dp_sp"),
-    }
-    names = list(extra_parallel_names or [])
-    extra = _build_extra_meshes(
-        device_type, world_size, names, list(extra_parallel_sizes or []), list(extra_parallel_placement_innermost or [])
-    )
-    _PARALLEL_STATE = ParallelState(
-        world_size=world_size,
-        dp_size=dp_size,
-        dp_replicate_size=dp_replicate_size,
-        dp_shard_size=dp_shard_size,
-        ulysses_size=ulysses_size,
-        tp_size=tp_size,
-        mode=mode,
-        async_enabled=async_enabled,
-        device_mesh=mesh,
-        flat_meshes=flat,
-        extra_parallel_names=names,
-        extra_meshes=extra,
-    )
+    _PARALLEL_STATE = ParallelState.from_dims(dims, mode, async_enabled)
     return _PARALLEL_STATE
 
 
 def get_parallel_state() -> ParallelState:
     if _PARALLEL_STATE is None:
         raise RuntimeError("parallel state is not initialised: call init_parallel_state(...) first")
+    return _PARALLEL_STATE
+
+
+def parallel_state_or_none() -> Optional[ParallelState]:
+    """The parallel state if `init_parallel_state` ran, else None (for checks that must not initialise it)."""
     return _PARALLEL_STATE
 
 

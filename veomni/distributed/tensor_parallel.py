@@ -14,8 +14,7 @@ full-length rotary embeddings and masks, and packed rows have arbitrary lengths 
 would need per-model input preparation for every attention and MLP call; norm activations are small next to
 the attention and MLP ones that TP already splits.
 
-A model family with other module names adds an entry to TP_PLANS (keyed by config.model_type) or sets
-`model._veomni_tp_plan`. Model types without an entry are tried with the dense decoder plan, and refused with
+A model family with other module names adds an entry to TP_PLANS (keyed by config.model_type). Model types without an entry are tried with the dense decoder plan, and refused with
 the list of patterns that matched nothing.
 """
 
@@ -92,9 +91,6 @@ _DIVISIBLE = (
 
 
 def get_tp_plan(model: nn.Module) -> Dict[str, ParallelStyle]:
-    own = getattr(model, "_veomni_tp_plan", None)
-    if own is not None:
-        return own
     return TP_PLANS.get(getattr(model.config, "model_type", ""), dense_decoder_plan)()
 
 
@@ -125,7 +121,7 @@ def _shared_parameters(model: nn.Module) -> List[List[tuple]]:
     return [group for group in owners.values() if len(group) > 1]
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shard `model` in place over `tp_mesh` by its plan; returns it. Tied parameters stay tied."""
     tp_size = tp_mesh.size()
     if getattr(model.config, "num_experts", None) or any("experts" in n for n in _module_names(model)):
@@ -141,8 +137,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         raise ValueError(
             f"no tensor-parallel plan fits {type(model).__name__} (model_type "
             f"{getattr(model.config, 'model_type', None)!r}): these patterns of the plan match no module: "
-            f"{missing}. Plans exist for {sorted(TP_PLANS)}; add one to veomni.distributed.tensor_parallel.TP_PLANS "
-            "or set model._veomni_tp_plan"
+            f"{missing}. Plans exist for {sorted(TP_PLANS)}; add one to veomni.distributed.tensor_parallel.TP_PLANS"
         )
     shared = _shared_parameters(model)
     parallelize_module(model, tp_mesh, plan)
@@ -161,3 +156,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             setattr(other, other_attr, first)
     logger.info(f"tensor parallel over tp={tp_size}: {len(plan)} plan entries, {len(shared)} tied parameter(s)")
     return model
+
+
+apply_tensor_parallel = apply_tp  # the name earlier releases exported

@@ -134,7 +134,6 @@ def build_foundation_model(
         if weights_path is not None:
             load_weights(model, weights_path)
             logger.info(f"loaded weights from {weights_path}")
-    model._veomni_weights_path = weights_path
     if is_multimodal(config):
         adapt_multimodal_model(model)
     bind_position_id_func(model)

@@ -12,12 +12,14 @@ The adapter (`adapt_multimodal_model`) changes no modeling code; it wraps the in
   encoder parameter gets a gradient (zero, not None) on every rank. HF's forward then reuses these outputs.
 * keep the language model's packing kwargs (cu_seq_lens_q, max_length_q, ...) out of the encoders, whose own
   attention is per image / per audio window (HF's, with `sdpa` by default).
-* under Ulysses sequence parallelism (`enable_multimodal_sequence_parallel`), hand HF's forward only the visual
+* under Ulysses sequence parallelism (`MultimodalAdapter.shard_visual_outputs`), hand HF's forward only the visual
   embeddings whose placeholders lie in this rank's shard of the packed row: every rank runs the vision tower on all
   patches, counts the placeholders before its shard in the (gathered) full input ids, and keeps that slice, so
   HF's own `masked_scatter` on the local input ids puts each embedding at its local position.
 """
 
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -43,10 +45,6 @@ _THINKER_OF = {"qwen2_5_omni": "thinker_config", "qwen3_omni_moe": "thinker_conf
 # the language model's packing kwargs: meaningful to the decoder only, never to an encoder
 _LM_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _ENCODER_SUBCONFIGS = ("vision_config", "audio_config")
-# families whose visual embeddings the adapter can shard for Ulysses (per-token `pooler_output`, and Qwen3-VL's
-# `deepstack_features`); the Omni thinkers' audio embeddings are not sharded yet
-SEQUENCE_PARALLEL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-_PLACEHOLDER_IDS = {"image": ("image_token_id", "image_token_index"), "video": ("video_token_id", "video_token_index")}
 
 
 def thinker_config(config):
@@ -177,58 +175,31 @@ def _fix_position_ids(kwargs: Dict[str, Any]) -> None:
             kwargs["position_ids"] = position_ids.transpose(0, 1)
 
 
-def enable_multimodal_sequence_parallel(model: nn.Module, group) -> None:
-    """Make the adapter shard the visual embeddings over Ulysses group `group` (called by build_parallelize_model
-    with the text attention made Ulysses); refuses, at build time, the families it cannot shard."""
-    model_type = thinker_config(model.config).model_type
-    if model_type not in SEQUENCE_PARALLEL_MODEL_TYPES:
-        raise NotImplementedError(
-            f"Ulysses sequence parallel is not supported for {model_type!r} yet (supported multimodal families: "
-            f"{', '.join(SEQUENCE_PARALLEL_MODEL_TYPES)}); set ulysses_size=1"
-        )
-    if not getattr(model, "_veomni_mm_adapted", False):
-        raise ValueError(
-            "sequence parallel on a multimodal model needs the adapter: build it with build_foundation_model"
-        )
-    model._veomni_sp_group = group
+@dataclass
+class MultimodalAdapter:
+    """What the training forward bound to a model takes from outside it.
+
+    `shard_visual_outputs(config, ran, input_ids)`, installed by Ulysses sequence parallel
+    (veomni.distributed.sequence_parallel.multimodal), replaces each encoder's outputs in `ran` by the slice whose
+    placeholders lie in this rank's sequence shard; None: every embedding is kept."""
+
+    shard_visual_outputs: Optional[Callable[[Any, Dict[str, Any], Optional[torch.Tensor]], None]] = None
 
 
-def _placeholder_id(config, kind: str) -> int:
-    return next(getattr(config, key) for key in _PLACEHOLDER_IDS[kind] if getattr(config, key, None) is not None)
+# model -> its adapter; weak, so an entry goes with its model (nothing planted on the model instance)
+_ADAPTERS: "weakref.WeakKeyDictionary[nn.Module, MultimodalAdapter]" = weakref.WeakKeyDictionary()
 
 
-def _keep_local_tokens(outputs, start: int, end: int):
-    """Keep embeddings [start, end) of an encoder's per-placeholder outputs (one tuple entry: HF concatenates them)."""
-    outputs.pooler_output = (torch.cat(outputs.pooler_output, dim=0)[start:end],)
-    if getattr(outputs, "deepstack_features", None) is not None:
-        outputs.deepstack_features = [(torch.cat(f, dim=0)[start:end],) for f in outputs.deepstack_features]
-    return outputs
-
-
-def _shard_visual_outputs(config, ran: Dict[str, Any], input_ids: torch.Tensor, group) -> None:
-    """Replace each visual encoder's outputs by the slice whose placeholders sit in this rank's sequence shard."""
-    import torch.distributed as dist
-
-    from ..distributed.sequence_parallel import gather_seq
-
-    if input_ids is None:
-        raise ValueError("sequence parallel on a multimodal model needs input_ids (to place the visual embeddings)")
-    local = input_ids.shape[-1]
-    full = gather_seq(input_ids, group, dim=-1)  # every rank, every forward: one all-gather of the ids
-    begin = dist.get_rank(group) * local
-    for kind in ("image", "video"):
-        if kind in ran:
-            is_placeholder = full == _placeholder_id(config, kind)
-            start = int(is_placeholder[..., :begin].sum())
-            ran[kind] = _keep_local_tokens(
-                ran[kind], start, start + int(is_placeholder[..., begin : begin + local].sum())
-            )
+def multimodal_adapter(model: nn.Module) -> Optional[MultimodalAdapter]:
+    """The adapter `adapt_multimodal_model` bound to `model`, or None."""
+    return _ADAPTERS.get(model)
 
 
 def adapt_multimodal_model(model: nn.Module) -> nn.Module:
     """Bind the training adapter (module docstring) to a VL / Omni-thinker instance; returns the same object."""
-    if getattr(model, "_veomni_mm_adapted", False):
+    if model in _ADAPTERS:
         return model
+    adapter = _ADAPTERS[model] = MultimodalAdapter()
     inner = model.model
     kinds = encoder_kinds(model)
     originals = {kind: getattr(inner, _GETTERS[kind]) for kind in kinds}
@@ -272,11 +243,10 @@ def adapt_multimodal_model(model: nn.Module) -> nn.Module:
                 zero = part if zero is None else zero + part
             else:
                 ran[kind] = outputs
-        group = getattr(model, "_veomni_sp_group", None)
-        if group is not None:
+        if adapter.shard_visual_outputs is not None:
             # a slice stays on the graph even when empty: a rank whose shard holds no visual token still gives the
             # tower a (zero) gradient, so FSDP reduces the same units on every rank
-            _shard_visual_outputs(inner.config, ran, kwargs.get("input_ids"), group)
+            adapter.shard_visual_outputs(inner.config, ran, kwargs.get("input_ids"))
         precomputed.update(ran)  # only now: Qwen3-VL's video getter calls the image getter while it runs
         if zero is not None:
             pending_zero.append(zero)
@@ -293,7 +263,6 @@ def adapt_multimodal_model(model: nn.Module) -> nn.Module:
         return output
 
     model.forward = forward
-    model._veomni_mm_adapted = True
     return model
 
 

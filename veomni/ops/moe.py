@@ -6,12 +6,14 @@ experts forward through `ExpertsInterface` by `config._experts_implementation`. 
     sort the (token, k) assignments by expert -> one contiguous block per expert -> one matmul pair per expert
     (torch._grouped_mm on CUDA when available) -> weight by the router -> scatter-add back to tokens
 
-With expert parallelism (`self._veomni_ep` set by build_parallelize_model) each rank holds E/ep experts; the
+With expert parallelism (an `ExpertParallel` registered for the module by `apply_ep`) each rank holds E/ep experts; the
 sorted tokens travel to the rank owning their expert by all-to-all (per-expert counts exchanged first, so the
 splits may be uneven or zero), are computed there, and come back the same way. Both all-to-alls carry autograd.
 """
 
-from typing import Callable, List, Optional, Sequence
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -91,7 +93,7 @@ def fused_experts_forward(
     if torch.is_autocast_enabled(x.device.type):  # as a Linear under autocast (grouped_mm takes no fp32 under it)
         dtype = torch.get_autocast_dtype(x.device.type)
         x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
-    ep = getattr(self, "_veomni_ep", None)
+    ep = _EXPERT_PARALLEL.get(self)
     if ep is None:
         y = _grouped_mlp(x, counts.tolist(), gate_up, down, self._apply_gate)
     else:
@@ -101,11 +103,27 @@ def fused_experts_forward(
     return out.index_add_(0, token_of, y.to(out.dtype))
 
 
+@dataclass(frozen=True)
 class ExpertParallel:
     """What an experts module needs to dispatch: its ep group, size and rank, and the gradient scale."""
 
-    def __init__(self, group, size: int, rank: int, grad_scale: float):
-        self.group, self.size, self.rank, self.grad_scale = group, size, rank, grad_scale
+    group: Any
+    size: int
+    rank: int
+    grad_scale: float
+
+
+# experts module -> how it dispatches; weak, so a module's entry goes with it (no attribute planted on the module)
+_EXPERT_PARALLEL: "weakref.WeakKeyDictionary[torch.nn.Module, ExpertParallel]" = weakref.WeakKeyDictionary()
+
+
+def set_expert_parallel(experts: torch.nn.Module, ep: ExpertParallel) -> None:
+    """Make `experts` (a fused experts module holding this rank's E/ep experts) dispatch its tokens over `ep`."""
+    _EXPERT_PARALLEL[experts] = ep
+
+
+def expert_parallel_of(experts: torch.nn.Module) -> Optional[ExpertParallel]:
+    return _EXPERT_PARALLEL.get(experts)
 
 
 def _expert_parallel_mlp(x, counts, gate_up, down, apply_gate, ep: ExpertParallel) -> torch.Tensor:

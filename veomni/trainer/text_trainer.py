@@ -92,7 +92,8 @@ class TextTrainer(BaseTrainer):
 
     def collate_fn_kwargs(self):
         """MainCollator's keyword arguments (VLMTrainer adds its per-key collate infos)."""
-        return {"pad_token_id": self.tokenizer.pad_token_id or 0}
+        state = self.parallel_state
+        return {"pad_token_id": self.tokenizer.pad_token_id or 0, "sp_size": state.sp_size, "sp_rank": state.sp_rank}
 
     def on_train_end(self) -> None:
         """One account of the data over all ranks, on rank 0: bad records skipped always; what the last epoch left

@@ -122,7 +122,7 @@ class VLMTrainer(TextTrainer):
         return super().build_dataloader()
 
     def collate_fn_kwargs(self) -> Dict[str, Any]:
-        return {"pad_token_id": self.tokenizer.pad_token_id or 0, "collate_infos": self._collate_infos}
+        return dict(super().collate_fn_kwargs(), collate_infos=self._collate_infos)
 
     def prepare_model(self, model):
         frozen = freeze_encoders(model, self.args.model.freeze_vit, self.args.model.freeze_audio_tower)

@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -57,12 +58,15 @@ def _inner_function(module: torch.nn.Module, inner: str):
     return ALL_ATTENTION_FUNCTIONS.get_interface(inner, None)
 
 
+_GATHERED_POSITIONS = WeakTensorKeyDictionary()  # a forward's local position ids -> the whole sequence's
+
+
 def _global_position_ids(position_ids: torch.Tensor, group) -> torch.Tensor:
-    """Position ids of the whole sequence, gathered once per forward (cached on the tensor every layer receives)."""
-    cached = getattr(position_ids, "_veomni_sp_global", None)
+    """Position ids of the whole sequence, gathered once per forward: every layer receives the same tensor, and the
+    gathered copy lives as long as it does."""
+    cached = _GATHERED_POSITIONS.get(position_ids)
     if cached is None:
-        cached = gather_seq(position_ids, group, dim=-1)
-        position_ids._veomni_sp_global = cached
+        cached = _GATHERED_POSITIONS[position_ids] = gather_seq(position_ids, group, dim=-1)
     return cached
 
 

@@ -1,0 +1,136 @@
+"""The data-parallel steps of `parallelize`: FSDP2 (`apply_fsdp`, with expert modules sharded over their own mesh
+first) or DDP (`apply_ddp`); and which modules become FSDP units."""
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Dict, List, Optional, Sequence
+
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from ..compat import replicate
+from ..utils.device import get_device, get_device_type
+from ..utils.logging import get_logger
+from .mixed_precision import resolve_precision
+from .parallel_plan import expert_shard_placement
+from .parallel_state import ParallelState
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class FSDPOptions:
+    """What `apply_fsdp` needs of the configuration (see `build_parallelize_model` for each)."""
+
+    basic_modules: Sequence[str] = ()
+    mixed_precision: Any = None
+    enable_full_shard: bool = True
+    enable_reshard_after_forward: Optional[bool] = None
+    enable_fsdp_offload: bool = False
+    enable_forward_prefetch: bool = True
+    expert_zero_comm: bool = False
+
+
+def mixed_precision_policy(mixed_precision: Any, mode: str) -> Optional[MixedPrecisionPolicy]:
+    """Accepts the config group (`.enable`, `.param_dtype`, `.reduce_dtype`), a bool, or None."""
+    return resolve_precision(mixed_precision, get_device_type(), mode).policy
+
+
+def no_split_module_names(model: nn.Module) -> List[str]:
+    """`_no_split_modules` of the model and of every sub-model in it (a VL model's vision tower and audio tower
+    name their own blocks), so encoder blocks become FSDP units as decoder layers do."""
+    names = []
+    for module in model.modules():
+        for name in getattr(type(module), "_no_split_modules", None) or []:
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def basic_module_instances(model: nn.Module, basic_modules: Sequence[str]) -> List[nn.Module]:
+    """Instances of the named classes, deepest first: FSDP2 must wrap a unit's sub-units before the unit itself
+    (e.g. Omni's `Qwen2_5OmniVisionEncoder` around its `Qwen2_5OmniVisionBlock`s)."""
+    names = set(basic_modules)
+    found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if names and not found:
+        raise ValueError(f"none of basic_modules {sorted(names)} occurs in {type(model).__name__}")
+    depth = {id(m): name.count(".") for name, m in model.named_modules()}
+    return sorted(found, key=lambda m: -depth[id(m)])  # stable: forward order kept within a depth
+
+
+def _prefetch_chains(units: List[nn.Module]) -> List[List[nn.Module]]:
+    """Forward prefetch runs along each stack of same-class units (decoder layers, vision blocks), in model order."""
+    chains: dict = {}
+    for unit in units:
+        chains.setdefault(type(unit).__name__, []).append(unit)
+    return [chain for chain in chains.values() if len(chain) > 1]
+
+
+def _fully_shard_kwargs(state: ParallelState, options: FSDPOptions) -> Dict[str, Any]:
+    mesh = state.fsdp_mesh
+    reshard = options.enable_reshard_after_forward
+    # None: reshard, except over a single rank, where keeping the gathered (cast) copies costs 2 bytes per
+    # parameter and spares backward a second gather and cast of every unit, the bulk of FSDP's host time there
+    if reshard is None:
+        reshard = mesh.size() > 1
+    mp_policy = mixed_precision_policy(options.mixed_precision, state.mode) or MixedPrecisionPolicy()
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard and options.enable_full_shard, "mp_policy": mp_policy}
+    if options.enable_fsdp_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=get_device_type() == "cuda")
+    return kwargs
+
+
+def _shard_experts(experts: List[nn.Module], state: ParallelState, kwargs: Dict, zero_comm: bool) -> None:
+    """Expert modules (already split over ep by `apply_ep`) become FSDP units over ep_fsdp."""
+    if not experts:
+        return
+    ep_fsdp = state.extra_mesh("ep")["ep_fsdp"]
+    placement = partial(expert_shard_placement, zero_comm=zero_comm, ep_fsdp_size=ep_fsdp.size())
+    warned = False
+    for module in experts:
+        if zero_comm and not warned and any(placement(p).dim != 0 for p in module.parameters(False)):
+            warned = True  # once, not once per layer
+            logger.warning(
+                f"muon_expert_zero_comm: {type(module).__name__}'s local experts do not split evenly over "
+                f"ep_fsdp={ep_fsdp.size()} ((num_experts / ep_size) % ep_fsdp_size != 0): sharding their "
+                "hidden dim instead; Muon gathers them over ep_fsdp (moe_gather_3d)"
+            )
+        fully_shard(module, **dict(kwargs, mesh=ep_fsdp), shard_placement_fn=placement)
+
+
+def apply_fsdp(model: nn.Module, state: ParallelState, options: FSDPOptions, experts: Sequence[nn.Module] = ()):
+    """FSDP2: experts over ep_fsdp, then each basic module as its own unit, then the root; forward prefetch along
+    each stack of units. `enable_full_shard=False` keeps parameters gathered between forward and backward."""
+    kwargs = _fully_shard_kwargs(state, options)
+    _shard_experts(list(experts), state, kwargs, options.expert_zero_comm)
+    units = basic_module_instances(model, options.basic_modules)
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    if options.enable_forward_prefetch:
+        for chain in _prefetch_chains(units):
+            for current, following in zip(chain, chain[1:]):
+                current.set_modules_to_forward_prefetch([following])
+    logger.info(
+        f"FSDP2 over mesh {tuple(state.fsdp_mesh.shape)} with {len(units)} units; reshard_after_forward="
+        f"{kwargs['reshard_after_forward']}, mixed_precision={kwargs['mp_policy'].param_dtype is not None}, "
+        f"offload={'offload_policy' in kwargs}, expert_parallel={state.ep_size}, tensor_parallel={state.tp_size}"
+    )
+
+
+def check_ddp_options(state: ParallelState, options: FSDPOptions) -> None:
+    """What DDP cannot do, refused before anything is built."""
+    if options.enable_fsdp_offload or mixed_precision_policy(options.mixed_precision, state.mode) is not None:
+        raise ValueError("fsdp_config.offload and mixed_precision need fsdp_mode=fsdp2, not ddp")
+    if state.ep_enabled:
+        raise ValueError("expert parallel needs fsdp_mode=fsdp2, not ddp")
+    if state.tp_enabled:
+        raise ValueError("tensor parallel (tp_size > 1) needs fsdp_mode=fsdp2, not ddp")
+
+
+def apply_ddp(model: nn.Module, state: ParallelState) -> None:
+    """DDP over the data ranks; sequence-parallel ranks hold the same parameters but different tokens, so their
+    gradients are summed too."""
+    model.to(get_device())
+    replicate(model, device_mesh=state.flat_meshes["dp_sp"] if state.sp_enabled else state.dp_mesh)
+    logger.info(f"DDP over {state.dp_size} ranks")
