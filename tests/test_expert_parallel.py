@@ -30,6 +30,8 @@ from helpers import (
 )
 from veomni.models import build_foundation_model
 
+CASES = ("one_expert", "receives_nothing", "sends_nothing", "natural")  # tests/dist/ep_forced_routing.py, in turn
+
 SCRIPT = os.path.join(REPO, "tests", "dist", "ep_forced_routing.py")
 STEPS, SAVE_AT, SEED = 20, 10, 0
 EP = ["--train.accelerator.extra_parallel_sizes", "2", "--train.accelerator.extra_parallel_names", "ep"]
@@ -111,7 +113,9 @@ def runs(tmp_path_factory):
     out = {name: f"{tmp}/{name}" for name in ("one", "ep2", "ep2x2", "resumed")}
     routing = {"ep2": _train(config, 2, out["ep2"], *EP), "ep2x2": _train(config, 4, out["ep2x2"], *EP)}
     resume = ["--train.checkpoint.load_path", f"{out['ep2']}/checkpoints/global_step_{SAVE_AT}"]
-    _train(config, 1, out["one"], "::", config, "--train.checkpoint.output_dir", out["resumed"], *resume)
+    routing["one"] = _train(
+        config, 1, out["one"], "::", config, "--train.checkpoint.output_dir", out["resumed"], *resume
+    )
     return out, routing
 
 
@@ -135,6 +139,31 @@ def test_forced_routing_trains_like_one_process(runs, layout):
         assert stats["natural"]["received"] > 0
     rank0 = next(r for r in reports if r["rank"] == 0)
     assert rank0["routing"]["sends_nothing"]["received"] > 0  # rank 0 keeps its low documents' rows
+
+
+def test_moe_metrics_count_each_routed_token_once_whatever_the_layout(runs):
+    """The MoE metrics' per-expert counts (counted before the dispatch, summed over the step's micro-batches and
+    ranks) are the same integers on 1 process, EP 2 and EP 2 x ep_fsdp 2; the forced cases show in the loads."""
+    out, routing = runs
+    one = routing["one"][0]["counts"]
+    assert len(one) == STEPS
+    for layout in ("ep2", "ep2x2"):
+        for report in routing[layout]:
+            assert report["counts"] == one, (layout, report["rank"])
+    metrics = read_metrics(out["one"])
+    for step, (counts, m) in enumerate(zip(one, metrics)):
+        case = CASES[step % len(CASES)]
+        assert all(sum(layer) == 2 * m["tokens"] for layer in counts)  # top-2: every token twice, no more
+        assert abs(m["loss"] - (m["lm_loss"] + 0.01 * m["aux_loss"])) <= 1e-6 * m["loss"]
+        if case == "one_expert":  # every token's first choice is expert 0, and no token picks expert 7
+            assert all(layer[0] == m["tokens"] and layer[7] == 0 for layer in counts)
+            assert m["moe_max_load"] == pytest.approx(4.0) and m["moe_min_load"] == 0  # 8 experts, top-2
+        elif case == "receives_nothing":
+            assert all(layer[4:] == [0, 0, 0, 0] for layer in counts) and m["moe_min_load"] == 0
+    for layout in ("ep2", "ep2x2"):  # the aux loss and the LM loss apart, as on one process
+        ep = read_metrics(out[layout])
+        for key in ("aux_loss", "lm_loss", "moe_entropy", "moe_max_load"):
+            assert_close_series([m[key] for m in metrics], [m[key] for m in ep], 1e-5, f"{layout} {key}")
 
 
 def test_ep_checkpoint_resumes_on_one_process(runs):

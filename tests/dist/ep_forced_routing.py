@@ -12,7 +12,7 @@ parallel layout route every token alike. The dispatch's split sizes are recorded
 one) and each rank prints, per case, the rows it sent to other ranks and the rows it received.
 
 argv: config.yaml [--overrides ...] [:: config.yaml [--overrides ...]]: trainings run in turn in one launch;
-each prints one `ROUTING {json}` line per rank.
+each prints one `ROUTING {json}` line per rank (with the MoE metrics' routing counts of every step).
 """
 
 import json
@@ -63,6 +63,7 @@ class ForcedRoutingTrainer(TextTrainer):
         config = self.model.config
         self.routing = {case: {"sent_away": 0, "received": 0, "calls": 0} for case in CASES}
         self._ids = None
+        self.step_counts = []  # the MoE metrics' routing counts of every step
 
         def bias():
             return routing_bias(self._ids, self.case, config.num_experts, config.vocab_size)
@@ -97,6 +98,11 @@ class ForcedRoutingTrainer(TextTrainer):
         self._ids = micro_batch["input_ids"]
         return super().forward_loss_sum(micro_batch)
 
+    def train_step(self, micro_batches, totals):
+        metrics = super().train_step(micro_batches, totals)
+        self.step_counts.append(self.moe_metrics.last_counts())  # [layer][expert], summed over the ranks
+        return metrics
+
 
 def main():
     """One training per `::`-separated group of arguments, one after the other in this process."""
@@ -113,6 +119,7 @@ def main():
             state = trainer.parallel_state
             ep_rank = state.ep_rank if state.ep_enabled else 0
             line = {"rank": torch.distributed.get_rank(), "ep_rank": ep_rank, "routing": trainer.routing}
+            line["counts"] = trainer.step_counts
             sys.stdout.write(f"ROUTING {json.dumps(line)}\n")
             sys.stdout.flush()
     finally:

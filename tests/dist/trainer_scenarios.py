@@ -7,6 +7,8 @@ stall_at_11    step 11 never ends (after step 10 and its checkpoint): a window, 
 crash_in_save  SIGKILL this process in the middle of writing the step-20 checkpoint (after some shards)
 sequence       `sequence SCENARIO ARGV... :: SCENARIO ARGV... ...`: the runs one after another in this launch (the
                process group stays; each trainer builds its own meshes), which saves a launch's start-up per run
+evaluate       no training: the trainer built, its held-out set evaluated once at the initial weights; every rank
+               writes what it got to <output_dir>/eval_rank<r>.json
 same_batches   every world size trains on one process's global batches (rank r takes micro-batches r, r+dp, ...);
                `same_batches:fsdp2,ddp` trains once per mode in this launch, into <output_dir>/<mode>
 """
@@ -178,6 +180,19 @@ def train_once_per_mode(modes, argv):
         destroy_parallel_state()
 
 
+def evaluate_only(argv):
+    """Build the trainer (its own meshes) and evaluate at the initial weights, which follow the seed and not the
+    layout; each rank writes its result, so a test sees every rank agree."""
+    trainer = TextTrainer(parse_args(VeOmniArguments, argv))
+    result = trainer.evaluate()
+    state = trainer.parallel_state  # the layout it ran under, so a test sees the flags took effect
+    meshes = {d for p in trainer.model.parameters() if isinstance(p, DTensor) for d in p.device_mesh.mesh_dim_names}
+    result["layout"] = {"dp": state.dp_size, "sp": state.sp_size, "tp": state.tp_size, "ep": state.ep_size}
+    result["layout"]["mesh_dims"] = sorted(meshes)  # what the parameters are sharded over
+    with open(os.path.join(trainer.output_dir, f"eval_rank{torch.distributed.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def build_trainer(scenario, argv):
     trainer_class = {"nan_at_3": NanAtStep3, "stall_at_11": StallAtStep11, "same_batches": SameGlobalBatches}
     if scenario == "crash_in_save":
@@ -206,7 +221,10 @@ def main():
     runs = [(run[0], run[1:]) for run in split_runs(argv)] if scenario == "sequence" else [(scenario, argv)]
     try:
         for run_scenario, run_argv in runs:
-            build_trainer(run_scenario, run_argv).fit()
+            if run_scenario == "evaluate":
+                evaluate_only(run_argv)
+            else:
+                build_trainer(run_scenario, run_argv).fit()
     finally:
         destroy_parallel_state()
 

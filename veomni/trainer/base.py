@@ -41,6 +41,7 @@ from .callbacks import (
 )
 from .checkpointing import CheckpointingMixin
 from .evaluation import EvaluationMixin
+from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
 from .step_count import StepCountMixin, close_loader, set_epoch
 
@@ -144,6 +145,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
         )
         self.model.train()
+        self.moe_metrics = MoEMetrics(self.model, self.device)  # routing counts hooked on the experts modules
         self.num_params = sum(p.numel() for p in self.model.parameters())
         logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.1f}M parameters ({self.num_params:,})")
 
@@ -241,6 +243,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
                 )
             else:
                 aux_sum = load_balancing_loss_sum(router_logits, config.num_experts_per_tok, labels, position_ids)
+            self.moe_metrics.add_aux(aux_sum)  # logged as aux_loss, beside the LM loss
             loss_sum = loss_sum + config.router_aux_loss_coef * aux_sum
         return loss_sum
 
@@ -277,6 +280,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
         scale = state.dp_sp_size / max(totals["loss_tokens"], 1)
         ddp = state.mode == "ddp"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.moe_metrics.start_step()
         on_device = [self._to_device(mb) for mb in micro_batches]  # all copies queued before the first forward
         for i, micro_batch in enumerate(on_device):
             if ddp:  # all-reduce gradients once per step, on the last micro-batch
@@ -286,7 +290,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             loss_sum += micro_loss.detach().double()
         lifecycle.set_progress(self.global_step + 1, "grad-norm and loss all-reduce")
         grad_norm = clip_grad_norm(self.model, self.args.train.optimizer.max_grad_norm)
-        dist.all_reduce(loss_sum, group=state.dp_sp_group)
+        loss_sum = self.moe_metrics.all_reduce(loss_sum, state.dp_sp_group)  # the MoE metrics' sums ride along
         loss = (loss_sum / max(totals["loss_tokens"], 1)).item()
         lr = self.lr_scheduler.get_last_lr()[0]
         # a MultiOptimizer also logs each inner optimizer's lr of this step (lr_adamw, lr_muon)
@@ -303,7 +307,8 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped, **group_lrs}
+        moe = self.moe_metrics.step_metrics(loss, totals["loss_tokens"])
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped, **group_lrs, **moe}
 
     # --------------------------------------------------------------------------------------------- loop
     def _fire(self, event: str, *extra) -> None:

@@ -6,9 +6,10 @@ Every callback is a no-op on ranks other than 0, so the trainer calls them uncon
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..utils.logging import get_logger
+from .moe_metrics import moe_summary
 
 logger = get_logger(__name__)
 
@@ -31,6 +32,15 @@ def seconds_since_process_start() -> Optional[float]:
         return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def scalar_items(metrics: Dict[str, Any]) -> Iterator[Tuple[str, float]]:
+    """(name, number) pairs for scalar sinks: a per-layer list (moe_*_layers) becomes one scalar per layer, name/i."""
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)) and key != "step":
+            yield key, value
+        elif isinstance(value, list):
+            yield from ((f"{key}/{i}", v) for i, v in enumerate(value) if isinstance(v, (int, float)))
 
 
 def _clock(seconds: float) -> str:
@@ -88,7 +98,7 @@ class ProgressCallback(Callback):
             elapsed = time.perf_counter() - self.start
             self.bar.write(
                 f"step {step}/{total}: loss {metrics['loss']:.4f} grad_norm {metrics['grad_norm']:.3f} "
-                f"lr {metrics['lr']:.3e} {metrics['tokens_per_sec']:.0f} tok/s | "
+                f"lr {metrics['lr']:.3e}{moe_summary(metrics)} {metrics['tokens_per_sec']:.0f} tok/s | "
                 f"{_clock(elapsed)} elapsed, ETA {_clock(self.eta(step, total))}"
             )
         if "eval_loss" in metrics:  # said whenever it is measured, whatever log_steps
@@ -175,7 +185,10 @@ class WandbCallback(Callback):
 
     def on_step_end(self, trainer, metrics):
         if self.run is not None:
-            self.run.log(metrics, step=metrics["step"])
+            lists = {k for k, v in metrics.items() if isinstance(v, list)}  # per-layer lists: one scalar per layer
+            flat = {k: v for k, v in metrics.items() if k not in lists}
+            flat.update((k, v) for k, v in scalar_items({k: metrics[k] for k in lists}))
+            self.run.log(flat, step=metrics["step"])
 
     def on_train_end(self, trainer):
         if self.run is not None:
@@ -196,10 +209,9 @@ class TensorBoardCallback(Callback):
 
     def on_step_end(self, trainer, metrics):
         if self.writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
-                    self.writer.add_scalar(name, value, metrics["step"])
+            for key, value in scalar_items(metrics):
+                name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                self.writer.add_scalar(name, value, metrics["step"])
 
     def on_train_end(self, trainer):
         if self.writer is not None:

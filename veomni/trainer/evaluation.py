@@ -7,8 +7,10 @@ evaluated exactly once and the micro-batches are the same whatever the number of
 step through it in lockstep: while any rank still has a micro-batch, every rank runs a forward (a rank that has run
 out forwards a masked copy of the first sample, which adds nothing), so FSDP's all-gathers, Ulysses' all-to-alls and
 EP's dispatch see the same collectives on every rank. The loss is summed per token over all data- and
-sequence-parallel ranks and divided by the total loss tokens: the same number on 1, 2 or 4 ranks, up to float
-rounding. MoE auxiliary losses are left out: this is the language-modelling loss alone.
+sequence-parallel ranks (each holds its own tokens: expert-parallel ranks are data ranks, a Ulysses rank holds a
+slice of its group's sequence) and divided by the total loss tokens; tensor-parallel ranks hold the same tokens, so
+they are not summed. The same number on 1, 2 or 4 ranks and under SP, TP and EP, up to float rounding
+(tests/test_evaluation.py: within 1e-6). MoE auxiliary losses are left out: this is the language-modelling loss alone.
 """
 
 import math
