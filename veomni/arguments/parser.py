@@ -310,9 +310,10 @@ def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
         origins[key] = "command line"
     _model_path_wins(tree, origins)
     args = _build(root_class, tree, origins, valid)
-    from .validation import validate_args  # imports ConfigError from here
+    from .validation import enable_wandb_on_use, validate_args  # imports ConfigError from here
 
     validate_args(args, origins)  # ranges of numeric keys, before anything is built
+    enable_wandb_on_use(args, origins)
     train = getattr(args, "train", None)
     if train is not None and hasattr(train, "resolve"):
         train.resolve(int(os.environ.get("WORLD_SIZE", "1")))
