@@ -208,6 +208,14 @@ def test_train_group_computes_steps_as_the_seed_names_it(tmp_path):
     assert "_data" not in saved["train"]  # a link, not a key: the saved config is unchanged
 
 
+def test_a_mapping_key_takes_a_flow_mapping_on_the_command_line():
+    """`--data.mm_configs '{media_dir: /data}'` is a mapping, as in the YAML (it stayed a string before)."""
+    args = parse_args(VeOmniArguments, ["--data.mm_configs", '{"media_dir": "/data/images", "video_fps": 1}'])
+    assert args.data.mm_configs == {"media_dir": "/data/images", "video_fps": 1}
+    with pytest.raises(ConfigError, match="key 'data.mm_configs': value '/data' is not"):
+        parse_args(VeOmniArguments, ["--data.mm_configs", "/data"])
+
+
 @pytest.mark.parametrize(
     "yaml_wandb,cli,enabled",
     [

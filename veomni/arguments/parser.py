@@ -84,6 +84,15 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
             raise bad()
         item = targs[0] if targs else Any
         return [_coerce(v, item, where, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (dict, Dict):  # on the command line a YAML/JSON flow mapping: '{media_dir: /data, video_fps: 1}'
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise bad() from None
+        if not isinstance(value, dict):
+            raise bad()
+        return value
     if tp is bool:
         if isinstance(value, bool):
             return value
