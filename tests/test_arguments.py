@@ -198,6 +198,54 @@ def test_compute_train_steps():
     assert args.compute_train_steps(None) == 25
 
 
+def test_train_group_computes_steps_as_the_seed_names_it(tmp_path):
+    """The seed's loader snippet says `args.train.compute_train_steps`: the train group reaches its data group."""
+    args = parse_args(VeOmniArguments, ["--train.micro_batch_size", "2", "--train.global_batch_size", "8"])
+    assert args.train.compute_train_steps(100) == 12 == args.train.train_steps == args.train_steps
+    args.data.train_size, args.data.max_seq_len = 40960, 1024  # dyn_bsz: tokens / (global batch * max_seq_len)
+    assert args.train.compute_train_steps(None) == 5 == args.compute_train_steps(None)
+    with pytest.raises(ValueError, match="needs the data group"):
+        TrainingArguments().compute_train_steps(100)  # alone, it has no data group to read
+    saved = yaml.safe_load(open(save_args(args, str(tmp_path))))
+    assert "_data" not in saved["train"]  # a link, not a key: the saved config is unchanged
+
+
+def test_a_mapping_key_takes_a_flow_mapping_on_the_command_line():
+    """`--data.mm_configs '{media_dir: /data}'` is a mapping, as in the YAML (it stayed a string before)."""
+    args = parse_args(VeOmniArguments, ["--data.mm_configs", '{"media_dir": "/data/images", "video_fps": 1}'])
+    assert args.data.mm_configs == {"media_dir": "/data/images", "video_fps": 1}
+    with pytest.raises(ConfigError, match="key 'data.mm_configs': value '/data' is not"):
+        parse_args(VeOmniArguments, ["--data.mm_configs", "/data"])
+
+
+@pytest.mark.parametrize(
+    "yaml_wandb,cli,enabled",
+    [
+        ({}, [], False),
+        ({}, ["--train.wandb.project", "p"], True),  # a project named on the command line
+        ({"name": "run-1"}, [], True),  # or in the YAML
+        ({"project": "p", "enable": False}, [], False),  # enable said explicitly wins
+        ({"project": "p"}, ["--train.wandb.enable", "false"], False),
+        ({}, ["--train.wandb.mode", "online"], False),  # the mode alone is no request to log
+    ],
+)
+def test_wandb_turns_on_when_a_project_or_name_is_set(tmp_path, yaml_wandb, cli, enabled):
+    import logging
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"train": {"wandb": yaml_wandb}} if yaml_wandb else {}))
+    records, handler = [], logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("veomni.arguments.validation")
+    logger.addHandler(handler)
+    try:
+        args = parse_args(VeOmniArguments, [str(path), *cli])
+    finally:
+        logger.removeHandler(handler)
+    assert args.train.wandb.enable is enabled
+    assert any("wandb logging on" in r.getMessage() for r in records) is enabled  # said, when turned on
+
+
 def test_resolved_config_round_trips(tmp_path):
     args = parse_args(VeOmniArguments, ["--train.optimizer.lr", "0.25", "--data.text_keys", "content"])
     path = save_args(args, str(tmp_path))

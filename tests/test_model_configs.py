@@ -38,5 +38,5 @@ def test_other_qwen3_sizes_build_with_their_published_size(name):
 
 def test_every_model_config_is_used():
     folders = {os.path.basename(os.path.dirname(p)) for p in glob.glob(f"{REPO}/configs/model/*/config.json")}
-    recipes = " ".join(open(p).read() for p in glob.glob(f"{REPO}/configs/text/*.yaml"))
+    recipes = " ".join(open(p).read() for p in glob.glob(f"{REPO}/configs/**/*.yaml", recursive=True))
     assert all(f"configs/model/{name}" in recipes or name in SIZES for name in folders)

@@ -326,10 +326,19 @@ class GradientCheckpointingArguments:
 class WandbArguments:
     """Weights & Biases logging."""
 
-    enable: bool = _doc("Log to Weights & Biases.", default=False)
-    project: str = _doc("W&B project.", default="veomni")
-    name: Optional[str] = _doc("W&B run name.", default=None)
-    mode: Literal["online", "offline", "disabled"] = _doc("W&B mode; offline needs no network.", default="offline")
+    enable: bool = _doc(
+        "Log to Weights & Biases (pip install wandb). Setting project or name, in the YAML or on the command line, "
+        "turns it on (the log says so) unless enable itself is given: `enable: false` keeps it off.",
+        default=False,
+    )
+    project: str = _doc("W&B project (setting it enables wandb).", default="veomni")
+    name: Optional[str] = _doc("W&B run name (setting it enables wandb).", default=None)
+    mode: Literal["online", "offline", "disabled"] = _doc(
+        "W&B mode. offline (default) needs no network or login: the run is written under output_dir/wandb and "
+        "uploaded later with `wandb sync <output_dir>/wandb/offline-run-*`; online streams to wandb.ai (wandb login "
+        "or WANDB_API_KEY first).",
+        default="offline",
+    )
 
 
 @dataclass
@@ -377,6 +386,44 @@ class TrainingArguments:
     # Derived by `resolve()`; not user keys.
     dataloader_batch_size: int = field(default=0, init=False, metadata={"derived": True})
     train_steps: int = field(default=0, init=False, metadata={"derived": True})
+
+    def compute_train_steps(
+        self, dataset_length: Optional[float] = None, data: Optional["DataArguments"] = None
+    ) -> int:
+        """Optimizer steps per epoch, stored in `train_steps` (the seed's `args.train.compute_train_steps`).
+
+        `dataset_length` is the number of samples one data-parallel rank sees (for mapping data, divide the
+        dataset length by dp_size first, as the seed shows). With dyn_bsz and a token budget
+        (`data.train_size`) a step consumes `global_batch_size * max_seq_len` tokens; otherwise a rank consumes
+        `micro_batch_size * dataloader_batch_size` samples a step; without a length, `data.train_sample` samples
+        make `train_sample / global_batch_size` steps. `max_steps` caps the result. `data` defaults to the data
+        group of the `VeOmniArguments` this group belongs to.
+        """
+        data = data if data is not None else getattr(self, "_data", None)
+        if data is None:
+            raise ValueError("compute_train_steps needs the data group: call it on VeOmniArguments or pass data=")
+        if self.dyn_bsz and data.train_size:
+            steps = math.ceil(data.train_size / (self.global_batch_size * data.max_seq_len))
+        elif dataset_length is not None:
+            steps = math.floor(dataset_length / (self.micro_batch_size * self.dataloader_batch_size))
+        elif data.train_sample:
+            steps = math.floor(data.train_sample / self.global_batch_size)
+        elif self.max_steps:
+            steps = self.max_steps
+        else:
+            raise ValueError(
+                "cannot compute train steps: give a dataset length, data.train_size, data.train_sample "
+                "or train.max_steps"
+            )
+        if self.max_steps:
+            steps = min(steps, self.max_steps)
+        if steps <= 0:  # an rc-0 run that trains nothing and saves an untrained checkpoint helps nobody
+            raise ValueError(
+                f"this run would train 0 steps: the data ({dataset_length or data.train_size or data.train_sample}) "
+                f"does not fill one global batch of {self.global_batch_size}; use more data or smaller batches"
+            )
+        self.train_steps = steps
+        return steps
 
     def resolve(self, world_size: Optional[int]) -> None:
         """Fill the derived sizes; called by `parse_args` with torchrun's world size (None outside torchrun: the
@@ -439,34 +486,11 @@ class VeOmniArguments:
     def train_steps(self) -> int:
         return self.train.train_steps
 
-    def compute_train_steps(self, dataset_length: Optional[float] = None) -> int:
-        """Optimizer steps per epoch.
+    def __post_init__(self):
+        # the train group computes steps from the data group (`args.train.compute_train_steps(n)`, as the seed
+        # names it): a plain attribute, not a field, so it is neither a config key nor saved
+        self.train._data = self.data
 
-        `dataset_length` is the number of samples one data-parallel rank sees (for mapping data, divide the
-        dataset length by dp_size first, as the seed shows). With dyn_bsz and a token budget
-        (`data.train_size`) a step consumes `global_batch_size * max_seq_len` tokens; otherwise a rank consumes
-        `micro_batch_size * dataloader_batch_size` samples a step. `train.max_steps` caps the result.
-        """
-        train, data = self.train, self.data
-        if train.dyn_bsz and data.train_size:
-            steps = math.ceil(data.train_size / (train.global_batch_size * data.max_seq_len))
-        elif dataset_length is not None:
-            steps = math.floor(dataset_length / (train.micro_batch_size * train.dataloader_batch_size))
-        elif data.train_sample:
-            steps = math.floor(data.train_sample / train.global_batch_size)
-        elif train.max_steps:
-            steps = train.max_steps
-        else:
-            raise ValueError(
-                "cannot compute train steps: give a dataset length, data.train_size, data.train_sample "
-                "or train.max_steps"
-            )
-        if train.max_steps:
-            steps = min(steps, train.max_steps)
-        if steps <= 0:  # an rc-0 run that trains nothing and saves an untrained checkpoint helps nobody
-            raise ValueError(
-                f"this run would train 0 steps: the data ({dataset_length or data.train_size or data.train_sample}) "
-                f"does not fill one global batch of {train.global_batch_size}; use more data or smaller batches"
-            )
-        train.train_steps = steps
-        return train.train_steps
+    def compute_train_steps(self, dataset_length: Optional[float] = None) -> int:
+        """Optimizer steps per epoch (see `TrainingArguments.compute_train_steps`)."""
+        return self.train.compute_train_steps(dataset_length, self.data)

@@ -84,6 +84,15 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
             raise bad()
         item = targs[0] if targs else Any
         return [_coerce(v, item, where, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (dict, Dict):  # on the command line a YAML/JSON flow mapping: '{media_dir: /data, video_fps: 1}'
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise bad() from None
+        if not isinstance(value, dict):
+            raise bad()
+        return value
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -310,9 +319,10 @@ def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
         origins[key] = "command line"
     _model_path_wins(tree, origins)
     args = _build(root_class, tree, origins, valid)
-    from .validation import validate_args  # imports ConfigError from here
+    from .validation import enable_wandb_on_use, validate_args  # imports ConfigError from here
 
     validate_args(args, origins)  # ranges of numeric keys, before anything is built
+    enable_wandb_on_use(args, origins)
     train = getattr(args, "train", None)
     if train is not None and hasattr(train, "resolve"):
         train.resolve(int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)

@@ -9,7 +9,10 @@ Errors are `ConfigError`s naming the key and where the value came from (file:lin
 import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..utils.logging import get_logger
 from .parser import ConfigError
+
+logger = get_logger(__name__)
 
 Rule = Tuple[Callable[[Any], bool], str]  # (accepts the value?, what a valid value is, for the message)
 
@@ -151,3 +154,18 @@ def validate_args(args, origins: Dict[str, str]) -> None:
             )
         if len(set(names)) != len(names):
             fail("train.accelerator.extra_parallel_names", f"{list(names)} repeats a name")
+
+
+def enable_wandb_on_use(args, origins: Dict[str, str]) -> None:
+    """`train.wandb.project` / `name` set in the YAML or on the command line mean "log this run to wandb": they
+    turn `train.wandb.enable` on (with a log line), unless `enable` itself was given. Without this, a project
+    name alone was silently ignored."""
+    wandb = _get(args, "train.wandb")
+    named = [k for k in ("train.wandb.project", "train.wandb.name") if k in origins]
+    if wandb is _MISSING or not named or "train.wandb.enable" in origins or wandb.enable:
+        return
+    wandb.enable = True
+    where = ", ".join(f"{k} ({origins[k]})" for k in named)
+    logger.info(
+        f"wandb logging on: {where} set (train.wandb.mode={wandb.mode}); --train.wandb.enable false turns it off"
+    )

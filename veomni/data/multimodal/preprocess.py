@@ -6,8 +6,9 @@ Accepted sample forms (one row of a jsonl / parquet file):
   `{"type": "video", "video": [frame src, ...] | folder of frames}`, `{"type": "audio", "audio": src}` or
   `{"type": "input_audio", "input_audio": {"data": base64}}`;
 - ShareGPT: `{"conversations": [{"from": "human"|"gpt"|"system", "value": "...<image>..."}], "images": [src],
-  "videos": [[frame src, ...]], "audios": [src]}`; each `<image>` / `<video>` / `<audio>` marker takes the next
-  item of its list.
+  "videos": [[frame src, ...]], "audios": [src]}` (or LLaVA's singular `"image": src` / `"video": frames`,
+  as ShareGPT4V and LLaVA-Video ship them); each `<image>` / `<video>` / `<audio>` marker takes the next item of
+  its list.
 
 Normalised form: `[{"role": "system"|"user"|"assistant", "content": [{"type": "text", "text"} |
 {"type": "image", "image": PIL.Image} | {"type": "video", "video": [PIL.Image, ...]} |
@@ -176,8 +177,15 @@ def _from_openai(messages, media_dir, loaders) -> List[Dict[str, Any]]:
     return out
 
 
+def _pool(sample, kind: str) -> List[Any]:
+    if sample.get(f"{kind}s") is not None:
+        return list(sample[f"{kind}s"])
+    return [sample[kind]] if sample.get(kind) is not None else []
+
+
 def _from_sharegpt(sample, media_dir, loaders) -> List[Dict[str, Any]]:
-    pools = {kind: list(sample.get(f"{kind}s") or []) for kind in MEDIA_TYPES}
+    # `images` lists, or LLaVA's singular `image` / `video` (ShareGPT4V, LLaVA-Video): one item of that kind
+    pools = {kind: _pool(sample, kind) for kind in MEDIA_TYPES}
     used = dict.fromkeys(MEDIA_TYPES, 0)
     out = []
     for i, turn in enumerate(sample["conversations"]):
