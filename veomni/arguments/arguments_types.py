@@ -48,6 +48,30 @@ class OpsImplementation:
 
 
 @dataclass
+class LoraArguments:
+    """LoRA through HF PEFT: low-rank adapters on the named linear layers are trained, the base weights stay frozen."""
+
+    enable: bool = _doc(
+        "Train LoRA adapters instead of the whole model (optimizer state for adapters only).", default=False
+    )
+    r: int = _doc("Rank of each adapter (A: r x in, B: out x r).", default=8)
+    alpha: float = _doc("Scale numerator: the update is (alpha / r) * B @ A.", default=16.0)
+    dropout: float = _doc("Dropout on the adapters' input (0: none).", default=0.0)
+    target_modules: List[str] = _doc(
+        "Modules that get adapters: names matched against the end of each module path (e.g. [q_proj, k_proj, "
+        "v_proj, o_proj]), or [all-linear] (every linear layer but the output head), or one regular expression over "
+        'the full module path written as ["re:.*layers\\.[0-3]\\..*(q|v)_proj"].',
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
+    export: Literal["merged", "adapter"] = _doc(
+        "What train.checkpoint.save_hf_weights writes to output_dir/hf: `merged` (base + adapters merged, the base "
+        "checkpoint's keys, loads with plain from_pretrained) or `adapter` (a PEFT folder: adapter_config.json, "
+        "adapter_model.safetensors; load with peft.PeftModel.from_pretrained(base, folder)).",
+        default="merged",
+    )
+
+
+@dataclass
 class ModelArguments:
     """The model: its HF config, weights (none: from scratch) and tokenizer."""
 
@@ -69,6 +93,7 @@ class ModelArguments:
         "Omni models: keep the audio encoder's weights fixed, as freeze_vit.", default=False
     )
     ops_implementation: OpsImplementation = field(default_factory=OpsImplementation)
+    lora: LoraArguments = field(default_factory=LoraArguments)
 
     def __post_init__(self):
         self.config_path = self.config_path or self.model_path
