@@ -211,6 +211,14 @@ def test_adapter_export_loads_with_peft_and_gives_the_trained_logits(runs):
     torch.testing.assert_close(_logits(model, report["inputs"]), report["logits"], rtol=1e-5, atol=1e-5)
 
 
+def test_converting_a_lora_checkpoint_is_refused_naming_why(runs, tmp_path):
+    from veomni.checkpoint.hf_export import dcp_to_hf
+
+    checkpoint = os.path.join(runs["single"], "checkpoints", "global_step_10")
+    with pytest.raises(ValueError, match="holds LoRA adapters"):
+        dcp_to_hf(checkpoint, str(tmp_path / "hf"))
+
+
 def test_only_adapters_get_gradients_and_optimizer_state(runs):
     for name in ("single", "fsdp2", "ddp_ac"):
         report = _report(runs[name])
@@ -264,3 +272,5 @@ def test_target_modules_forms_and_a_miss_names_the_key():
     assert adapted("['re:.*layers\\.0\\..*gate_proj']") == ["model.layers.0.mlp.gate_proj"]
     with pytest.raises(ValueError, match=r"model.lora.target_modules=\['qkv'\].*q_proj"):
         adapted("[qkv]")
+    with pytest.raises(ValueError, match=r"adapts lm_head, whose weight is tied"):
+        adapted("[lm_head]")

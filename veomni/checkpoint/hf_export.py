@@ -194,6 +194,12 @@ def dcp_to_hf(
         name = key[len("model.") :]
         if key.startswith("model.") and name not in tied:
             shapes[name] = (tuple(meta.size), meta.properties.dtype)
+    if any(".lora_" in name for name in shapes):  # adapters under PEFT's names: no hub key fits them
+        raise ValueError(
+            f"{checkpoint_dir} holds LoRA adapters (model.lora): its merged or adapter export is written at the end "
+            "of training (train.checkpoint.save_hf_weights, model.lora.export); converting a LoRA DCP checkpoint "
+            "is not supported"
+        )
 
     def read(names: List[str]) -> Dict[str, torch.Tensor]:  # one output shard's tensors from the DCP files
         state = {"model": {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}}

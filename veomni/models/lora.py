@@ -89,6 +89,7 @@ def attach_lora(model: nn.Module, args, seed: int, base_model_path: Optional[str
             f"model.lora.target_modules={args.target_modules}: {err}. Linear layers of "
             f"{type(model).__name__}: {_linear_names(model)}"
         ) from err
+    _refuse_tied_targets(model, args.target_modules)
     initial = _initial_adapters(model, seed)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -97,6 +98,19 @@ def attach_lora(model: nn.Module, args, seed: int, base_model_path: Optional[str
         f"{total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
     )
     return initial
+
+
+def _refuse_tied_targets(model: nn.Module, targets: List[str]) -> None:
+    """A weight shared with another module (a tied lm_head) cannot be merged alone: the export writes one copy."""
+    counts: Dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        counts[id(param)] = counts.get(id(param), 0) + 1
+    tied = [name for name, layer in _lora_layers(model) if counts[id(layer.get_base_layer().weight)] > 1]
+    if tied:
+        raise ValueError(
+            f"model.lora.target_modules={targets} adapts {tied[0]}, whose weight is tied to another module's "
+            "(tie_word_embeddings); leave it out"
+        )
 
 
 def _initial_adapters(model: nn.Module, seed: int) -> Dict[str, torch.Tensor]:
