@@ -55,7 +55,7 @@ def _config(tmp: str, base: str) -> str:
             "dyn_bsz": False,
             "max_steps": 10,
             "log_steps": 100,
-            "optimizer": {"lr": 1e-2, "lr_warmup_ratio": 0.2, "lr_decay_style": "cosine", "weight_decay": 0.1},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.1},  # constant: a 4-step run follows a 10-step one
             "checkpoint": {"save_hf_weights": True},
         },
     }
@@ -84,12 +84,14 @@ def runs(tmp_path_factory):
     adapter = ["--model.lora.export", "adapter", "--train.checkpoint.save_steps", "5"]
     ac = ["--train.gradient_checkpointing.enable", "true"]
     resume_from = ["--train.checkpoint.load_path", os.path.join(out["fsdp2"], "checkpoints", "global_step_5")]
-    bf16 = ["--train.accelerator.fsdp_config.mixed_precision.param_dtype", "bfloat16", "--train.max_steps", "3"]
+    short = ["--train.max_steps", "4", "--train.checkpoint.save_hf_weights", "false"]  # smoke tests of composition
+    ddp = ["--train.accelerator.fsdp_config.fsdp_mode", "ddp"]
+    bf16 = ["--train.accelerator.fsdp_config.mixed_precision.param_dtype", "bfloat16"]
     two_ranks = {
         out["fsdp2"]: ["--train.init_device", "meta", *adapter],
         out["resumed"]: ["--train.init_device", "meta", *adapter, *resume_from, *ac],  # recomputing changes no bit
-        out["ddp_ac"]: ["--train.accelerator.fsdp_config.fsdp_mode", "ddp", *ac, *_flag("enable_reentrant")],
-        out["bf16_ac"]: [*bf16, *ac, "--train.checkpoint.save_hf_weights", "false"],
+        out["ddp_ac"]: [*ddp, *ac, *_flag("enable_reentrant"), *short],
+        out["bf16_ac"]: [*bf16, *ac, *short],
     }
     _launch(2, config, two_ranks)
     return {"base": base, **out}
@@ -156,13 +158,14 @@ def _logits(model, inputs: dict):
 # ------------------------------------------------------------------------------------------------- tests
 def test_fsdp2_two_ranks_equal_one_process_and_base_stays_frozen(runs):
     single, fsdp2 = _losses(runs["single"]), _losses(runs["fsdp2"])
-    assert len(single) == 10 and single[-1] < single[0], single  # it trains (a random base: slowly)
+    assert len(single) == 10
     assert_close_series(single, fsdp2, RTOL, "2-rank FSDP2 vs 1 process loss")
     one, two, base = _model_tensors(runs["single"]), _model_tensors(runs["fsdp2"]), _base_weights(runs["base"])
     assert sorted(_adapters(one)) == sorted(_adapters(two)) and len(_adapters(one)) == 2 * 5 * 4
     for name, value in _adapters(one).items():
         torch.testing.assert_close(two[name], value, rtol=RTOL, atol=1e-7, msg=name)
-    assert _adapters(one)["model.layers.0.self_attn.q_proj.lora_B.default.weight"].abs().max() > 1e-3  # trained
+    # trained: B starts at zero (the loss of a random base barely moves in 10 steps, so it is not the signal)
+    assert _adapters(one)["model.layers.0.self_attn.q_proj.lora_B.default.weight"].abs().max() > 1e-2
     for tensors in (one, two):
         frozen = {_hf_name(k): v for k, v in tensors.items() if ".lora_" not in k}
         assert frozen.pop("lm_head.weight") is not None  # tied to the embedding: not in the hub file
@@ -220,9 +223,9 @@ def test_converting_a_lora_checkpoint_is_refused_naming_why(runs, tmp_path):
 
 
 def test_only_adapters_get_gradients_and_optimizer_state(runs):
+    adapters = sorted(_adapters(_model_tensors(runs["single"])))
     for name in ("single", "fsdp2", "ddp_ac"):
         report = _report(runs[name])
-        adapters = sorted(_adapters(_model_tensors(runs[name])))
         assert report["grad_names"] == adapters, name
         assert report["optim_names"] == adapters, name
     numel = sum(v.numel() for v in _adapters(_model_tensors(runs["single"])).values())
@@ -232,8 +235,8 @@ def test_only_adapters_get_gradients_and_optimizer_state(runs):
 
 def test_ddp_with_reentrant_checkpointing_equals_one_process_and_bf16_trains(runs):
     single = _losses(runs["single"])
-    assert_close_series(single, _losses(runs["ddp_ac"]), RTOL, "2-rank DDP + reentrant checkpointing loss")
-    assert_close_series(single[:3], _losses(runs["bf16_ac"]), 2e-3, "2-rank FSDP2 bf16 + checkpointing loss")
+    assert_close_series(single[:4], _losses(runs["ddp_ac"]), RTOL, "2-rank DDP + reentrant checkpointing loss")
+    assert_close_series(single[:4], _losses(runs["bf16_ac"]), 2e-3, "2-rank FSDP2 bf16 + checkpointing loss")
 
 
 # -------------------------------------------------------------------------------------------- configuration
