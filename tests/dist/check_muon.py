@@ -127,7 +127,7 @@ class _Capture(logging.Handler):
 def main(dense_dir, moe_dir, uneven_dir, *cases):
     dist.init_process_group("gloo")
     capture = _Capture()
-    for name in ("veomni.distributed.torch_parallelize", "veomni.optim.optimizer"):  # they do not propagate
+    for name in ("veomni.distributed.fsdp", "veomni.optim.optimizer"):  # they do not propagate
         logging.getLogger(name).addHandler(capture)
     dirs = {"dense": dense_dir, "moe": moe_dir, "uneven": uneven_dir}
     refs = {}

@@ -8,74 +8,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional
 
-
-def _doc(text: str, **kwargs):
-    """`field` with its help text, so that each key is documented where it is defined."""
-    return field(metadata={"help": text}, **kwargs)
+from .fields import documented as _doc
+from .model_arguments import LoraArguments, ModelArguments, OpsImplementation  # noqa: F401  (public here too)
 
 
-# --------------------------------------------------------------------------------------------------- model
-@dataclass
-class OpsImplementation:
-    """Which kernels the model runs."""
-
-    attn_implementation: Literal[
-        "veomni_varlen", "flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention"
-    ] = _doc(
-        "Attention kernel. `veomni_varlen` (default): packed documents attend only within themselves using "
-        "cu_seq_lens, never an (S x S) mask -- flash-attn varlen on CUDA when installed, else torch varlen / flex "
-        "attention, on CPU one causal SDPA per document. `flash_attention_2/3` without their package fall back to "
-        "`veomni_varlen` (one log line). `sdpa`/`eager` are transformers' own (packed rows get a block-diagonal mask).",
-        default="veomni_varlen",
-    )
-    moe_implementation: Literal["eager", "fused"] = _doc(
-        "Mixture-of-experts kernel: `fused` (tokens sorted by expert, batched/grouped matmuls; as fast as eager on "
-        "CPU, much faster on CUDA) or `eager` (transformers' per-expert loop, the reference).",
-        default="fused",
-    )
-    loss_chunk_size: int = _doc(
-        "Tokens per chunk of the training loss: the output head and cross-entropy run on this many tokens at a "
-        "time (each chunk's gradients are computed in forward), so the full (tokens x vocab) fp32 logits never "
-        "exist. 0: plain loss on full logits.",
-        default=1024,
-    )
-    compile: bool = _doc(
-        "torch.compile each decoder layer's forward (attention and MoE dispatch stay eager): fuses the norms, "
-        "rotary embeddings, SwiGLU and residual adds that eager runs as many small kernels. Costs a cold compile "
-        "at start (tens of seconds on a GPU machine, minutes on a small CPU box).",
-        default=False,
-    )
-
-
-@dataclass
-class ModelArguments:
-    """The model: its HF config, weights (none: from scratch) and tokenizer."""
-
-    config_path: Optional[str] = _doc("HF config.json or folder holding it; defaults to model_path.", default=None)
-    model_path: Optional[str] = _doc("Folder of HF weights (safetensors). None trains from scratch.", default=None)
-    tokenizer_path: Optional[str] = _doc("Tokenizer folder; defaults to model_path, then config_path.", default=None)
-    basic_modules: List[str] = _doc("Extra module class names to wrap as FSDP units.", default_factory=list)
-    trust_remote_code: bool = _doc(
-        "Let a model or tokenizer folder whose config names custom Python (`auto_map`) run that code. Off: such "
-        "folders are refused; turn on only for folders you trust.",
-        default=False,
-    )
-    freeze_vit: bool = _doc(
-        "Vision-language models: keep the vision tower's weights fixed (requires_grad off). The tower still runs, "
-        "under no_grad, and takes part in FSDP's collectives.",
-        default=False,
-    )
-    freeze_audio_tower: bool = _doc(
-        "Omni models: keep the audio encoder's weights fixed, as freeze_vit.", default=False
-    )
-    ops_implementation: OpsImplementation = field(default_factory=OpsImplementation)
-
-    def __post_init__(self):
-        self.config_path = self.config_path or self.model_path
-        self.tokenizer_path = self.tokenizer_path or self.model_path or self.config_path
-
-
-# ---------------------------------------------------------------------------------------------------- data
 @dataclass
 class DataloaderArguments:
     """How batches are loaded."""

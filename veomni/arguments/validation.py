@@ -7,6 +7,7 @@ Errors are `ConfigError`s naming the key and where the value came from (file:lin
 """
 
 import math
+import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..utils.logging import get_logger
@@ -75,6 +76,9 @@ RULES: Dict[str, Rule] = {
     "train.eval_steps": at_least(0),
     "train.accelerator.dist_timeout_minutes": positive(),
     "model.ops_implementation.loss_chunk_size": at_least(0),
+    "model.lora.r": at_least(1),
+    "model.lora.alpha": positive(),
+    "model.lora.dropout": between(0, 1, high_open=True),
     # train.optimizer
     "train.optimizer.lr": positive(),
     "train.optimizer.lr_min": at_least(0),
@@ -154,6 +158,26 @@ def validate_args(args, origins: Dict[str, str]) -> None:
             )
         if len(set(names)) != len(names):
             fail("train.accelerator.extra_parallel_names", f"{list(names)} repeats a name")
+    lora = _get(args, "model.lora")
+    if lora is not _MISSING and lora.enable:
+        _check_lora(args, lora, fail)
+
+
+def _check_lora(args, lora, fail) -> None:
+    """What PEFT would refuse late (or quietly accept wrongly), said at parse time."""
+    targets = lora.target_modules
+    if not targets or any(not t.strip() for t in targets):
+        fail("model.lora.target_modules", f"{targets!r}: name at least one module (e.g. [q_proj, v_proj])")
+    special = [t for t in targets if t == "all-linear" or t.startswith("re:")]
+    if special and len(targets) > 1:
+        fail("model.lora.target_modules", f"{special[0]!r} must be the only entry, got {targets}")
+    if targets[0].startswith("re:"):
+        try:
+            re.compile(targets[0][3:])
+        except re.error as err:
+            fail("model.lora.target_modules", f"{targets[0]!r} is not a regular expression: {err}")
+    if _get(args, "train.accelerator.tp_size") not in (1, _MISSING):
+        fail("model.lora.enable", "LoRA with tensor parallel (tp_size > 1) is not supported; use tp_size 1")
 
 
 def enable_wandb_on_use(args, origins: Dict[str, str]) -> None:

@@ -58,7 +58,7 @@ def copy_tokenizer(tokenizer_dir: Optional[str], out_dir: str) -> None:
             shutil.copy2(src, os.path.join(out_dir, name))
 
 
-def _save_readable(tensors: Dict[str, torch.Tensor], path: str) -> None:
+def save_readable(tensors: Dict[str, torch.Tensor], path: str) -> None:
     """`save_file`, then the permissions any other file gets here: safetensors writes through a private temporary
     file (mode 0600), which would make an exported model unreadable to everyone else."""
     save_file(tensors, path, metadata={"format": "pt"})
@@ -94,7 +94,7 @@ def write_hf_shards(
     for i, shard in enumerate(shards, 1):
         tensors = {name: t.detach().contiguous().cpu() for name, t in produce(shard).items()}
         file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _save_readable(tensors, os.path.join(out_dir, file))
+        save_readable(tensors, os.path.join(out_dir, file))
         for name, t in tensors.items():
             weight_map[name] = file
             total += t.numel() * t.element_size()
@@ -148,21 +148,25 @@ def save_hf_model(model, out_dir: str, tokenizer_dir: Optional[str] = None, max_
     """Gather the full weights of a (sharded) model to rank 0 and write an HF folder there (call on all ranks)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
+    # rank 0 writes; a failure there (a full disk) ends every rank at once
+    on_rank0(lambda: write_hf_folder(model, state, out_dir, tokenizer_dir, max_shard_bytes))
 
-    def write():
-        tied = set(tied_parameter_names(model))
-        kept = {k: v for k, v in state.items() if k not in tied}  # HF re-ties on load
-        shapes = {k: (tuple(v.shape), v.dtype) for k, v in kept.items()}
-        tmp = out_dir.rstrip("/") + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_hub_layout(model, shapes, lambda names: {n: kept.pop(n) for n in names}, tmp, max_shard_bytes)
-        export_config(model.config, tmp, architecture_of(model))
-        copy_tokenizer(tokenizer_dir, tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
-        logger.info(f"exported HF model to {out_dir}")
 
-    on_rank0(write)  # rank 0 writes; a failure there (a full disk) ends every rank at once
+def write_hf_folder(
+    model, state: Dict[str, torch.Tensor], out_dir: str, tokenizer_dir: Optional[str], max_shard_bytes: int
+) -> None:
+    """`state` (full tensors under `model`'s names; consumed) as an HF folder, replacing `out_dir` at once."""
+    tied = set(tied_parameter_names(model))
+    kept = {k: v for k, v in state.items() if k not in tied}  # HF re-ties on load
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in kept.items()}
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_hub_layout(model, shapes, lambda names: {n: kept.pop(n) for n in names}, tmp, max_shard_bytes)
+    export_config(model.config, tmp, architecture_of(model))
+    copy_tokenizer(tokenizer_dir, tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    logger.info(f"exported HF model to {out_dir}")
 
 
 def dcp_to_hf(
@@ -190,6 +194,12 @@ def dcp_to_hf(
         name = key[len("model.") :]
         if key.startswith("model.") and name not in tied:
             shapes[name] = (tuple(meta.size), meta.properties.dtype)
+    if any(".lora_" in name for name in shapes):  # adapters under PEFT's names: no hub key fits them
+        raise ValueError(
+            f"{checkpoint_dir} holds LoRA adapters (model.lora): its merged or adapter export is written at the end "
+            "of training (train.checkpoint.save_hf_weights, model.lora.export); converting a LoRA DCP checkpoint "
+            "is not supported"
+        )
 
     def read(names: List[str]) -> Dict[str, torch.Tensor]:  # one output shard's tensors from the DCP files
         state = {"model": {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}}

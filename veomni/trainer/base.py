@@ -25,6 +25,7 @@ from ..distributed.mixed_precision import resolve_precision
 from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
 from ..distributed.torch_parallelize import build_parallelize_model, no_split_module_names
 from ..models import build_foundation_model
+from ..models.lora import attach_lora, base_checkpoint_names, place_adapters, save_lora_model
 from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
@@ -127,7 +128,20 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             trust_remote_code=args.model.trust_remote_code,
         )
         model = self.prepare_model(model)
-        self.model = build_parallelize_model(
+        # LoRA adapters go in before sharding, so FSDP2/DDP wrap them with their layers; {} without LoRA
+        adapters = attach_lora(model, args.model.lora, args.train.seed, args.model.model_path)
+        with base_checkpoint_names(model, adapters):  # a meta model then loads the base checkpoint unchanged
+            self.model = self._parallelize(model)
+        place_adapters(self.model, adapters)
+        self.model.train()
+        self.moe_metrics = MoEMetrics(self.model, self.device)  # routing counts hooked on the experts modules
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.1f}M parameters ({self.num_params:,})")
+
+    def _parallelize(self, model):
+        args = self.args
+        fsdp = args.train.accelerator.fsdp_config
+        return build_parallelize_model(
             model,
             init_device=args.train.init_device,
             weights_path=args.model.model_path,
@@ -144,10 +158,6 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             max_load_broadcast_size=fsdp.max_load_broadcast_size,
             expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
         )
-        self.model.train()
-        self.moe_metrics = MoEMetrics(self.model, self.device)  # routing counts hooked on the experts modules
-        self.num_params = sum(p.numel() for p in self.model.parameters())
-        logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.1f}M parameters ({self.num_params:,})")
 
     def prepare_model(self, model):
         """Hook between building the model and sharding it (e.g. freezing a vision tower); returns the model."""
@@ -381,7 +391,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             self.save_checkpoint()
         self.checkpointer.wait()
         if train.checkpoint.save_hf_weights:
-            save_hf_model(self.model, os.path.join(self.output_dir, "hf"), self.args.model.tokenizer_path)
+            self.export_hf(os.path.join(self.output_dir, "hf"))
             if self.is_main:  # the export is served with the template the model was trained on
                 export_chat_template(os.path.join(self.output_dir, "hf"), getattr(self, "training_chat_template", None))
         self.on_train_end()
@@ -404,6 +414,14 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             else "resume with the same command plus --train.checkpoint.load_path auto"
         )
         raise lifecycle.TrainingStopped(self.stop_signal, self.global_step, saved, hint)
+
+    def export_hf(self, out_dir: str) -> None:
+        """The end-of-training HF folder: the whole model, or with LoRA the merged weights or the adapter."""
+        lora, tokenizer = self.args.model.lora, self.args.model.tokenizer_path
+        if lora.enable:
+            save_lora_model(self.model, out_dir, tokenizer, lora.export)
+        else:
+            save_hf_model(self.model, out_dir, tokenizer)
 
     def on_train_end(self) -> None:
         """Hook for subclasses, called on every rank before the callbacks' on_train_end."""

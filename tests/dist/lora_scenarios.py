@@ -1,0 +1,73 @@
+"""Under torchrun: LoRA trainings one after another in this launch (`ARGV... :: ARGV... ...`, each a TextTrainer as
+tasks/train_text.py runs it), each followed by a report that rank 0 writes to <output_dir>/lora_report.pt:
+
+inputs       a fixed sequence (input_ids, position_ids)
+logits       the trained (sharded) model's logits on a fixed sequence, in eval mode
+grad_names   the parameters that got a gradient from one backward on that sequence
+optim_names  the parameters the optimizer holds state for
+optim_bytes  optimizer-state bytes summed over the ranks (sharded: each rank holds its slice)
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from trainer_scenarios import split_runs
+
+from veomni.arguments import VeOmniArguments, parse_args
+from veomni.distributed import destroy_parallel_state
+from veomni.trainer import TextTrainer
+
+
+def probe_inputs(vocab_size: int, length: int = 24):
+    ids = (torch.arange(length) * 7 + 5) % vocab_size
+    return {"input_ids": ids[None], "position_ids": torch.arange(length)[None]}
+
+
+def _local_bytes(tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size() if local.dim() > 0 else 0  # 0-dim step counters left out
+
+
+def report(trainer: TextTrainer) -> dict:
+    model, device = trainer.model, trainer.device
+    probe = probe_inputs(model.config.vocab_size)
+    inputs = {k: v.to(device) for k, v in probe.items()}
+    model.eval()
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits.float().cpu()
+    model.train()
+    model(**inputs, use_cache=False).logits.float().pow(2).mean().backward()  # FSDP2/DDP: every rank alike
+    names = {id(p): n for n, p in model.named_parameters()}
+    grad_names = sorted(n for n, p in model.named_parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    optim_names = sorted(names[id(p)] for p in trainer.optimizer.state)
+    nbytes = torch.tensor(
+        [sum(_local_bytes(v) for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v))]
+    )
+    dist.all_reduce(nbytes)
+    return {
+        "inputs": probe,
+        "logits": logits,
+        "grad_names": grad_names,
+        "optim_names": optim_names,
+        "optim_bytes": int(nbytes),
+    }
+
+
+def main():
+    try:
+        for argv in split_runs(sys.argv[1:]):
+            trainer = TextTrainer(parse_args(VeOmniArguments, argv))
+            trainer.fit()
+            result = report(trainer)
+            if dist.get_rank() == 0:
+                torch.save(result, os.path.join(trainer.output_dir, "lora_report.pt"))
+    finally:
+        destroy_parallel_state()
+
+
+if __name__ == "__main__":
+    main()

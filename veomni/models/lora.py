@@ -1,0 +1,228 @@
+"""LoRA through HF PEFT: adapters injected into the HF model before it is sharded, trained alone, exported merged or
+as a PEFT adapter folder.
+
+`peft.inject_adapter_in_model` (not `get_peft_model`) keeps the model's own class, forward and config, which the
+trainer, the loss and the checkpoint code rely on; the adapters are ordinary parameters of the decoder layers, so
+FSDP2 shards them with the frozen base weights of their unit (FSDP2 allows frozen and trainable parameters in one
+unit: all are gathered, only the trainable ones get gradients reduce-scattered) and DDP replicates them likewise.
+
+Initialisation is PEFT's own (`reset_lora_parameters`: A kaiming-uniform, B zeros), run once on CPU under a seed of
+its own, whatever the init device: the full initial adapters are kept and copied into the shards after the model is
+materialised, so every rank and every world size starts from the same adapters, and a model built on `meta` (whose
+adapters `to_empty` leaves as garbage) too. While the model is materialised its state dict shows the base
+checkpoint's names (`q_proj.weight`, not `q_proj.base_layer.weight`) and no adapters, so the weights load unchanged.
+"""
+
+import contextlib
+import os
+import re
+import shutil
+from typing import Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..utils.collectives import on_rank0
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+ADAPTER = "default"  # PEFT's adapter name: one adapter per model here
+REGEX_PREFIX = "re:"  # target_modules: ["re:<pattern>"] is a regular expression over module paths
+_ADAPTER_KEY = re.compile(r"(^|\.)lora_")  # any tensor of a LoRA adapter (lora_A, lora_B, lora_embedding_*, ...)
+
+
+def lora_config(args, base_model_path: Optional[str] = None):
+    """PEFT's `LoraConfig` for the `model.lora` group (veomni/arguments/arguments_types.py `LoraArguments`)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=args.r,
+        lora_alpha=args.alpha,
+        lora_dropout=args.dropout,
+        target_modules=peft_target_modules(args.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",  # PeftModel.from_pretrained then builds PeftModelForCausalLM around the base model
+        base_model_name_or_path=base_model_path,
+    )
+
+
+def peft_target_modules(names: List[str]):
+    """Our list form to PEFT's: names (suffix match), `all-linear`, or one `re:` pattern (full match)."""
+    if len(names) == 1 and names[0].startswith(REGEX_PREFIX):
+        return names[0][len(REGEX_PREFIX) :]
+    if names == ["all-linear"]:
+        return "all-linear"
+    return list(names)
+
+
+def _linear_names(model: nn.Module, limit: int = 8) -> List[str]:
+    names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    return names[:limit]
+
+
+def is_lora_model(model: nn.Module) -> bool:
+    return ADAPTER in (getattr(model, "peft_config", None) or {})
+
+
+def _lora_layers(model: nn.Module) -> Iterator:
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            yield name, module
+
+
+def attach_lora(model: nn.Module, args, seed: int, base_model_path: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """Inject LoRA adapters in place (base weights frozen); returns the adapters' full initial values, to be placed
+    with `place_adapters` once the model is sharded and materialised. {} when `args.enable` is off."""
+    if not args.enable:
+        return {}
+    from peft import inject_adapter_in_model
+
+    try:
+        inject_adapter_in_model(lora_config(args, base_model_path), model, adapter_name=ADAPTER)
+    except ValueError as err:  # PEFT's "Target modules ... not found": say which key and what there is
+        raise ValueError(
+            f"model.lora.target_modules={args.target_modules}: {err}. Linear layers of "
+            f"{type(model).__name__}: {_linear_names(model)}"
+        ) from err
+    _refuse_tied_targets(model, args.target_modules)
+    initial = _initial_adapters(model, seed)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info(
+        f"LoRA r={args.r} alpha={args.alpha} on {len(list(_lora_layers(model)))} layers: {trainable:,} trainable of "
+        f"{total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
+    )
+    return initial
+
+
+def _refuse_tied_targets(model: nn.Module, targets: List[str]) -> None:
+    """A weight shared with another module (a tied lm_head) cannot be merged alone: the export writes one copy."""
+    counts: Dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        counts[id(param)] = counts.get(id(param), 0) + 1
+    tied = [name for name, layer in _lora_layers(model) if counts[id(layer.get_base_layer().weight)] > 1]
+    if tied:
+        raise ValueError(
+            f"model.lora.target_modules={targets} adapts {tied[0]}, whose weight is tied to another module's "
+            "(tie_word_embeddings); leave it out"
+        )
+
+
+def _initial_adapters(model: nn.Module, seed: int) -> Dict[str, torch.Tensor]:
+    """PEFT's initialisation of every adapter, on CPU under `seed` (in a forked RNG: the training stream is as
+    without LoRA), whatever device the model is on; the adapters go back to that device (meta stays meta)."""
+    values = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, layer in _lora_layers(model):
+            parts = (layer.lora_A[ADAPTER], layer.lora_B[ADAPTER])
+            device = parts[0].weight.device
+            for part in parts:
+                part.to_empty(device="cpu")
+            layer.reset_lora_parameters(ADAPTER, True)  # kaiming-uniform A, zero B
+            for prefix, part in zip(("lora_A", "lora_B"), parts):
+                for key, param in part.named_parameters():
+                    values[f"{name}.{prefix}.{ADAPTER}.{key}"] = param.detach().clone()
+                part.to(device)
+    return values
+
+
+def _base_name(key: str) -> Optional[str]:
+    """The base checkpoint's name of a LoRA model's state-dict key; None for an adapter tensor."""
+    return None if _ADAPTER_KEY.search(key) else key.replace(".base_layer.", ".")
+
+
+@contextlib.contextmanager
+def base_checkpoint_names(model: nn.Module, initial: Dict[str, torch.Tensor]):
+    """While inside: `model.state_dict()` holds only the base tensors, under the base checkpoint's names, so the
+    sharding code's weight loading (meta models) reads an unchanged HF checkpoint into the LoRA model."""
+    if not initial:
+        yield
+        return
+
+    def as_base(module, state_dict, prefix, local_metadata):
+        renamed = {_base_name(k): v for k, v in state_dict.items() if _base_name(k) is not None}
+        state_dict.clear()
+        state_dict.update(renamed)
+
+    handle = model.register_state_dict_post_hook(as_base)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def place_adapters(model: nn.Module, initial: Dict[str, torch.Tensor]) -> None:
+    """Copy the full initial adapters into the (possibly sharded) model: each rank keeps its own slice."""
+    params = dict(model.named_parameters())
+    for name, full in initial.items():
+        param = params[name]
+        if isinstance(param, DTensor):
+            full = full.to(device=param.device, dtype=param.dtype)
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(full)
+
+
+# ------------------------------------------------------------------------------------------------ export
+def merged_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The base model's state dict with every adapted weight merged, W + scaling * B @ A (PEFT's merge, done on the
+    gathered full tensors), under the base checkpoint's names."""
+    merged = {}
+    for name, layer in _lora_layers(model):
+        weight = state[f"{name}.base_layer.weight"]
+        a, b = state[f"{name}.lora_A.{ADAPTER}.weight"], state[f"{name}.lora_B.{ADAPTER}.weight"]
+        delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]  # in fp32: a bf16 product would round twice
+        merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
+    for key, tensor in state.items():
+        base = _base_name(key)
+        if base is not None and base not in merged:
+            merged[base] = tensor
+    return merged
+
+
+def adapter_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The adapter tensors under the names `PeftModel.save_pretrained` writes (`base_model.model.<path>.lora_A.weight`)."""
+    from peft import get_peft_model_state_dict
+
+    adapters = get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER, save_embedding_layers=False)
+    return {f"base_model.model.{key}": tensor.contiguous() for key, tensor in adapters.items()}
+
+
+def _write_adapter_folder(model: nn.Module, state, out_dir: str, tokenizer_dir: Optional[str]) -> None:
+    from ..checkpoint.hf_export import copy_tokenizer, save_readable
+
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    model.peft_config[ADAPTER].save_pretrained(tmp)  # adapter_config.json
+    save_readable(adapter_state_dict(model, state), os.path.join(tmp, "adapter_model.safetensors"))
+    copy_tokenizer(tokenizer_dir, tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    logger.info(f"exported the LoRA adapter to {out_dir} (load with peft.PeftModel.from_pretrained(base, folder))")
+
+
+def save_lora_model(
+    model: nn.Module, out_dir: str, tokenizer_dir: Optional[str], export: str, max_shard_bytes: int = 5 * 2**30
+) -> None:
+    """Call on all ranks. `export="merged"`: an HF folder of the merged weights in the hub layout (plain
+    `from_pretrained` loads it); `"adapter"`: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)."""
+    from ..checkpoint.hf_export import write_hf_folder
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if export == "adapter":
+        on_rank0(lambda: _write_adapter_folder(model, state, out_dir, tokenizer_dir))
+    elif export == "merged":
+        on_rank0(
+            lambda: write_hf_folder(model, merged_state_dict(model, state), out_dir, tokenizer_dir, max_shard_bytes)
+        )
+    else:
+        raise ValueError(f"model.lora.export={export!r}: choose merged or adapter")
