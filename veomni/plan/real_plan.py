@@ -177,7 +177,7 @@ def layout_of(args, world_size: int):
 
     acc, data, train = args.train.accelerator, args.data, args.train
     ep = dict(zip(acc.extra_parallel_names, acc.extra_parallel_sizes)).get("ep", 1)
-    tokens = train.micro_batch_size * data.max_seq_len if train.dyn_bsz else train.micro_batch_size * data.max_seq_len
+    tokens = train.micro_batch_size * data.max_seq_len  # dyn_bsz: the token budget; else samples of up to max_seq_len
     return Layout(
         world=world_size,
         dp_replicate=acc.dp_replicate_size,
