@@ -29,6 +29,7 @@ from ..models.lora import attach_lora, base_checkpoint_names, place_adapters, sa
 from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
+from ..plan.runlog import PlanCheckCallback
 from ..utils import lifecycle
 from ..utils.device import get_device, get_device_type, synchronize
 from ..utils.logging import get_logger
@@ -216,6 +217,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
                 out,
             ),
             TensorBoardCallback(main and train.use_tensorboard, os.path.join(out, "tensorboard")),
+            PlanCheckCallback(main),  # the planner's memory prediction against this run's measurement
         ]
 
     # -------------------------------------------------------------------------------------------- step

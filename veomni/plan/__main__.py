@@ -1,0 +1,63 @@
+"""`python -m veomni.plan CONFIG.yaml --nnodes N --nproc-per-node G [--gpu h100|h200|a100] [--key value ...]`
+
+Plans a training run before it is booked: the configured layout under the real parallel plan on a fake world of
+N*G ranks (no GPU, no network), its memory per rank and collectives per step, and the layouts that fit, ranked
+by predicted step time. Options other than the planner's own are config overrides, as for a training task.
+"""
+
+import argparse
+import sys
+import time
+from typing import List, Optional
+
+from .cost import GPUS
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m veomni.plan", description=__doc__.split("\n\n")[1])
+    parser.add_argument("config", help="the run's YAML config")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--nproc-per-node", type=int, default=8, help="GPUs per node")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
+    parser.add_argument("--intra-node-gbps", type=float, help="GB/s (bytes) per GPU per direction within a node")
+    parser.add_argument("--inter-node-gbps", type=float, help="GB/s (bytes) per GPU per direction between nodes")
+    parser.add_argument("--tokens", type=int, help="tokens per micro-batch (default micro_batch_size * max_seq_len)")
+    parser.add_argument("--top", type=int, default=5, help="how many fitting layouts to list")
+    return parser
+
+
+def _quiet_build_logs() -> None:
+    """The plan's own model builds log as a training run's do (FSDP2 over mesh ...): noise here."""
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("veomni"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    options, overrides = _parser().parse_known_args(argv)
+    from .planner import plan
+    from .report import render
+
+    _quiet_build_logs()
+    start = time.perf_counter()
+    result = plan(
+        [options.config, *overrides],
+        options.nnodes,
+        options.nproc_per_node,
+        options.gpu,
+        options.mfu,
+        options.intra_node_gbps,
+        options.inter_node_gbps,
+        options.tokens,
+        options.top,
+    )
+    print(render(result))
+    print(f"(planned in {time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

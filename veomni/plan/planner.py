@@ -1,0 +1,139 @@
+"""`plan(...)`: the configured layout under the real plan on a fake world, and the layouts that fit, ranked."""
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional
+
+from ..distributed.torch_parallelize import no_split_module_names
+from .analytic import Layout, ShapeModel
+from .comm import Collective, step_collectives
+from .cost import GPUS, Hardware, StepTime, step_time
+from .memory import Memory, predict_memory
+from .model_shape import ModelShape
+from .real_plan import (
+    args_for_layout,
+    build_meta_model,
+    dtype_bytes,
+    layout_of,
+    load_args,
+    model_shape,
+    plan_rank,
+    representative_ranks,
+    reshard_after_forward,
+    step_shape,
+)
+from .search import Budget, Candidate, changes, search
+
+HEADROOM = 0.95  # of the GPU's memory: the caching allocator's fragmentation needs some
+
+
+@dataclass
+class RankReport:
+    rank: int
+    memory: Memory
+    collectives: List[Collective]
+
+
+@dataclass
+class PlanResult:
+    shape: ModelShape
+    layout: Layout
+    hardware: Hardware
+    micro_batches: int
+    ranks: List[RankReport]
+    time: StepTime
+    capacity: float
+    candidates: List[Candidate] = field(default_factory=list)
+    validated: Dict[Layout, bool] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return max(r.memory.peak for r in self.ranks) <= self.capacity
+
+
+def _parse(argv: List[str], world: int, notes: List[str]):
+    """The run's arguments on `world` ranks, and its global batch in tokens. A global batch that does not split
+    over this many data-parallel ranks is planned as one micro-batch per rank per step, in as many tokens."""
+    base = load_args(argv, 1)
+    tokens = (base.train.global_batch_size or base.train.micro_batch_size) * base.data.max_seq_len
+    try:
+        return load_args(argv, world), tokens
+    except ValueError:
+        acc = base.train.accelerator
+        dp = world // (acc.ulysses_size * acc.tp_size)
+        notes.append(
+            f"train.global_batch_size ({tokens:,} tokens) does not split over {dp} data-parallel ranks: planned "
+            "with at least one micro-batch per rank, layouts ranked by step time per token"
+        )
+        return load_args(argv + ["--train.global_batch_size", str(base.train.micro_batch_size * dp)], world), tokens
+
+
+def _rank_report(args, layout: Layout, world: int, rank: int, micro_batches: int, shape: ModelShape) -> RankReport:
+    plan = plan_rank(args, world, rank, "cuda")
+    local = layout.mb_tokens // layout.ulysses
+    step = step_shape(args, [(local, local)] * micro_batches, "cuda")
+    memory = predict_memory(plan, shape, replace(step, micro_batches=step.micro_batches[:1]), _param_dtype_bytes(args))
+    return RankReport(rank, memory, step_collectives(plan, shape, step))
+
+
+def _param_dtype_bytes(args) -> int:
+    from ..distributed.mixed_precision import resolve_precision
+
+    fsdp = args.train.accelerator.fsdp_config
+    return resolve_precision(fsdp.mixed_precision, "cuda", fsdp.fsdp_mode).param_dtype.itemsize
+
+
+def plan(
+    argv: List[str],
+    nnodes: int,
+    nproc_per_node: int,
+    gpu: str = "h100",
+    mfu: float = 0.4,
+    intra_gbps: Optional[float] = None,
+    inter_gbps: Optional[float] = None,
+    tokens: Optional[int] = None,
+    top: int = 5,
+) -> PlanResult:
+    world, notes = nnodes * nproc_per_node, []
+    args, global_tokens = _parse(argv, world, notes)
+    hardware = Hardware(GPUS[gpu], nproc_per_node, mfu, intra_gbps, inter_gbps)
+    shape = model_shape(args)
+    layout = layout_of(args, world)
+    if tokens:
+        layout = replace(layout, mb_tokens=tokens)
+    micro_batches = max(1, math.ceil(global_tokens / (layout.dp * layout.mb_tokens)))
+    reports = [_rank_report(args, layout, world, r, micro_batches, shape) for r in representative_ranks(world)]
+    context = args.data.max_seq_len  # documents as long as allowed (the search assumes the same)
+    local = layout.mb_tokens // layout.ulysses
+    flops = micro_batches * local * shape.flops_per_token(context, layout.checkpointing) / layout.tp
+    time = step_time(flops, reports[0].collectives, hardware, layout.strides())
+    result = PlanResult(shape, layout, hardware, micro_batches, reports, time, hardware.gpu.memory * HEADROOM)
+    result.notes = notes
+    _search(result, args, global_tokens, top)
+    return result
+
+
+def _search(result: PlanResult, args, global_tokens: int, top: int) -> None:
+    compute, reduce = dtype_bytes(args, "cuda")
+    model = build_meta_model(args, "cuda")
+    shapes = ShapeModel(model, no_split_module_names(model) + list(args.model.basic_modules), args.train.optimizer.type)
+    budget = Budget(
+        global_tokens,
+        args.data.max_seq_len,
+        compute,
+        reduce,
+        _param_dtype_bytes(args),
+        args.model.ops_implementation.loss_chunk_size,
+        reshard_after_forward(args, 2),
+    )
+    found = search(shapes, result.shape, result.layout.world, budget, result.hardware, result.layout.mb_tokens)
+    fitting = [c for c in found if c.fits(result.capacity)]
+    shown = fitting[:top]
+    nearest = min(fitting, key=lambda c: (changes(c.layout, result.layout), c.time.total), default=None)
+    if nearest is not None and nearest not in shown:
+        shown.append(nearest)
+    result.candidates = shown
+    for candidate in shown[:3]:  # the shape model's sizes, checked against the real plan of rank 0
+        real = plan_rank(args_for_layout(args, candidate.layout), result.layout.world, 0, "cuda")
+        result.validated[candidate.layout] = real.param_bytes == candidate.memory.params

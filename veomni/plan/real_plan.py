@@ -1,0 +1,190 @@
+"""The real parallel plan of a config on a fake world: the model built on `meta` exactly as the trainer builds it,
+then sharded by `build_parallelize_model` (Ulysses, TP, EP, FSDP2/HSDP) for rank r of W, and read back.
+"""
+
+import os
+from contextlib import contextmanager
+from typing import Iterator, List, Optional
+
+from ..arguments import VeOmniArguments, parse_args
+from ..distributed import torch_parallelize
+from ..distributed.mixed_precision import resolve_precision
+from ..distributed.parallel_state import init_parallel_state
+from ..models import build_foundation_model
+from .fake_cluster import fake_world
+from .model_shape import ModelShape
+from .shards import RankPlan, read_rank_plan
+
+
+def load_args(argv: List[str], world_size: int) -> VeOmniArguments:
+    """`CONFIG.yaml --key value ...` parsed as a run on `world_size` ranks would parse it."""
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world_size)  # parse_args resolves dp sizes against it
+    try:
+        return parse_args(VeOmniArguments, list(argv))
+    finally:
+        if saved is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = saved
+
+
+@contextmanager
+def _no_materialization() -> Iterator[None]:
+    """build_parallelize_model ends by materialising a meta model (allocating every shard and reading or
+    broadcasting weights). The planner needs the sharded meta model only, and build_parallelize_model has no
+    switch to stop before that step, so its module-level reference is swapped for a no-op for the block."""
+    real = torch_parallelize.materialize_meta_model
+    torch_parallelize.materialize_meta_model = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch_parallelize.materialize_meta_model = real
+
+
+def init_state_from_args(acc):
+    """The parallel state the trainer builds from `train.accelerator` (BaseTrainer's init_parallel_state_from_args)."""
+    return init_parallel_state(
+        dp_size=acc.dp_size,
+        dp_replicate_size=acc.dp_replicate_size,
+        dp_shard_size=acc.dp_shard_size,
+        tp_size=acc.tp_size,
+        ulysses_size=acc.ulysses_size,
+        extra_parallel_sizes=acc.extra_parallel_sizes,
+        extra_parallel_placement_innermost=acc.extra_parallel_placement_innermost,
+        extra_parallel_names=acc.extra_parallel_names,
+        mode=acc.fsdp_config.fsdp_mode,
+        async_enabled=acc.enable_async,
+    )
+
+
+def build_meta_model(args, device_type: str):
+    """The model as BaseTrainer.build_model builds it, on meta, in the dtype its parameters will have."""
+    fsdp = args.train.accelerator.fsdp_config
+    precision = resolve_precision(fsdp.mixed_precision, device_type, fsdp.fsdp_mode)
+    ops = args.model.ops_implementation
+    return build_foundation_model(
+        config_path=args.model.config_path,
+        init_device="meta",
+        torch_dtype=precision.param_dtype,
+        attn_implementation=ops.attn_implementation,
+        moe_implementation=ops.moe_implementation,
+        trust_remote_code=args.model.trust_remote_code,
+    )
+
+
+def reshard_after_forward(args, fsdp_size: int) -> bool:
+    """What build_parallelize_model decides: resharded unless full_shard is off, or unset over a single rank."""
+    fsdp = args.train.accelerator.fsdp_config
+    reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else fsdp_size > 1
+    return bool(reshard and fsdp.full_shard)
+
+
+def sharded_meta_model(args, device_type: str):
+    """Inside a (fake) world with its parallel state: the meta model, sharded; returns (model, state)."""
+    if args.train.accelerator.fsdp_config.fsdp_mode != "fsdp2":
+        raise ValueError("the planner plans fsdp_mode=fsdp2 runs (DDP keeps a full replica: param bytes x world)")
+    state = init_state_from_args(args.train.accelerator)
+    model = build_meta_model(args, device_type)
+    fsdp = args.train.accelerator.fsdp_config
+    with _no_materialization():
+        model = torch_parallelize.build_parallelize_model(
+            model,
+            init_device="meta",
+            enable_full_shard=fsdp.full_shard,
+            enable_reshard_after_forward=fsdp.reshard_after_forward,
+            mixed_precision=fsdp.mixed_precision,
+            enable_gradient_checkpointing=args.train.gradient_checkpointing.enable,
+            basic_modules=list(set(torch_parallelize.no_split_module_names(model)) | set(args.model.basic_modules)),
+            enable_forward_prefetch=fsdp.forward_prefetch,
+            expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
+        )
+    return model, state
+
+
+def plan_rank(args, world_size: int, rank: int = 0, device_type: str = "cuda") -> RankPlan:
+    """Rank `rank`'s share under the real plan of `args` on a fake world of `world_size`."""
+    with fake_world(world_size, rank):
+        model, state = sharded_meta_model(args, device_type)
+        plan = read_rank_plan(model, state, args.train.optimizer.type, reshard_after_forward(args, state.fsdp_size))
+    return plan
+
+
+def model_shape(args, model=None) -> ModelShape:
+    from ..models.auto import build_config
+
+    config = model.config if model is not None else build_config(args.model.config_path, args.model.trust_remote_code)
+    return ModelShape.from_config(config)
+
+
+def representative_ranks(world_size: int, extra: Optional[List[int]] = None) -> List[int]:
+    """Rank 0 holds the largest shards (torch.chunk gives the remainder to the last ranks); the last rank the
+    smallest."""
+    return sorted({0, world_size - 1, *(extra or [])})
+
+
+def dtype_bytes(args, device_type: str):
+    """(compute, gradient-reduce) bytes per element under the run's precision on `device_type`."""
+    fsdp = args.train.accelerator.fsdp_config
+    precision = resolve_precision(fsdp.mixed_precision, device_type, fsdp.fsdp_mode)
+    param = precision.param_dtype.itemsize
+    if precision.policy is None:
+        return param, param
+    compute = precision.policy.param_dtype.itemsize if precision.policy.param_dtype is not None else param
+    reduce = precision.policy.reduce_dtype.itemsize if precision.policy.reduce_dtype is not None else compute
+    return compute, reduce
+
+
+def step_shape(args, micro_batches, device_type: str):
+    """The StepShape of `args` for micro-batches given as (local tokens, loss tokens)."""
+    from .comm import StepShape
+
+    acc = args.train.accelerator
+    compute, reduce = dtype_bytes(args, device_type)
+    ep = dict(zip(acc.extra_parallel_names, acc.extra_parallel_sizes)).get("ep", 1)
+    return StepShape(
+        micro_batches=tuple((int(t), int(n)) for t, n in micro_batches),
+        compute_bytes=compute,
+        reduce_bytes=reduce,
+        checkpointing=args.train.gradient_checkpointing.enable,
+        loss_chunk=args.model.ops_implementation.loss_chunk_size,
+        tp=acc.tp_size,
+        sp=acc.ulysses_size,
+        ep=ep,
+    )
+
+
+def args_for_layout(args, layout):
+    """A copy of `args` set to `layout`'s parallel sizes and checkpointing (batch sizes left as they are)."""
+    import copy
+
+    args = copy.deepcopy(args)
+    acc = args.train.accelerator
+    acc.dp_size, acc.dp_replicate_size, acc.dp_shard_size = layout.dp, layout.dp_replicate, layout.dp_shard
+    acc.tp_size, acc.ulysses_size = layout.tp, layout.ulysses
+    names = [n for n in acc.extra_parallel_names if n != "ep"]
+    sizes = [s for n, s in zip(acc.extra_parallel_names, acc.extra_parallel_sizes) if n != "ep"]
+    if layout.ep > 1:
+        names, sizes = names + ["ep"], sizes + [layout.ep]
+    acc.extra_parallel_names, acc.extra_parallel_sizes = names, sizes
+    args.train.gradient_checkpointing.enable = layout.checkpointing
+    return args
+
+
+def layout_of(args, world_size: int):
+    """The Layout `args` describes on `world_size` ranks (parse_args resolved its -1 sizes)."""
+    from .analytic import Layout
+
+    acc, data, train = args.train.accelerator, args.data, args.train
+    ep = dict(zip(acc.extra_parallel_names, acc.extra_parallel_sizes)).get("ep", 1)
+    tokens = train.micro_batch_size * data.max_seq_len  # dyn_bsz: the token budget; else samples of up to max_seq_len
+    return Layout(
+        world=world_size,
+        dp_replicate=acc.dp_replicate_size,
+        dp_shard=acc.dp_shard_size,
+        ulysses=acc.ulysses_size,
+        tp=acc.tp_size,
+        ep=ep,
+        checkpointing=train.gradient_checkpointing.enable,
+        mb_tokens=tokens,
+    )
