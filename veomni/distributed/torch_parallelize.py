@@ -31,7 +31,13 @@ from .weight_loading import materialize_meta_model
 
 logger = get_logger(__name__)
 
-__all__ = ["ParallelizeConfig", "basic_module_instances", "build_parallelize_model", "no_split_module_names"]
+__all__ = [
+    "ParallelizeConfig",
+    "basic_module_instances",
+    "build_parallelize_model",
+    "no_split_module_names",
+    "parallelize",
+]
 
 
 @dataclass
@@ -45,6 +51,7 @@ class ParallelizeConfig(FSDPOptions):
     broadcast_model_weights_from_rank0: bool = True
     max_load_broadcast_size: int = 2**30
     enable_compile: bool = False
+    materialize: bool = True  # False: leave a meta model unallocated (the planner reads its shards' shapes only)
 
 
 def parallelize(model: nn.Module, state: ParallelState, config: ParallelizeConfig) -> nn.Module:
@@ -73,7 +80,8 @@ def parallelize(model: nn.Module, state: ParallelState, config: ParallelizeConfi
 def _materializer(model: nn.Module, config: ParallelizeConfig) -> Callable[[], None]:
     """What allocates and fills a meta-built model once it is sharded (nothing for a model built on a device).
     Decided before any step runs, since sharding changes what the parameters look like."""
-    if not (config.init_device == "meta" or any(p.is_meta for p in model.parameters())):
+    on_meta = config.init_device == "meta" or any(p.is_meta for p in model.parameters())
+    if not (on_meta and config.materialize):
         return lambda: None
     reference_init = _reference_init(model) if config.weights_path is None else None
     return lambda: materialize_meta_model(

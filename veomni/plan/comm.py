@@ -49,6 +49,7 @@ class StepShape:
     tp: int = 1
     sp: int = 1
     ep: int = 1
+    moe_metric_values: int = 0  # float64s the MoE metrics add to the loss all-reduce (aux sum, layers x experts)
 
 
 class _Book:
@@ -61,9 +62,9 @@ class _Book:
         self.items.append(Collective(kind, label, ranks, size, nbytes, overlapped))
 
 
-def _trainer(book: _Book) -> None:
+def _trainer(book: _Book, step: StepShape) -> None:
     book.add("all_reduce", "dp_sp", 8 * (3 + len(STOP_EXIT_CODES)))
-    book.add("all_reduce", "dp_sp", 8)
+    book.add("all_reduce", "dp_sp", 8 * (1 + step.moe_metric_values))  # the loss, MoE metrics riding along
     for ranks in book.plan.grad_norm_ranks:
         book.add("all_reduce", "grad_norm", 8, ranks=ranks, size=len(ranks) if ranks else 1)
 
@@ -136,7 +137,7 @@ def _expert_parallel(book: _Book, shape: ModelShape, step: StepShape) -> None:
 
 def step_collectives(plan: RankPlan, shape: ModelShape, step: StepShape) -> List[Collective]:
     book = _Book(plan)
-    _trainer(book)
+    _trainer(book, step)
     _fsdp(book, step)
     if step.tp > 1:
         _tensor_parallel(book, shape, step)

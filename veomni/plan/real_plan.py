@@ -3,14 +3,13 @@ then sharded by `build_parallelize_model` (Ulysses, TP, EP, FSDP2/HSDP) for rank
 """
 
 import os
-from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
 from ..arguments import VeOmniArguments, parse_args
-from ..distributed import torch_parallelize
 from ..distributed.mixed_precision import resolve_precision
-from ..distributed.parallel_state import init_parallel_state
+from ..distributed.torch_parallelize import parallelize
 from ..models import build_foundation_model
+from ..trainer.base import init_parallel_state_from_args, parallelize_config_from_args
 from .fake_cluster import fake_world
 from .model_shape import ModelShape
 from .shards import RankPlan, read_rank_plan
@@ -27,35 +26,6 @@ def load_args(argv: List[str], world_size: int) -> VeOmniArguments:
             os.environ.pop("WORLD_SIZE")
         else:
             os.environ["WORLD_SIZE"] = saved
-
-
-@contextmanager
-def _no_materialization() -> Iterator[None]:
-    """build_parallelize_model ends by materialising a meta model (allocating every shard and reading or
-    broadcasting weights). The planner needs the sharded meta model only, and build_parallelize_model has no
-    switch to stop before that step, so its module-level reference is swapped for a no-op for the block."""
-    real = torch_parallelize.materialize_meta_model
-    torch_parallelize.materialize_meta_model = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        torch_parallelize.materialize_meta_model = real
-
-
-def init_state_from_args(acc):
-    """The parallel state the trainer builds from `train.accelerator` (BaseTrainer's init_parallel_state_from_args)."""
-    return init_parallel_state(
-        dp_size=acc.dp_size,
-        dp_replicate_size=acc.dp_replicate_size,
-        dp_shard_size=acc.dp_shard_size,
-        tp_size=acc.tp_size,
-        ulysses_size=acc.ulysses_size,
-        extra_parallel_sizes=acc.extra_parallel_sizes,
-        extra_parallel_placement_innermost=acc.extra_parallel_placement_innermost,
-        extra_parallel_names=acc.extra_parallel_names,
-        mode=acc.fsdp_config.fsdp_mode,
-        async_enabled=acc.enable_async,
-    )
 
 
 def build_meta_model(args, device_type: str):
@@ -84,22 +54,11 @@ def sharded_meta_model(args, device_type: str):
     """Inside a (fake) world with its parallel state: the meta model, sharded; returns (model, state)."""
     if args.train.accelerator.fsdp_config.fsdp_mode != "fsdp2":
         raise ValueError("the planner plans fsdp_mode=fsdp2 runs (DDP keeps a full replica: param bytes x world)")
-    state = init_state_from_args(args.train.accelerator)
+    state = init_parallel_state_from_args(args.train.accelerator)
     model = build_meta_model(args, device_type)
-    fsdp = args.train.accelerator.fsdp_config
-    with _no_materialization():
-        model = torch_parallelize.build_parallelize_model(
-            model,
-            init_device="meta",
-            enable_full_shard=fsdp.full_shard,
-            enable_reshard_after_forward=fsdp.reshard_after_forward,
-            mixed_precision=fsdp.mixed_precision,
-            enable_gradient_checkpointing=args.train.gradient_checkpointing.enable,
-            basic_modules=list(set(torch_parallelize.no_split_module_names(model)) | set(args.model.basic_modules)),
-            enable_forward_prefetch=fsdp.forward_prefetch,
-            expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
-        )
-    return model, state
+    config = parallelize_config_from_args(args, model, materialize=False)  # the shards' shapes are all it reads
+    config.init_device, config.enable_compile, config.enable_fsdp_offload = "meta", False, False
+    return parallelize(model, state, config), state
 
 
 def plan_rank(args, world_size: int, rank: int = 0, device_type: str = "cuda") -> RankPlan:
@@ -151,7 +110,20 @@ def step_shape(args, micro_batches, device_type: str):
         tp=acc.tp_size,
         sp=acc.ulysses_size,
         ep=ep,
+        moe_metric_values=moe_metric_values(args),
     )
+
+
+def moe_metric_values(args) -> int:
+    """What veomni.trainer.moe_metrics packs beside the loss: the aux sum (with router logits) and a
+    [MoE layers, experts] count table."""
+    from ..models.auto import build_config
+
+    config = build_config(args.model.config_path, trust_remote_code=args.model.trust_remote_code)
+    shape = ModelShape.from_config(config)
+    if not shape.is_moe:
+        return 0
+    return int(bool(getattr(config, "output_router_logits", False))) + shape.moe_layers * shape.experts
 
 
 def args_for_layout(args, layout):

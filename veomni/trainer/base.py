@@ -23,7 +23,7 @@ from ..data.chat_template import export_chat_template
 from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.mixed_precision import resolve_precision
 from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
-from ..distributed.torch_parallelize import build_parallelize_model, no_split_module_names
+from ..distributed.torch_parallelize import ParallelizeConfig, no_split_module_names, parallelize
 from ..models import build_foundation_model
 from ..models.lora import attach_lora, base_checkpoint_names, place_adapters, save_lora_model
 from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
@@ -51,6 +51,28 @@ logger = get_logger(__name__)
 
 # Micro-batch keys the trainer consumes itself (the loss); everything else goes to the model as is.
 _NOT_MODEL_INPUTS = ("labels",)
+
+
+def parallelize_config_from_args(args, model, materialize: bool = True) -> ParallelizeConfig:
+    """How `args` asks for `model` to be parallelised (also what `python -m veomni.plan` plans, unmaterialised)."""
+    fsdp = args.train.accelerator.fsdp_config
+    return ParallelizeConfig(
+        init_device=args.train.init_device,
+        weights_path=args.model.model_path,
+        enable_full_shard=fsdp.full_shard,
+        enable_reshard_after_forward=fsdp.reshard_after_forward,
+        mixed_precision=fsdp.mixed_precision,
+        enable_gradient_checkpointing=args.train.gradient_checkpointing.enable,
+        enable_fsdp_offload=fsdp.offload,
+        basic_modules=sorted(set(no_split_module_names(model)) | set(args.model.basic_modules)),
+        enable_reentrant=args.train.gradient_checkpointing.enable_reentrant,
+        enable_forward_prefetch=fsdp.forward_prefetch,
+        enable_compile=args.model.ops_implementation.compile,
+        broadcast_model_weights_from_rank0=args.train.broadcast_model_weights_from_rank0,
+        max_load_broadcast_size=fsdp.max_load_broadcast_size,
+        expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
+        materialize=materialize,
+    )
 
 
 def init_parallel_state_from_args(acc):
@@ -140,25 +162,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
         logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.1f}M parameters ({self.num_params:,})")
 
     def _parallelize(self, model):
-        args = self.args
-        fsdp = args.train.accelerator.fsdp_config
-        return build_parallelize_model(
-            model,
-            init_device=args.train.init_device,
-            weights_path=args.model.model_path,
-            enable_full_shard=fsdp.full_shard,
-            enable_reshard_after_forward=fsdp.reshard_after_forward,
-            mixed_precision=fsdp.mixed_precision,
-            enable_gradient_checkpointing=args.train.gradient_checkpointing.enable,
-            enable_fsdp_offload=fsdp.offload,
-            basic_modules=list(set(no_split_module_names(model)) | set(args.model.basic_modules)),
-            enable_reentrant=args.train.gradient_checkpointing.enable_reentrant,
-            enable_forward_prefetch=fsdp.forward_prefetch,
-            enable_compile=args.model.ops_implementation.compile,
-            broadcast_model_weights_from_rank0=args.train.broadcast_model_weights_from_rank0,
-            max_load_broadcast_size=fsdp.max_load_broadcast_size,
-            expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
-        )
+        return parallelize(model, self.parallel_state, parallelize_config_from_args(self.args, model))
 
     def prepare_model(self, model):
         """Hook between building the model and sharding it (e.g. freezing a vision tower); returns the model."""
