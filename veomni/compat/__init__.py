@@ -23,6 +23,8 @@ _PARTS = ("torch", "torch_runtime", "torchdata", "transformers")
 
 def __getattr__(name: str):
     # lazy, so that `from veomni.compat import flatten_mesh` imports torch's part only
+    if name.startswith("__"):  # probes for module dunders (copy, pickle, inspect) import nothing
+        raise AttributeError(name)
     for part in _PARTS:
         module = importlib.import_module(f"{__name__}.{part}")
         if name in getattr(module, "__all__", ()):
