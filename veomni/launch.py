@@ -62,17 +62,11 @@ def _bound_failure_teardown() -> None:
     """When one worker fails, torchrun stops the others with `close()` and a fixed 30 s grace before SIGKILL, so a
     frozen worker (SIGSTOP, a stuck driver) outlives the job by 30 s whatever `--shutdown-timeout` says. Make that
     grace TORCH_ELASTIC_SHUTDOWN_TIMEOUT where it is shorter (a failure saves nothing: no reason to wait longer)."""
-    try:
-        from torch.distributed.elastic.multiprocessing.api import PContext
-    except ImportError:
-        return
-    grace = min(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", FAILURE_GRACE_S)), FAILURE_GRACE_S)
-    close = PContext.close
+    from .compat.torch_runtime import bound_worker_close_grace
 
-    def close_with_grace(self, death_sig=None, timeout=grace):
-        return close(self, death_sig, timeout)
-
-    PContext.close = close_with_grace
+    bound_worker_close_grace(
+        min(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", FAILURE_GRACE_S)), FAILURE_GRACE_S)
+    )
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from veomni.arguments import VeOmniArguments, parse_args, save_args
+from veomni.compat.transformers import no_split_modules
 from veomni.data import build_dataloader, build_dataset
 from veomni.data.data_transform import process_pretrain_example
 from veomni.distributed import clip_grad_norm
@@ -89,7 +90,7 @@ def main():
         mixed_precision=fsdp.mixed_precision,
         enable_gradient_checkpointing=args.train.gradient_checkpointing.enable,
         enable_fsdp_offload=fsdp.offload,
-        basic_modules=list(set(getattr(model, "_no_split_modules", None) or []) | set(args.model.basic_modules)),
+        basic_modules=list(set(no_split_modules(model)) | set(args.model.basic_modules)),
         enable_reentrant=args.train.gradient_checkpointing.enable_reentrant,
         enable_forward_prefetch=fsdp.forward_prefetch,
         broadcast_model_weights_from_rank0=args.train.broadcast_model_weights_from_rank0,

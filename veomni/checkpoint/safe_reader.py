@@ -14,7 +14,9 @@ import pickle
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from ..compat.torch import DCP_PRIVATE_PICKLED, finish_dcp_metadata, open_dcp_metadata
 
 _DCP = "torch.distributed.checkpoint.metadata"
 
@@ -28,10 +30,7 @@ _ALLOWED = frozenset(
         (_DCP, "TensorStorageMetadata"),
         (_DCP, "ChunkStorageMetadata"),
         (_DCP, "TensorProperties"),
-        (_DCP, "_MEM_FORMAT_ENCODING"),  # an Enum of plain ints
         (_DCP, "BytesStorageMetadata"),  # unpickled only to be refused below, with a clear message
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.serialization", "_get_layout"),  # looks a torch.layout up by its name, nothing else
         ("torch", "Size"),
         ("pathlib", "PosixPath"),  # the checkpoint id DCP records
         ("pathlib", "WindowsPath"),
@@ -40,6 +39,7 @@ _ALLOWED = frozenset(
         ("collections", "OrderedDict"),
     }
 )
+_ALLOWED |= DCP_PRIVATE_PICKLED  # torch's private names in it (an Enum of ints, a storage record, a layout lookup)
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -89,15 +89,11 @@ class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose metadata is read with an allow-list, and which refuses non-tensor items."""
 
     def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = load_metadata(f.read(), str(path))
+        with open_dcp_metadata(self, kwargs.get("rank")) as (f, path):
+            metadata = load_metadata(f.read(), path)
         if not hasattr(metadata, "state_dict_metadata"):
             raise pickle.UnpicklingError(f"{path}: not DCP metadata (got {type(metadata).__name__})")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        finish_dcp_metadata(self, metadata)
         pickled = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
         if pickled:
             raise ValueError(f"{path}: non-tensor entries {pickled[:4]} would need unpickling; refusing")

@@ -17,8 +17,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from torchdata.stateful_dataloader import StatefulDataLoader
 
+from ..compat.torchdata import (
+    IteratorSlotLoader,
+    iterator_shut_down,
+    keep_unstarted_iterator_state,
+    shutdown_iterator_workers,
+)
 from ..utils.logging import get_logger
 from .cached_dataset import CachedSampleIndex, cached_sources
 from .data_collator import MainCollator
@@ -255,7 +260,7 @@ def _has_key(node, key: str) -> bool:
     return False
 
 
-class MicroBatchLoader(StatefulDataLoader):
+class MicroBatchLoader(IteratorSlotLoader):
     """The StatefulDataLoader over a micro-batch stream that stops its worker processes as soon as their iterator is
     abandoned: when a state is loaded, on `close()` (the trainer's, at the end of training or on a stop), and when the
     loader itself is collected (unless the iterator is still in use: `for batch in build_dataloader(...)`). A new
@@ -269,33 +274,24 @@ class MicroBatchLoader(StatefulDataLoader):
 
     def __init__(self, stream, **kwargs):
         self.epoch_ended = False  # the last streamed epoch ended at a slot that ran out (not at a stop)
-        self._live = [None]  # the current iterator, in a box the finalizer can reach without holding the loader
-        super().__init__(stream, **kwargs)
+        super().__init__(stream, **kwargs)  # the current iterator is in `self._live[0]`: see IteratorSlotLoader
         self.stream = stream
         # the box keeps the iterator out of the cyclic garbage, so its queues still work when the loader goes: the
         # finalizer only lets go of it, and torch stops its workers at once unless someone still iterates it (as in
         # `for batch in build_dataloader(...)`, where nothing else holds the loader)
         weakref.finalize(self, _release, self._live).atexit = False  # at exit torch's own handling applies
 
-    @property
-    def _iterator(self):
-        return self._live[0]
-
-    @_iterator.setter
-    def _iterator(self, iterator) -> None:
+    def iterator_replaced(self, previous, iterator) -> None:
         # StatefulDataLoader drops its iterator in load_state_dict (whose position is then gone): its workers stop.
         # A new iter() replaces it, but the old one may still be iterated (two iterators, as a DataLoader allows):
         # it keeps its workers, and frees them when it ends or is collected.
-        previous, self._live[0] = self._live[0], iterator
         if iterator is None and previous is not None:
             _stop_workers([previous])
 
     def __iter__(self):
         closed = self._live[0]
-        if getattr(closed, "_shutdown", False):  # close()d (or ended): new workers; persistent ones can't be reset
-            if self._initial_iter_for_state_dict:  # made by state_dict() and never iterated: keep its position
-                self.next_iter_state = closed.state_dict()
-                self._initial_iter_for_state_dict = False
+        if iterator_shut_down(closed):  # close()d (or ended): new workers; persistent ones can't be reset
+            keep_unstarted_iterator_state(self, closed)  # made by state_dict() and never iterated: its position
             self._live[0] = None
         iterator = super().__iter__()
         self.epoch_ended = False
@@ -345,9 +341,7 @@ def _release(box: List[Any]) -> None:
 
 def _stop_workers(box: List[Any]) -> None:
     """Tell the workers of the iterator in `box` to exit and join them (prompt: they are idle or prefetching)."""
-    shutdown = getattr(box[0], "_shutdown_workers", None)  # a single-process iterator has no workers
-    if shutdown is not None:
-        shutdown()
+    shutdown_iterator_workers(box[0])
 
 
 def _slots_per_rank(global_batch_size: Optional[int], micro: int, per_rank: int, dp_size: int) -> int:

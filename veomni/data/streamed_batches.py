@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from torch.utils.data import get_worker_info
 
+from ..compat.torchdata import worker_snapshots
 from .dataset import samples_many
 from .global_batches import BatchingStream, first_fit
 
@@ -165,7 +166,7 @@ def _worker_states(loader_state: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
     workers)."""
     if "dataset_state" in loader_state:
         return {0: loader_state["dataset_state"]}
-    snapshots = loader_state.get("_snapshot", {}).get("_worker_snapshots", {})
+    snapshots = worker_snapshots(loader_state)
     return {s["worker_id"]: s["dataset_state"] for s in snapshots.values() if s.get("dataset_state") is not None}
 
 

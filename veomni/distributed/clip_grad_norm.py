@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..compat.torch import foreach_mul_, foreach_norm, is_strided_shard
+
 # float64 copies are made this many values at a time, so the extra memory stays small for any tensor size
 _CHUNK = 1 << 22
 
@@ -37,7 +39,7 @@ def _group_norm(grads, norm_type: float) -> torch.Tensor:
     """Norm of gradients that share one (mesh, placements): local float64 norms, then one reduction over each
     mesh dimension the gradients are sharded on (a replicated dimension holds copies: it is not summed)."""
     first = grads[0]
-    if isinstance(first, DTensor) and any(type(p).__name__ == "_StridedShard" for p in first.placements):
+    if isinstance(first, DTensor) and any(is_strided_shard(p) for p in first.placements):
         # two shardings of one dim (FSDP over expert-parallel whole experts, muon_expert_zero_comm): summing the
         # local norms per mesh dim was measured wrong here (4 ranks: 1.4538 vs 1.4546), so let DTensor reduce it
         norm = torch.nn.utils.get_total_norm([g.to(torch.float64) for g in grads], norm_type=norm_type)
@@ -46,7 +48,7 @@ def _group_norm(grads, norm_type: float) -> torch.Tensor:
     if local[0].is_cuda:  # CUDA reductions are tree-shaped (no CPU-style drift): one fused kernel for all of them
         tensors = [t for t in local if t.numel()] or [local[0].new_zeros(1)]
         # fp32 results whatever the gradients' dtype: a bf16 norm is rounded (0.2%), an fp16 one overflows at 65504
-        local = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32)).to(torch.float64)
+        local = torch.stack(foreach_norm(tensors, norm_type, dtype=torch.float32)).to(torch.float64)
     else:  # hundreds of per-tensor kernels: cheap on CPU, ~a launch each on an accelerator
         local = torch.stack([_local_norm64(t, norm_type) for t in local])
     norm = torch.linalg.vector_norm(local, norm_type)
@@ -92,5 +94,5 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, norm_type: float = 2
     total = total_grad_norm(params, norm_type).item()
     coef = max_norm / (total + 1e-6)
     if max_norm > 0 and coef < 1.0:  # on the local shards: scaling them scales the DTensor, without its dispatch
-        torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], coef)
+        foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], coef)
     return total

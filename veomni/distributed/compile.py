@@ -12,24 +12,17 @@ forward (non-reentrant), and transformers' own is switched off for the layer.
 """
 
 import types
-from typing import Callable, List, Sequence
+from typing import List, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..compat.transformers import undecorated_forward
 from ..utils.logging import get_logger
 from .fsdp import basic_module_instances
 
 logger = get_logger(__name__)
-
-
-def _undecorated_forward(unit: nn.Module) -> Callable:
-    """The class's own `forward`, without transformers' checkpointing wrappers."""
-    forward = type(unit).forward
-    while forward.__code__.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
-        forward = forward.__wrapped__
-    return forward
 
 
 class CompiledForward:
@@ -37,7 +30,7 @@ class CompiledForward:
 
     def __init__(self, unit: nn.Module):
         self.unit = unit
-        self.compiled = torch.compile(types.MethodType(_undecorated_forward(unit), unit))
+        self.compiled = torch.compile(types.MethodType(undecorated_forward(unit), unit))
         self.checkpointing = bool(getattr(unit, "gradient_checkpointing", False))
         if self.checkpointing:
             unit.gradient_checkpointing = False  # done here, outside the compiled region

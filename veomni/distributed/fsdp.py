@@ -8,7 +8,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from ..compat import replicate
+from ..compat.torch import replicate
+from ..compat.transformers import no_split_modules
 from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
 from .mixed_precision import resolve_precision
@@ -41,7 +42,7 @@ def no_split_module_names(model: nn.Module) -> List[str]:
     name their own blocks), so encoder blocks become FSDP units as decoder layers do."""
     names = []
     for module in model.modules():
-        for name in getattr(type(module), "_no_split_modules", None) or []:
+        for name in no_split_modules(type(module)):
             if name not in names:
                 names.append(name)
     return names

@@ -11,8 +11,8 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from ..compat.torch import local_tensor
 from ..utils.device import empty_cache, get_device, synchronize
 
 
@@ -22,7 +22,7 @@ def _inner_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 def model_device_bytes(model: nn.Module, device: torch.device) -> int:

@@ -18,7 +18,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..compat import flatten_mesh, unflatten_mesh
+from ..compat.torch import flatten_mesh, unflatten_mesh
 
 DENSE_DIMS = ("dp_replicate", "dp_shard", "ulysses", "tp")
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ..compat.transformers import config_experts_implementation
 from ..ops.moe import FUSED, ExpertParallel, set_expert_parallel
 from .parallel_state import ParallelState
 
@@ -26,7 +27,7 @@ def get_parallel_plan(model: nn.Module) -> Dict[str, Shard]:
 def apply_ep(model: nn.Module, state: ParallelState) -> List[nn.Module]:
     """Keep this rank's experts of every planned parameter (as a DTensor over `ep`); return the modules that
     own them, each told how to dispatch tokens (`set_expert_parallel`)."""
-    implementation = getattr(model.config, "_experts_implementation", None)
+    implementation = config_experts_implementation(model.config)
     if implementation != FUSED:
         raise ValueError(
             f"expert parallel needs model.ops_implementation.moe_implementation=fused (the experts run "

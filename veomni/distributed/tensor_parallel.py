@@ -32,12 +32,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ..compat.torch import ColwiseParallelPassingPlainOutputs
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 
-class VocabParallelHead(ColwiseParallel):
+class VocabParallelHead(ColwiseParallelPassingPlainOutputs):
     """ColwiseParallel for the output head: logits come out as a DTensor sharded on the vocabulary.
 
     The chunked loss (veomni/ops/loss.py) takes over the head's forward and returns the summed loss, a plain
@@ -46,12 +47,6 @@ class VocabParallelHead(ColwiseParallel):
 
     def __init__(self):
         super().__init__(output_layouts=Shard(-1), use_local_output=False)
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if not isinstance(outputs, DTensor):
-            return outputs
-        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 def dense_decoder_plan() -> Dict[str, ParallelStyle]:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
+from ..compat.transformers import config_attn_implementation
 from ..models.multimodal import model_class_for
 from ..utils.logging import get_logger
 from .activation_checkpointing import apply_ac
@@ -98,7 +99,7 @@ def _reference_init(model: nn.Module) -> Callable[[], nn.Module]:
 
     def build():
         dtype = next(model.parameters()).dtype
-        attn = model.config._attn_implementation
+        attn = config_attn_implementation(model.config)
         return model_class_for(model.config).from_config(model.config, attn_implementation=attn, dtype=dtype)
 
     return build

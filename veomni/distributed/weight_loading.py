@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from ..compat.torch import parameter_slots
 from ..models.loader import ModelWeights, WeightsMismatchError, tied_parameter_names
 from ..utils.device import get_device
 from ..utils.logging import get_logger
@@ -98,7 +99,7 @@ def local_index(target: torch.Tensor) -> Optional[Tuple[slice, ...]]:
 def _shared_parameter_slots(model: nn.Module) -> List[List[Tuple[nn.Module, str]]]:
     slots: Dict[int, List[Tuple[nn.Module, str]]] = {}
     for module in model.modules():
-        for attr, param in module._parameters.items():
+        for attr, param in parameter_slots(module).items():
             if param is not None:
                 slots.setdefault(id(param), []).append((module, attr))
     return [group for group in slots.values() if len(group) > 1]

@@ -20,6 +20,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..compat.torch import non_persistent_buffer_names, parameter_slots
+from ..compat.transformers import keys_to_ignore_on_load_unexpected
 from ..utils.logging import get_logger
 from .hf_conversion import OMNI_NON_THINKER_PREFIXES, TensorGroup, convert_group, plan_load, plan_save
 
@@ -193,7 +195,8 @@ def init_empty_weights():
         original(module, name, param)
         if param is not None and not param.is_meta:  # a meta param re-registered (weight tying) stays the same object
             kwargs = {"requires_grad": param.requires_grad}
-            module._parameters[name] = nn.Parameter(module._parameters[name].to("meta"), **kwargs)
+            slots = parameter_slots(module)
+            slots[name] = nn.Parameter(slots[name].to("meta"), **kwargs)
 
     nn.Module.register_parameter = register_parameter
     try:
@@ -216,7 +219,7 @@ def tied_parameter_names(model: nn.Module) -> List[str]:
 def non_persistent_buffers(model: nn.Module) -> set:
     names = set()
     for prefix, module in model.named_modules():
-        for b in module._non_persistent_buffers_set:
+        for b in non_persistent_buffer_names(module):
             names.add(f"{prefix}.{b}" if prefix else b)
     return names
 
@@ -225,7 +228,7 @@ def ignored_unexpected(model: nn.Module) -> Optional["re.Pattern"]:
     """Checkpoint keys `from_pretrained` drops without a word (`_adjust_missing_and_unexpected_keys`): the model's
     `_keys_to_ignore_on_load_unexpected` (an MTP head, an Omni talker), old per-layer `rotary_emb.inv_freq`, and
     `position_ids` buffers."""
-    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    patterns = set(keys_to_ignore_on_load_unexpected(model))
     buffers = [name for name, _ in model.named_buffers()]
     if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
         patterns.add(r"rotary_emb\.inv_freq")

@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..compat.transformers import set_config_experts_implementation
+
 # model_type -> the encoder kinds its forward can consume, in the order the adapter runs them
 _ENCODER_INPUTS = {
     "image": ("pixel_values", "image_grid_thw"),
@@ -82,7 +84,7 @@ def set_experts_implementation(config, implementation: Optional[str]) -> None:
     """The MoE experts read `_experts_implementation` from their own (text) sub-config."""
     for cfg in (config, getattr(config, "text_config", None)):
         if cfg is not None:
-            cfg._experts_implementation = implementation
+            set_config_experts_implementation(cfg, implementation)
 
 
 # --------------------------------------------------------------------------------------------- dummy inputs

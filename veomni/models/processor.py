@@ -10,11 +10,11 @@ import contextlib
 import importlib.util
 import json
 import os
-from collections.abc import Mapping
-from unittest import mock
 
 import transformers
 from transformers import AutoProcessor
+
+from ..compat.transformers import processor_without_video
 
 
 def torchvision_available() -> bool:
@@ -27,30 +27,6 @@ def torchvision_available() -> bool:
     return True
 
 
-class _NoVideoProcessor:
-    """Stands in for AutoVideoProcessor while loading: the processor's video part is None."""
-
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        return None
-
-
-class _VideoStub(Mapping):
-    """transformers' modality -> Auto class mapping, with the video entry answered by `_NoVideoProcessor`."""
-
-    def __init__(self, base):
-        self.base = base
-
-    def __getitem__(self, key):
-        return _NoVideoProcessor if key == "video_processor" else self.base[key]
-
-    def __iter__(self):
-        return iter(self.base.keys())
-
-    def __len__(self):
-        return len(self.base.keys())
-
-
 @contextlib.contextmanager
 def without_video_processor(processor_cls, saving: bool = False, force: bool = False):
     """Within the block, `processor_cls` is built, loaded (and with `saving=True` saved) with no video processor;
@@ -58,27 +34,7 @@ def without_video_processor(processor_cls, saving: bool = False, force: bool = F
     if (torchvision_available() and not force) or "video_processor" not in processor_cls.get_attributes():
         yield
         return
-    from transformers import processing_utils
-
-    original_check = processor_cls.check_argument_for_proper_class
-
-    def check(self, name, argument):
-        return None if argument is None else original_check(self, name, argument)
-
-    patches = [
-        mock.patch.object(processor_cls, "check_argument_for_proper_class", check),
-        mock.patch.object(
-            processing_utils,
-            "MODALITY_TO_AUTOPROCESSOR_MAPPING",
-            _VideoStub(processing_utils.MODALITY_TO_AUTOPROCESSOR_MAPPING),
-        ),
-    ]
-    if saving:  # `save_pretrained` walks the attributes by name; positional construction needs them all
-        attributes = [a for a in processor_cls.get_attributes() if a != "video_processor"]
-        patches.append(mock.patch.object(processor_cls, "get_attributes", classmethod(lambda cls: list(attributes))))
-    with contextlib.ExitStack() as stack:
-        for patch in patches:
-            stack.enter_context(patch)
+    with processor_without_video(processor_cls, saving=saving):
         yield
 
 

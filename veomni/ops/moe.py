@@ -17,10 +17,11 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ExpertsInterface
 
+from ..compat.torch import all_to_all_single_autograd, grouped_mm, grouped_mm_available
+from ..compat.transformers import experts_gate
 from .loss import IGNORE_INDEX
 
 FUSED = "veomni_fused"
@@ -50,10 +51,10 @@ def _grouped_mlp(
     (a deadlock). Which kernel runs may follow the local counts; what the graph connects may not.
     """
     rows = x.shape[0]
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and rows:
+    if grouped_mm_available(x) and rows:
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        hidden = apply_gate(torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets))
-        return torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
+        hidden = apply_gate(grouped_mm(x, gate_up.transpose(1, 2), offs=offsets))
+        return grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
     if max(counts, default=0) * len(counts) <= 1.5 * rows:  # balanced, or no rows at all
         return _padded_bmm_mlp(x, counts, gate_up, down, apply_gate)
     linear = torch.nn.functional.linear
@@ -95,9 +96,9 @@ def fused_experts_forward(
         x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
     ep = _EXPERT_PARALLEL.get(self)
     if ep is None:
-        y = _grouped_mlp(x, counts.tolist(), gate_up, down, self._apply_gate)
+        y = _grouped_mlp(x, counts.tolist(), gate_up, down, experts_gate(self))
     else:
-        y = _expert_parallel_mlp(x, counts, gate_up, down, self._apply_gate, ep)
+        y = _expert_parallel_mlp(x, counts, gate_up, down, experts_gate(self), ep)
     y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
     out = torch.zeros_like(hidden_states)
     return out.index_add_(0, token_of, y.to(out.dtype))

@@ -4,6 +4,8 @@ from typing import Dict, List
 
 import torch
 
+from ..compat.torch import reset_optimizer_step_hooks
+
 
 class MultiOptimizer(torch.optim.Optimizer):
     """Steps, zeroes and schedules its inner optimizers together; `optimizers_dict` names them for checkpoints
@@ -26,7 +28,7 @@ class MultiOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"a parameter is given to more than one optimizer (again in {name!r})")
                     seen.add(id(p))
         self.defaults = {}
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        reset_optimizer_step_hooks(self)
 
     @property
     def param_groups(self) -> List[dict]:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..compat.torch import local_tensor
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -113,7 +114,7 @@ def shard_sizes(length: int, parts: int) -> List[int]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t)
 
 
 # ------------------------------------------------------------------------------------------ the exchange

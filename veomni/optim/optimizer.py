@@ -6,6 +6,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 from torch import nn
 
+from ..compat.torch import fused_kernel_devices
 from ..utils.logging import get_logger
 from .anyprecision_adamw import AnyPrecisionAdamW
 from .multi_optimizer import MultiOptimizer
@@ -33,9 +34,7 @@ def _kernel_choice(groups: List[Dict], fused: Optional[bool]) -> Dict[str, bool]
     for 4M FSDP2 parameters) wherever torch has the kernel for every parameter's device; `foreach` elsewhere.
     `fused=True` insists (torch raises where it cannot), `fused=False` keeps `foreach`."""
     if fused is None:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        supported = _get_fused_kernels_supported_devices()
+        supported = fused_kernel_devices()
         params = [p for g in groups for p in g["params"]]
         fused = all(p.device.type in supported and p.is_floating_point() for p in params)
     return {"fused": True} if fused else {"foreach": True}

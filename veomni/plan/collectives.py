@@ -15,7 +15,8 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..compat.torch import TorchDispatchMode, op_schema, resolve_process_group
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 
@@ -52,14 +53,12 @@ def _nbytes(value) -> int:
 
 def _group_ranks(func, args, kwargs) -> Tuple[int, ...]:
     """Functional collectives name their group (`group_name`); c10d ops carry the ProcessGroup (`process_group`)."""
-    for i, schema_arg in enumerate(func._schema.arguments):
+    for i, schema_arg in enumerate(op_schema(func).arguments):
         if schema_arg.name not in ("group_name", "process_group"):
             continue
         value = args[i] if i < len(args) else kwargs[schema_arg.name]
         if isinstance(value, str):
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            group = _resolve_process_group(value)
+            group = resolve_process_group(value)
         else:
             group = dist.ProcessGroup.unbox(value)
         return tuple(dist.get_process_group_ranks(group))
@@ -80,7 +79,7 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        namespace, name = func.namespace, func._schema.name.split("::")[-1]
+        namespace, name = func.namespace, op_schema(func).name.split("::")[-1]
         table = _C10D if namespace == "c10d" else _FUNCTIONAL if namespace.startswith("_c10d_functional") else {}
         if name in table:
             kind, index = table[name]

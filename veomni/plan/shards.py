@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from ..compat.torch import DTENSOR_REDISTRIBUTE_LOGGER, fsdp_param_group
+
 Ranks = Optional[Tuple[int, ...]]
 
 
@@ -79,7 +81,7 @@ def _fsdp_units(model: nn.Module) -> List[Unit]:
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        group = module._get_fsdp_state()._fsdp_param_group
+        group = fsdp_param_group(module)
         if group is None:
             continue
         info = group.mesh_info
@@ -145,7 +147,7 @@ def quiet_torch_warnings():
     concern; silenced while the norm is counted."""
     import logging
 
-    return _LoggerLevel(logging.getLogger("torch.distributed.tensor._redistribute"), logging.ERROR)
+    return _LoggerLevel(logging.getLogger(DTENSOR_REDISTRIBUTE_LOGGER), logging.ERROR)
 
 
 class _LoggerLevel:

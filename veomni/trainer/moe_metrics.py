@@ -28,16 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat.torch import in_backward
+from ..compat.transformers import is_experts_module
+
 
 def experts_modules(model: nn.Module) -> List[nn.Module]:
     """The experts modules of `model`, in model order: one per MoE layer (shared experts are plain MLPs)."""
-    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass: where activation checkpointing recomputes a layer's forward."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    return [m for m in model.modules() if is_experts_module(m)]
 
 
 class RoutingCounter:
@@ -56,7 +53,7 @@ class RoutingCounter:
         # compiled decoder layers run it eagerly: bincount's output shape depends on data
         @torch.compiler.disable
         def count(module, args, kwargs):
-            if _in_backward():  # a checkpoint recompute: these tokens were counted in the forward
+            if in_backward():  # a checkpoint recompute: these tokens were counted in the forward
                 return
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
             routed = torch.bincount(index.reshape(-1), minlength=self.num_experts)

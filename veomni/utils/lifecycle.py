@@ -32,6 +32,8 @@ import time
 import traceback
 from typing import Callable, Optional
 
+from ..compat.torch_runtime import default_store
+
 # stop signals by precedence when ranks saw different ones; SIGHUP is the launcher's death (see watch_parent)
 STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 ERROR_EXIT_CODE = 1
@@ -166,15 +168,7 @@ def install_stop_handlers() -> None:
 def _default_store():
     # never import torch from here: the heartbeat thread starts before the task imports it, and a second thread
     # importing a half-initialised torch raises (which silently killed the heartbeat). No torch, no group, no store.
-    dist = sys.modules.get("torch.distributed")
-    if dist is None:
-        return None
-    try:
-        if not dist.is_available() or not dist.is_initialized():
-            return None
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+    return default_store()
 
 
 def _heartbeat_loop(stop: threading.Event) -> None:

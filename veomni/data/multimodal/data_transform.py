@@ -19,12 +19,12 @@ each frame goes through the image processor and consecutive frames are paired in
 patch layout (t, h/m, w/m, m, m) x (C, temporal_patch, p, p), with the image processor's resizing.
 """
 
-import sys
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
+from ...compat.transformers import calculate_timestamps, feat_extract_output_lengths
 from ..data_transform import DataFormatError
 from .preprocess import AUDIO_SAMPLING_RATE, conversation_from_sample, media_of
 
@@ -84,7 +84,7 @@ def audio_token_count(processor, feature_lengths: torch.Tensor) -> torch.Tensor:
     """Audio placeholder tokens per clip, by the processor module's own `_get_feat_extract_output_lengths`
     (Qwen2.5-Omni: conv stride 2 then 2x pooling; Qwen3-Omni: per 100-frame chunk); Qwen2.5-Omni's rule if the
     module has none."""
-    own = getattr(sys.modules.get(type(processor).__module__), "_get_feat_extract_output_lengths", None)
+    own = feat_extract_output_lengths(processor)
     if own is not None:
         return own(feature_lengths)
     return ((feature_lengths - 1) // 2 + 1 - 2) // 2 + 1
@@ -106,7 +106,7 @@ def _replacements(processor, features, style: str, fps: float) -> Dict[str, List
         for grid in features["video_grid_thw"]:
             if style == "qwen3":  # one `<t seconds>` + vision block per temporal patch (Qwen3VLProcessor's layout)
                 frames = int(grid[0]) * processor.image_processor.temporal_patch_size
-                stamps = processor._calculate_timestamps(list(range(frames)), fps, merge_size=frames // int(grid[0]))
+                stamps = calculate_timestamps(processor, list(range(frames)), fps, merge_size=frames // int(grid[0]))
                 per_frame = video_token * int(grid[1:].prod() // merge)
                 start, end = tok.convert_ids_to_tokens([processor.vision_start_token_id, processor.vision_end_token_id])
                 out["video"].append("".join(f"<{t:.1f} seconds>{start}{per_frame}{end}" for t in stamps))

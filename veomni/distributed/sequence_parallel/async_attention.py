@@ -15,12 +15,12 @@ It computes exactly what the synchronous path computes (same ops, same order); t
 A module of another shape keeps its own forward and runs synchronous Ulysses through the attention interface.
 """
 
-import sys
 import types
 from typing import Set, Tuple
 
 import torch
 
+from ...compat.transformers import config_attn_implementation, modeling_global
 from .comm import kv_replication, launch_seq_to_heads, repeat_kv_heads
 from .ulysses import PREFIX, attend_heads, sp_group
 
@@ -31,7 +31,7 @@ def async_ulysses_forward(self, hidden_states, position_embeddings, attention_ma
     if past_key_values is not None:
         raise ValueError("Ulysses sequence parallelism is for training: no KV cache")
     group = sp_group()
-    rotate_half = sys.modules[type(self).__module__].rotate_half
+    rotate_half = modeling_global(self, "rotate_half")
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = (t.unsqueeze(1) for t in position_embeddings)
@@ -52,7 +52,7 @@ def async_ulysses_forward(self, hidden_states, position_embeddings, attention_ma
         key,
         value,
         attention_mask,
-        self.config._attn_implementation[len(PREFIX) :],
+        config_attn_implementation(self.config)[len(PREFIX) :],
         group,
         dropout=0.0 if not self.training else self.attention_dropout,
         scaling=self.scaling,

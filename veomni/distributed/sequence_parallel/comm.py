@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from ...compat.torch import all_to_all_single_autograd
 
 
 class PendingHeads:

@@ -15,7 +15,6 @@ flash_attention_2/3) get them as kwargs; the others (sdpa, eager) get a block-di
 GQA with fewer KV heads than ulysses_size repeats each KV head just enough to split them over the ranks.
 """
 
-import sys
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -24,6 +23,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ...compat.transformers import config_attn_implementation, modeling_global, set_config_attn_implementation
 from ...ops.attention import VARLEN, _cu_seqlens_from_position_ids
 from ...utils.logging import get_logger
 from .comm import PendingHeads, gather_seq, heads_to_seq, kv_replication, launch_seq_to_heads, repeat_kv_heads
@@ -54,7 +54,7 @@ class _LocalHeads:
 
 def _inner_function(module: torch.nn.Module, inner: str):
     if inner == "eager":  # each modeling file has its own eager attention; use the module's
-        return sys.modules[type(module).__module__].eager_attention_forward
+        return modeling_global(module, "eager_attention_forward")
     return ALL_ATTENTION_FUNCTIONS.get_interface(inner, None)
 
 
@@ -150,7 +150,7 @@ def attend_heads(
 @torch.compiler.disable
 def ulysses_attention_forward(module, query, key, value, attention_mask, **kwargs):
     """The registered `veomni_ulysses:<inner>` attention: [B, H, S/sp, D] in, ([B, S/sp, H, D], None) out."""
-    inner = module.config._attn_implementation[len(PREFIX) :]
+    inner = config_attn_implementation(module.config)[len(PREFIX) :]
     group = sp_group()
     q, k, v, _ = launch_qkv(query, key, value, group)
     return attend_heads(module, q, k, v, attention_mask, inner, group, **kwargs), None
@@ -178,9 +178,9 @@ def apply_ulysses(model: torch.nn.Module, async_enabled: bool = False) -> str:
     global document boundaries instead.
     """
     config = model.config.get_text_config()
-    inner = config._attn_implementation
+    inner = config_attn_implementation(config)
     name = ulysses_name(inner)
-    config._attn_implementation = name
+    set_config_attn_implementation(config, name)
     if async_enabled:
         from .async_attention import patch_async_attention
 

@@ -1,0 +1,47 @@
+"""Private torch symbols of the process lifecycle: torchrun's worker teardown and c10d's default store.
+
+Nothing here imports torch at module load: the launcher imports torch.distributed.run only when it starts, and
+the heartbeat thread runs before the task has imported torch (a second thread importing a half-initialised torch
+raises), so each adapter imports what it needs when called.
+"""
+
+import sys
+from typing import List, Tuple
+
+__all__ = ["bound_worker_close_grace", "default_store"]
+
+PRIVATE_SYMBOLS: List[Tuple[str, str, str]] = [
+    ("torch.distributed.elastic.multiprocessing.api", "PContext.close", "failure teardown grace (launch.py)"),
+    ("torch.distributed.distributed_c10d", "_get_default_store", "the heartbeat's liveness keys"),
+]
+
+
+def bound_worker_close_grace(grace_s: int) -> bool:
+    """Make torchrun's `PContext.close` (how it stops the other workers when one fails) wait at most `grace_s`
+    before SIGKILL instead of its fixed 30 s, by patching the class for this launcher process. Returns False (and
+    changes nothing) where this torch has no PContext: the teardown then keeps torchrun's own 30 s."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import PContext
+    except ImportError:
+        return False
+    close = PContext.close
+
+    def close_with_grace(self, death_sig=None, timeout=grace_s):
+        return close(self, death_sig, timeout)
+
+    PContext.close = close_with_grace
+    return True
+
+
+def default_store():
+    """The default process group's TCPStore (c10d's private `_get_default_store`), or None: no torch imported
+    yet, no group, or the private function gone (the heartbeat then runs without the store)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    try:
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
