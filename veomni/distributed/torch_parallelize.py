@@ -134,6 +134,6 @@ def build_parallelize_model(
     `compile_basic_modules`).
     """
     given = locals()
-    config = ParallelizeConfig(**{f.name: given[f.name] for f in fields(ParallelizeConfig)})
+    config = ParallelizeConfig(**{f.name: given[f.name] for f in fields(ParallelizeConfig) if f.name in given})
     config.basic_modules = list(basic_modules or [])
     return parallelize(model, get_parallel_state(), config)
