@@ -6,9 +6,10 @@ by predicted step time. Options other than the planner's own are config override
 """
 
 import argparse
+import contextlib
 import sys
 import time
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from .cost import GPUS
 
@@ -27,13 +28,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_build_logs() -> None:
-    """The plan's own model builds log as a training run's do (FSDP2 over mesh ...): noise here."""
+@contextlib.contextmanager
+def _quiet_build_logs() -> Iterator[None]:
+    """The plan's own model builds log as a training run's do (FSDP2 over mesh ...): noise here. Restored after,
+    since `main` may run inside another program (a test, a notebook)."""
     import logging
 
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("veomni"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    names = [name for name in list(logging.root.manager.loggerDict) if name.startswith("veomni")]
+    saved = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -41,19 +50,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .planner import plan
     from .report import render
 
-    _quiet_build_logs()
     start = time.perf_counter()
-    result = plan(
-        [options.config, *overrides],
-        options.nnodes,
-        options.nproc_per_node,
-        options.gpu,
-        options.mfu,
-        options.intra_node_gbps,
-        options.inter_node_gbps,
-        options.tokens,
-        options.top,
-    )
+    with _quiet_build_logs():
+        result = plan(
+            [options.config, *overrides],
+            options.nnodes,
+            options.nproc_per_node,
+            options.gpu,
+            options.mfu,
+            options.intra_node_gbps,
+            options.inter_node_gbps,
+            options.tokens,
+            options.top,
+        )
     print(render(result))
     print(f"(planned in {time.perf_counter() - start:.1f} s)")
     return 0

@@ -9,21 +9,35 @@ import sys
 EVERY_RANK = {"every_rank": True}
 
 
+def _rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
 def _said_by_this_rank(record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.ERROR or getattr(record, "every_rank", False)
+    """Decided when the record is emitted, not when the logger was made: a module first imported while RANK named
+    another rank (a planner's fake world, a test) must not stay quiet on rank 0 for the rest of the process."""
+    if _rank() == "0":
+        return True
+    return record.levelno >= logging.ERROR or (
+        record.levelno >= logging.WARNING and getattr(record, "every_rank", False)
+    )
+
+
+class _RankFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        record.rank = _rank()
+        return super().format(record)
 
 
 def get_logger(name: str = "veomni") -> logging.Logger:
     logger = logging.getLogger(name)
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stdout)
-        rank = os.environ.get("RANK", "0")
         handler.setFormatter(
-            logging.Formatter(f"[%(asctime)s rank{rank} %(levelname)s %(name)s] %(message)s", "%H:%M:%S")
+            _RankFormatter("[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S")
         )
-        if rank != "0":
-            handler.addFilter(_said_by_this_rank)
+        handler.addFilter(_said_by_this_rank)
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO if rank == "0" else logging.WARNING)
+        logger.setLevel(logging.INFO)
         logger.propagate = False
     return logger
