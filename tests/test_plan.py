@@ -135,3 +135,14 @@ def test_cli_plans_and_suggests_layouts(capsys):
     out = capsys.readouterr().out
     assert "rank 0:" in out and "rank 15:" in out and "predicted peak" in out
     assert "all_gather      fsdp" in out and "layouts that fit" in out and "real plan" in out
+
+
+def test_cli_plans_a_recipe_whose_config_needs_many_ranks(capsys):
+    """The Qwen3-30B-A3B recipe asks for ep 8: its own sizes are read for the smallest world they fit (it failed
+    when they were read for one rank)."""
+    from veomni.plan.__main__ import main
+
+    recipe = os.path.join(REPO, "configs", "text", "qwen3_moe_muon.yaml")
+    assert main([recipe, "--nnodes", "2", "--nproc-per-node", "8", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "all_to_all      ep" in out and "layouts that fit" in out

@@ -55,7 +55,7 @@ class PlanResult:
 def _parse(argv: List[str], world: int, notes: List[str]):
     """The run's arguments on `world` ranks, and its global batch in tokens. A global batch that does not split
     over this many data-parallel ranks is planned as one micro-batch per rank per step, in as many tokens."""
-    base = load_args(argv, 1)
+    base = load_args(argv, None)  # the config's own sizes (an ep 8 recipe needs 8 ranks)
     tokens = (base.train.global_batch_size or base.train.micro_batch_size) * base.data.max_seq_len
     try:
         return load_args(argv, world), tokens

@@ -15,15 +15,18 @@ from .model_shape import ModelShape
 from .shards import RankPlan, read_rank_plan
 
 
-def load_args(argv: List[str], world_size: int) -> VeOmniArguments:
-    """`CONFIG.yaml --key value ...` parsed as a run on `world_size` ranks would parse it."""
+def load_args(argv: List[str], world_size: Optional[int]) -> VeOmniArguments:
+    """`CONFIG.yaml --key value ...` parsed as a run on `world_size` ranks would parse it (None: as outside
+    torchrun, for the smallest world its sizes fit)."""
     saved = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world_size)  # parse_args resolves dp sizes against it
+    os.environ.pop("WORLD_SIZE", None)
+    if world_size is not None:
+        os.environ["WORLD_SIZE"] = str(world_size)  # parse_args resolves dp sizes against it
     try:
         return parse_args(VeOmniArguments, list(argv))
     finally:
         if saved is None:
-            os.environ.pop("WORLD_SIZE")
+            os.environ.pop("WORLD_SIZE", None)
         else:
             os.environ["WORLD_SIZE"] = saved
 
