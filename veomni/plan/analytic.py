@@ -12,10 +12,12 @@ import fnmatch
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
+from ..distributed.parallel_dims import ExtraDim, ParallelDims
 from .shards import RankPlan, Unit
 
 
@@ -30,13 +32,19 @@ class Layout:
     checkpointing: bool = False
     mb_tokens: int = 0  # tokens of one micro-batch of a data-parallel rank (before the Ulysses split)
 
+    @cached_property
+    def dims(self) -> ParallelDims:
+        """The degrees as the run resolves them (one formula: veomni.distributed.parallel_dims)."""
+        extras = (ExtraDim("ep", self.ep),) if self.ep > 1 else ()
+        return ParallelDims(self.world, self.dp_replicate, self.dp_shard, self.ulysses, self.tp, extras)
+
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.dims.dp
 
     @property
     def fsdp(self) -> int:
-        return self.dp_shard * self.ulysses
+        return self.dims.fsdp
 
     def strides(self) -> Dict[str, int]:
         """Rank distance between neighbours of each group: mesh (dp_replicate, dp_shard, ulysses, tp), tp innermost;
@@ -131,5 +139,5 @@ class ShapeModel:
             Unit(name or "<root>", label, parts, layout.dp_replicate if label == "fsdp" else 1, numel, is_root=not name)
             for (name, label), (parts, numel) in units.items()
         ]
-        sizes = {"dp_sp": layout.dp * layout.ulysses, "tp": layout.tp, "ulysses": layout.ulysses, "ep": layout.ep}
+        sizes = {"dp_sp": layout.dims.dp_sp, "tp": layout.tp, "ulysses": layout.ulysses, "ep": layout.ep}
         return RankPlan(0, param_bytes, grad_bytes, optimizer_bytes, plan_units, [], {}, reshard, sizes)
