@@ -1,4 +1,4 @@
-"""Checkpoints: DCP save/load with atomic publish, resume-by-default planning of output_dir, HF export."""
+"""Checkpoints: DCP save/load with atomic publish, resume-by-default planning of output_dir, HF (and LoRA) export."""
 
 from .checkpointer import (
     Checkpointer,
@@ -10,6 +10,7 @@ from .checkpointer import (
     set_rng_state,
 )
 from .hf_export import dcp_to_hf, save_hf_model
+from .lora_export import save_lora_model
 from .run_dir import RunDirError, RunPlan, move_run_aside, plan_run
 
 __all__ = [
@@ -25,5 +26,6 @@ __all__ = [
     "resolve_checkpoint",
     "rng_state",
     "save_hf_model",
+    "save_lora_model",
     "set_rng_state",
 ]

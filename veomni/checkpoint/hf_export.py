@@ -1,23 +1,33 @@
 """Consolidated HF-format folders (config.json, safetensors shards + index, tokenizer / processor files), from a
 live (sharded) model or from a DCP checkpoint, loadable by plain `transformers.AutoModelForCausalLM.from_pretrained`
-(`AutoModelForImageTextToText` and `AutoProcessor` for vision/audio-language models)."""
+(`AutoModelForImageTextToText` and `AutoProcessor` for vision/audio-language models).
+
+Every rank writes: the folder's layout (which tensor goes to which shard, at which byte) is computed from names,
+shapes and dtypes alone on every rank alike (safetensors_layout.py), rank 0 creates the files, and each rank writes
+what it holds into them. A tensor kept as blocks of whole rows (FSDP2's dim-0 shards, plain replicas) is written by
+the rank that holds each block, with no communication; one that must be converted (MoE experts split into the hub's
+per-expert keys, a LoRA merge) or is sharded otherwise (a TP column shard) is gathered, one at a time, and written
+by the rank whose turn it is. So no rank holds more than its own shards plus one tensor in flight. Key names and
+layouts are transformers' own rules (`save_pretrained`'s), through models/hf_conversion.py.
+"""
 
 import copy
-import json
-import math
 import os
 import shutil
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from safetensors.torch import save_file
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..models.hf_conversion import TensorGroup, convert_group, plan_save
-from ..models.loader import tied_parameter_names
-from ..utils.collectives import on_rank0
+from ..models.loader import local_index, tied_sources
+from ..utils.collectives import on_every_rank, on_rank0
 from ..utils.logging import get_logger
+from .safetensors_layout import Layout, Spec, nbytes, shard_names
 
 logger = get_logger(__name__)
 
@@ -36,6 +46,7 @@ TOKENIZER_FILES = (
     "processor_config.json",
     "chat_template.json",
 )
+Shapes = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
 
 
 def export_config(config, out_dir: str, architecture: Optional[str] = None) -> None:
@@ -58,84 +69,6 @@ def copy_tokenizer(tokenizer_dir: Optional[str], out_dir: str) -> None:
             shutil.copy2(src, os.path.join(out_dir, name))
 
 
-def save_readable(tensors: Dict[str, torch.Tensor], path: str) -> None:
-    """`save_file`, then the permissions any other file gets here: safetensors writes through a private temporary
-    file (mode 0600), which would make an exported model unreadable to everyone else."""
-    save_file(tensors, path, metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-
-
-def _buckets(sizes: List[Tuple[object, int]], max_shard_bytes: int) -> List[List[object]]:
-    """Consecutive items in shards of at most `max_shard_bytes` (an item larger than that gets a shard of its own)."""
-    shards, current, size = [], [], 0
-    for item, nbytes in sizes:
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(item)
-        size += nbytes
-    return shards + [current]
-
-
-def write_hf_shards(
-    out_dir: str, shards: List[List[object]], produce: Callable[[List[object]], Dict[str, torch.Tensor]]
-) -> None:
-    """One `model.safetensors`, or `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json` (written
-    last, so a reader never sees an index pointing at missing shards). `produce(shard)` gives one shard's tensors,
-    so only one shard is in memory at a time."""
-    os.makedirs(out_dir, exist_ok=True)
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards, 1):
-        tensors = {name: t.detach().contiguous().cpu() for name, t in produce(shard).items()}
-        file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_readable(tensors, os.path.join(out_dir, file))
-        for name, t in tensors.items():
-            weight_map[name] = file
-            total += t.numel() * t.element_size()
-        del tensors
-    if len(shards) > 1:
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
-
-
-def write_safetensors(state_dict: Dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Tensors exactly as given (no renaming), in shards of at most `max_shard_bytes`."""
-    names = sorted(state_dict)
-    sizes = [(n, state_dict[n].numel() * state_dict[n].element_size()) for n in names]
-    write_hf_shards(out_dir, _buckets(sizes, max_shard_bytes), lambda shard: {n: state_dict[n] for n in shard})
-
-
-def write_hub_layout(
-    model: nn.Module,
-    shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
-    read: Callable[[List[str]], Dict[str, torch.Tensor]],
-    out_dir: str,
-    max_shard_bytes: int,
-) -> None:
-    """Write the model tensors named in `shapes` under the key layout `save_pretrained` writes for `model`'s class
-    (per-expert MoE keys, the hub names of VL/Omni models): transformers' own rules, reversed. `read(names)` gives
-    the model tensors of one shard, which are converted and written before the next shard is read."""
-    groups = plan_save(model, shapes)
-    sizes = [(group, sum(_nbytes(*shapes[key]) for key in group.keys)) for group in groups]
-
-    def produce(shard: List[TensorGroup]) -> Dict[str, torch.Tensor]:
-        tensors = read([key for group in shard for key in group.keys])
-        out = {}
-        for group in shard:
-            converted = convert_group(group, {key: tensors.pop(key) for key in group.keys}, model)
-            # a converter's outputs may be views of one tensor: safetensors refuses shared storage
-            out.update({name: t if group.is_rename else t.clone() for name, t in converted.items()})
-        return out
-
-    write_hf_shards(out_dir, _buckets(sizes, max_shard_bytes), produce)
-
-
 def architecture_of(model) -> str:
     names = getattr(model.config, "architectures", None)
     if names:
@@ -144,37 +77,197 @@ def architecture_of(model) -> str:
     return name[4:] if name.startswith("FSDP") else name
 
 
-def save_hf_model(model, out_dir: str, tokenizer_dir: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Gather the full weights of a (sharded) model to rank 0 and write an HF folder there (call on all ranks)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
-    # rank 0 writes; a failure there (a full disk) ends every rank at once
-    on_rank0(lambda: write_hf_folder(model, state, out_dir, tokenizer_dir, max_shard_bytes))
+# ------------------------------------------------------------------------------------------------ the plan
+@dataclass
+class Item:
+    """Output tensors made from some model tensors: `convert(tensors)` gives them, or (None) the one model tensor
+    is written as it is under the one output name."""
+
+    keys: List[str]
+    outputs: List[Spec]
+    convert: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None
 
 
-def write_hf_folder(
-    model, state: Dict[str, torch.Tensor], out_dir: str, tokenizer_dir: Optional[str], max_shard_bytes: int
+def hub_items(model: nn.Module, shapes: Shapes) -> List[Item]:
+    """The model tensors in `shapes` as `save_pretrained` writes them for `model`'s class (per-expert MoE keys, the
+    hub names of VL/Omni models): transformers' rules reversed, each converter's outputs found on meta tensors."""
+    items = []
+    for group in plan_save(model, shapes):
+        if group.is_rename:
+            (key,) = group.keys
+            items.append(Item([key], [(group.target, *shapes[key])]))
+            continue
+        fake = {key: torch.empty(shapes[key][0], dtype=shapes[key][1], device="meta") for key in group.keys}
+        outputs = [(name, tuple(t.shape), t.dtype) for name, t in convert_group(group, fake, model).items()]
+        items.append(Item(list(group.keys), outputs, _converter(group, model)))
+    return items
+
+
+def _converter(group: TensorGroup, model: nn.Module):
+    return lambda tensors: convert_group(group, tensors, model)
+
+
+def _files(items: Sequence[Item], max_shard_bytes: int, single: Optional[str]) -> Dict[str, List[Spec]]:
+    """Consecutive items in files of at most `max_shard_bytes` (an item larger than that gets a file of its own),
+    named as transformers names shards; `single`: one file of that name."""
+    if single is not None:
+        return {single: [spec for item in items for spec in item.outputs]}
+    shards, size = [[]], 0
+    for item in items:
+        item_bytes = sum(nbytes(shape, dtype) for _, shape, dtype in item.outputs)
+        if shards[-1] and size + item_bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1] += item.outputs
+        size += item_bytes
+    return dict(zip(shard_names(len(shards)), shards))
+
+
+# ------------------------------------------------------------------------------------------------ writing
+class _Sink:
+    """This rank's writes into the folder; the first failure is kept (and nothing written after it), so the rank
+    still joins every collective and the failure is told to all ranks at the end instead of hanging them."""
+
+    def __init__(self, layout: Layout, folder: str):
+        self.layout, self.folder, self.error = layout, folder, None
+
+    def write(self, produce: Callable[[], Dict[str, torch.Tensor]], first_row: int = 0) -> None:
+        if self.error is not None:
+            return
+        try:
+            for name, tensor in produce().items():
+                self.layout.write(self.folder, name, tensor, first_row)
+        except Exception as err:
+            self.error = err
+
+    def finish(self) -> None:
+        try:
+            self.layout.close(sync=self.error is None)
+        except OSError as err:
+            self.error = self.error or err
+        if self.error is not None:
+            raise self.error
+
+
+def _rank_world() -> Tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def write_folder(
+    items: Sequence[Item],
+    write_item: Callable[[int, Item, _Sink], None],
+    out_dir: str,
+    finish: Callable[[str], None],
+    max_shard_bytes: int = 5 * 2**30,
+    single: Optional[str] = None,
 ) -> None:
-    """`state` (full tensors under `model`'s names; consumed) as an HF folder, replacing `out_dir` at once."""
-    tied = set(tied_parameter_names(model))
-    kept = {k: v for k, v in state.items() if k not in tied}  # HF re-ties on load
-    shapes = {k: (tuple(v.shape), v.dtype) for k, v in kept.items()}
+    """Collective: `out_dir` replaced at once by a folder of `items`, each rank writing its part through
+    `write_item(index, item, sink)`; `finish(folder)` adds the other files on rank 0. A failure on any rank is
+    raised on every rank and leaves `out_dir` as it was."""
+    layout = Layout(_files(items, max_shard_bytes, single))
     tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_hub_layout(model, shapes, lambda names: {n: kept.pop(n) for n in names}, tmp, max_shard_bytes)
-    export_config(model.config, tmp, architecture_of(model))
-    copy_tokenizer(tokenizer_dir, tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    logger.info(f"exported HF model to {out_dir}")
+
+    def create():
+        shutil.rmtree(tmp, ignore_errors=True)  # no stale shards or index of an earlier export remain
+        layout.create(tmp)
+
+    on_rank0(create)
+    sink = _Sink(layout, tmp)
+    for index, item in enumerate(items):
+        write_item(index, item, sink)
+    try:
+        on_every_rank(sink.finish, f"writing the HF export {out_dir}")
+    except Exception:
+        if _rank_world()[0] == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # the half-written export only takes space
+        raise
+
+    def publish():
+        finish(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+        logger.info(f"exported {out_dir}")
+
+    on_rank0(publish)
+
+
+def _row_block(tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, int, bool]]:
+    """(this rank's rows, the first one's index, whether this rank writes them) when `tensor` is held as blocks of
+    whole rows (dim-0 shards, replicas); None otherwise. Which case it is depends on the placements only, so every
+    rank decides alike."""
+    if not isinstance(tensor, DTensor):
+        return None
+    if any(type(p) not in (Shard, Replicate) or (isinstance(p, Shard) and p.dim != 0) for p in tensor.placements):
+        return None
+    index, coordinate = local_index(tensor), tensor.device_mesh.get_coordinate()
+    if index is None:
+        return None
+    replica = [coordinate[d] for d, p in enumerate(tensor.placements) if isinstance(p, Replicate)]
+    return tensor.to_local(), index[0].start if index else 0, not any(replica)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.device.type != tensor.device_mesh.device_type:  # CPU-offloaded shards gather on the mesh's device
+        tensor = tensor.to(tensor.device_mesh.device_type)
+    return tensor.full_tensor()
+
+
+def produce(item: Item, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    if item.convert is not None:
+        return item.convert(tensors)
+    return {item.outputs[0][0]: tensors[item.keys[0]]}
+
+
+def live_writer(state: Dict[str, torch.Tensor]) -> Callable[[int, Item, _Sink], None]:
+    """How each rank writes the items of a live model's (sharded) `state`: row blocks where it holds them, the rest
+    gathered one item at a time (a collective, in item order on every rank) and written by the item's rank."""
+    rank, world = _rank_world()
+
+    def write(index: int, item: Item, sink: _Sink) -> None:
+        block = _row_block(state[item.keys[0]]) if item.convert is None else None
+        if block is not None:
+            rows, first_row, mine = block
+            if mine:
+                sink.write(lambda: {item.outputs[0][0]: rows}, first_row)
+            return
+        full = {key: _full(state[key]) for key in item.keys}  # plain tensors: every rank holds them already
+        if index % world == rank:
+            sink.write(lambda: produce(item, full))
+        del full
+
+    return write
+
+
+def live_state(model: nn.Module) -> Tuple[Dict[str, torch.Tensor], Shapes]:
+    """The model's own (sharded) tensors under its clean names, less tied ones; and their full shapes and dtypes."""
+    tied = set(tied_sources(model))
+    state = {k: v for k, v in get_model_state_dict(model).items() if k not in tied}  # HF re-ties on load
+    return state, {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+
+
+def hf_folder_finish(model, config, tokenizer_dir: Optional[str]) -> Callable[[str], None]:
+    def finish(folder: str) -> None:
+        export_config(config, folder, architecture_of(model))
+        copy_tokenizer(tokenizer_dir, folder)
+
+    return finish
+
+
+def save_hf_model(model, out_dir: str, tokenizer_dir: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write an HF folder of a (sharded) model, every rank writing its own part (call on all ranks)."""
+    state, shapes = live_state(model)
+    finish = hf_folder_finish(model, model.config, tokenizer_dir)
+    write_folder(hub_items(model, shapes), live_writer(state), out_dir, finish, max_shard_bytes)
 
 
 def dcp_to_hf(
     checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, trust_remote_code: bool = False
 ) -> str:
-    """Consolidate the model of a DCP checkpoint (any world size) into an HF folder, in one process. The metadata
-    is read with the allow-list reader; a config naming custom code is refused unless `trust_remote_code`."""
-    import torch.distributed.checkpoint as dcp
+    """Consolidate the model of a DCP checkpoint (any world size) into an HF folder: in one process, or on every
+    rank of a launch (each reads and writes its share of the tensors, one at a time). The metadata is read with the
+    allow-list reader; a config naming custom code is refused unless `trust_remote_code`."""
     from transformers import AutoConfig
 
     from ..models.multimodal import model_class_for
@@ -186,11 +279,10 @@ def dcp_to_hf(
     config = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         skeleton = model_class_for(config).from_config(config, trust_remote_code=trust_remote_code)
-    tied = set(tied_parameter_names(skeleton))
-    folder = os.path.join(checkpoint_dir, "model_optimizer")
-    saved = SafeFileSystemReader(folder).read_metadata().state_dict_metadata  # shapes and dtypes exactly as trained
+    tied = set(tied_sources(skeleton))
+    reader = SafeFileSystemReader(os.path.join(checkpoint_dir, "model_optimizer"), cache_metadata=True)
     shapes = {}
-    for key, meta in saved.items():
+    for key, meta in reader.read_metadata().state_dict_metadata.items():  # shapes and dtypes exactly as trained
         name = key[len("model.") :]
         if key.startswith("model.") and name not in tied:
             shapes[name] = (tuple(meta.size), meta.properties.dtype)
@@ -200,17 +292,34 @@ def dcp_to_hf(
             "of training (train.checkpoint.save_hf_weights, model.lora.export); converting a LoRA DCP checkpoint "
             "is not supported"
         )
+    finish = hf_folder_finish(skeleton, config, config_dir)
+    write_folder(hub_items(skeleton, shapes), dcp_writer(reader, shapes), out_dir, finish, max_shard_bytes)
+    return out_dir
 
-    def read(names: List[str]) -> Dict[str, torch.Tensor]:  # one output shard's tensors from the DCP files
-        state = {"model": {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}}
-        dcp.load(state, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+
+def dcp_writer(reader, shapes: Shapes) -> Callable[[int, Item, _Sink], None]:
+    """Each item read from the DCP files by the rank whose turn it is (no collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = _rank_world()
+
+    def read(keys: List[str]) -> Dict[str, torch.Tensor]:
+        state = {"model": {key: torch.empty(shapes[key][0], dtype=shapes[key][1]) for key in keys}}
+        dcp.load(state, storage_reader=reader, no_dist=True)
         return state["model"]
 
-    tmp = out_dir.rstrip("/") + ".tmp"  # as save_hf_model: no stale shards or index of an earlier export remain
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_hub_layout(skeleton, shapes, read, tmp, max_shard_bytes)
-    export_config(config, tmp, architecture_of(skeleton))
-    copy_tokenizer(config_dir, tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    return out_dir
+    def write(index: int, item: Item, sink: _Sink) -> None:
+        if index % world == rank:
+            sink.write(lambda: produce(item, read(item.keys)))
+
+    return write
+
+
+def write_safetensors(state_dict: Dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Tensors exactly as given (no renaming), in shards of at most `max_shard_bytes`, by this process alone."""
+    items = [Item([n], [(n, tuple(t.shape), t.dtype)]) for n, t in sorted(state_dict.items())]
+    layout = Layout(_files(items, max_shard_bytes, None))
+    layout.create(out_dir)
+    for name, tensor in state_dict.items():
+        layout.write(out_dir, name, tensor)
+    layout.close()

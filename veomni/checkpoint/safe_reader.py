@@ -86,9 +86,17 @@ def load_tensor_file(path: str):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata is read with an allow-list, and which refuses non-tensor items."""
+    """FileSystemReader whose metadata is read with an allow-list, and which refuses non-tensor items.
+    `cache_metadata`: read it once for many loads (an export reads one tensor per load)."""
+
+    def __init__(self, path, cache_metadata: bool = False):
+        super().__init__(path)
+        self._cache_metadata, self._metadata = cache_metadata, None
 
     def read_metadata(self, *args, **kwargs):
+        if self._metadata is not None:
+            finish_dcp_metadata(self, self._metadata)  # this load's id
+            return self._metadata
         with open_dcp_metadata(self, kwargs.get("rank")) as (f, path):
             metadata = load_metadata(f.read(), path)
         if not hasattr(metadata, "state_dict_metadata"):
@@ -97,4 +105,6 @@ class SafeFileSystemReader(FileSystemReader):
         pickled = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
         if pickled:
             raise ValueError(f"{path}: non-tensor entries {pickled[:4]} would need unpickling; refusing")
+        if self._cache_metadata:
+            self._metadata = metadata
         return metadata

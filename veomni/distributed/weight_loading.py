@@ -7,6 +7,8 @@ Two ways, both streaming (no rank ever holds more than one group of full tensors
 * otherwise every rank reads the files itself, and a tensor that is only renamed is read as just this rank's slice
   of it (FSDP2 / TP / EP `Shard` placements).
 
+A model trained from scratch is initialised by rank 0 alone and broadcast the same way (its failure told to all).
+
 Each rank keeps only its own shard: `distribute_tensor(..., src_data_rank=None)` slices locally with exactly the
 layout FSDP2 uses, so no further communication happens after the chunk broadcast.
 """
@@ -16,10 +18,9 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..compat.torch import parameter_slots
-from ..models.loader import ModelWeights, WeightsMismatchError, tied_parameter_names
+from ..models.loader import ModelWeights, WeightsMismatchError, local_index, tied_sources
 from ..utils.device import get_device
 from ..utils.logging import get_logger
 
@@ -77,32 +78,11 @@ def _broadcast_chunks(source: Optional[Iterable[Tuple[str, torch.Tensor]]], max_
             yield name, part.view(dtype).view(shape)
 
 
-def local_index(target: torch.Tensor) -> Optional[Tuple[slice, ...]]:
-    """The slice of the full tensor that this rank's shard of `target` holds, for `Shard`/`Replicate` placements
-    (torch.chunk's split, as DTensor makes it); None where it is not one block (a strided FSDP2-over-TP shard)."""
-    if not isinstance(target, DTensor) or any(type(p) not in (Shard, Replicate) for p in target.placements):
-        return None
-    coordinate = target.device_mesh.get_coordinate()
-    if coordinate is None:  # this rank is not in the tensor's mesh
-        return None
-    bounds = [[0, size] for size in target.shape]
-    for mesh_dim, placement in enumerate(target.placements):
-        if isinstance(placement, Shard):
-            start, end = bounds[placement.dim]
-            parts = target.device_mesh.size(mesh_dim)
-            step = -(-(end - start) // parts)
-            lo = min(start + coordinate[mesh_dim] * step, end)
-            bounds[placement.dim] = [lo, min(lo + step, end)]
-    return tuple(slice(lo, hi) for lo, hi in bounds)
-
-
-def _shared_parameter_slots(model: nn.Module) -> List[List[Tuple[nn.Module, str]]]:
-    slots: Dict[int, List[Tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for attr, param in parameter_slots(module).items():
-            if param is not None:
-                slots.setdefault(id(param), []).append((module, attr))
-    return [group for group in slots.values() if len(group) > 1]
+def _tie_again(model: nn.Module, tied: Dict[str, str]) -> None:
+    """`to_empty` allocates each slot of a shared parameter separately: point each tied name at its source again."""
+    for name, source in tied.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, model.get_parameter(source))
 
 
 @torch.no_grad()
@@ -122,7 +102,7 @@ def load_full_tensors(
 def _copy_into(model: nn.Module, stream: Iterable[Tuple[str, torch.Tensor, bool]], source_name: str) -> int:
     """Copy the stream into `model`; returns how many tensors came as this rank's slice only."""
     state: Dict[str, torch.Tensor] = model.state_dict()
-    tied = set(tied_parameter_names(model))
+    tied = set(tied_sources(model))
     loaded, slices = set(), 0
     for name, tensor, is_local in stream:
         slices += is_local
@@ -178,24 +158,26 @@ def materialize_meta_model(
 
     Buffers were kept real at build time (`init_empty_weights`); `to_empty` would leave them as garbage, so they
     are saved and restored (RoPE `inv_freq` is not in checkpoints). Without `weights_path`, rank 0 initialises a
-    full model with `reference_init()` and broadcasts it, so every rank and world size start identically.
+    full model with `reference_init()` and broadcasts it (also when `broadcast_from_rank0` is off: there is nothing
+    to read, and a full model on every rank is what no rank can afford), so every rank and world size start
+    identically.
     """
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    shared = _shared_parameter_slots(model)
+    tied = tied_sources(model)
     model.to_empty(device=get_device())
-    for slots in shared:  # to_empty allocates each slot separately: tie them again (e.g. lm_head = embed)
-        first = getattr(slots[0][0], slots[0][1])
-        for module, attr in slots[1:]:
-            setattr(module, attr, first)
+    _tie_again(model, tied)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name].to(buf.device))
     if weights_path is not None:
         load_checkpoint(model, weights_path, broadcast_from_rank0, max_broadcast_bytes)
         name = weights_path
-    else:
-        reading = dist.get_rank() == 0 or not broadcast_from_rank0
-        source = reference_init().state_dict().items() if reading else None
+    else:  # always from rank 0, whatever broadcast_from_rank0 says: no other rank builds a full model
+
+        def initialise():  # inside the stream: a failure on rank 0 (out of memory) is raised on every rank
+            yield from reference_init().state_dict().items()
+
         name = "rank-0 initialisation"
-        load_full_tensors(model, source, broadcast_from_rank0, max_broadcast_bytes, source_name=name)
+        source = initialise() if dist.get_rank() == 0 else None
+        load_full_tensors(model, source, True, max_broadcast_bytes, source_name=name)
     logger.info(f"materialised meta model from {name}")

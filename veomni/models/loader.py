@@ -19,6 +19,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat.torch import non_persistent_buffer_names, parameter_slots
 from ..compat.transformers import keys_to_ignore_on_load_unexpected
@@ -42,9 +43,26 @@ class WeightsMismatchError(ValueError):
     """A checkpoint that does not fit the model (a key too many or too few, a shape or dtype): said in one line."""
 
 
+class UnreadableWeightsError(ValueError):
+    """A weight file or index that cannot be read as it claims (cut short, a bad header, an entry outside its
+    folder): said in one line naming the file."""
+
+
 def _index(path: str) -> Dict[str, str]:
-    with open(path) as f:
-        return json.load(f)["weight_map"]
+    """An index's weight map; an entry naming a file outside the index's folder is refused (never opened)."""
+    try:
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise UnreadableWeightsError(f"{path}: not a weight index ({type(err).__name__}: {err})") from err
+    folder = os.path.normpath(os.path.abspath(os.path.dirname(path)))
+    for key, file in weight_map.items():  # by name: the hub cache's shards are links into its blob store
+        inside = isinstance(file, str) and not os.path.isabs(file)
+        if not inside or not os.path.normpath(os.path.join(folder, file)).startswith(folder + os.sep):
+            raise UnreadableWeightsError(
+                f"{path}: '{key}' is listed in {file!r}, which is not a file of this folder; refusing to open it"
+            )
+    return weight_map
 
 
 def safetensors_files(weights_path: str) -> List[str]:
@@ -134,7 +152,10 @@ class CheckpointFiles:
     def _handle(self, path: str):
         with self._lock:
             if path not in self._handles:
-                self._handles[path] = safe_open(path, framework="pt", device="cpu")
+                try:
+                    self._handles[path] = safe_open(path, framework="pt", device="cpu")
+                except Exception as err:  # safetensors names no file: a cut-short file, an absurd header
+                    raise UnreadableWeightsError(_unreadable(path, err)) from err
             return self._handles[path]
 
     def _pickled_file(self, path: str) -> Dict[str, torch.Tensor]:
@@ -152,9 +173,14 @@ class CheckpointFiles:
         if path.endswith(_PICKLE_SUFFIXES):
             tensor = self._pickled_file(path)[key]
             return tensor[index] if index is not None else tensor
-        if index is None:
-            return self._handle(path).get_tensor(key)
-        return self._handle(path).get_slice(key)[index]
+        try:
+            if index is None:
+                return self._handle(path).get_tensor(key)
+            return self._handle(path).get_slice(key)[index]
+        except UnreadableWeightsError:
+            raise
+        except Exception as err:  # the file changed under us since its header was read
+            raise UnreadableWeightsError(_unreadable(path, err, key)) from err
 
     def neighbours(self, key: str) -> List[str]:
         """The files holding keys of `key`'s module (where a missing `key` would be expected)."""
@@ -177,6 +203,12 @@ class CheckpointFiles:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _unreadable(path: str, err: BaseException, key: Optional[str] = None) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    what = f"reading '{key}': " if key else ""
+    return f"{path}: not a readable safetensors file ({what}{first}; {os.path.getsize(path)} bytes): damaged or cut short"
 
 
 def iter_safetensors(weights_path: str) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -205,15 +237,23 @@ def init_empty_weights():
         nn.Module.register_parameter = original
 
 
-def tied_parameter_names(model: nn.Module) -> List[str]:
-    """Names that share storage with an earlier parameter (e.g. a tied lm_head): not loaded separately."""
-    seen, tied = {}, []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            tied.append(name)
-        else:
-            seen[id(param)] = name
-    return tied
+def local_index(target: torch.Tensor) -> Optional[Tuple[slice, ...]]:
+    """The slice of the full tensor that this rank's shard of `target` holds, for `Shard`/`Replicate` placements
+    (torch.chunk's split, as DTensor makes it); None where it is not one block (a strided FSDP2-over-TP shard)."""
+    if not isinstance(target, DTensor) or any(type(p) not in (Shard, Replicate) for p in target.placements):
+        return None
+    coordinate = target.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return None
+    bounds = [[0, size] for size in target.shape]
+    for mesh_dim, placement in enumerate(target.placements):
+        if isinstance(placement, Shard):
+            start, end = bounds[placement.dim]
+            parts = target.device_mesh.size(mesh_dim)
+            step = -(-(end - start) // parts)
+            lo = min(start + coordinate[mesh_dim] * step, end)
+            bounds[placement.dim] = [lo, min(lo + step, end)]
+    return tuple(slice(lo, hi) for lo, hi in bounds)
 
 
 def non_persistent_buffers(model: nn.Module) -> set:
@@ -238,7 +278,8 @@ def ignored_unexpected(model: nn.Module) -> Optional["re.Pattern"]:
 
 
 def tied_sources(model: nn.Module) -> Dict[str, str]:
-    """{tied name: the name it shares storage with} (e.g. lm_head.weight -> model.embed_tokens.weight)."""
+    """{tied name: the earlier parameter it is} (e.g. lm_head.weight -> model.embed_tokens.weight): the one
+    record of tied parameters, which are neither loaded, saved nor exported separately (HF re-ties on load)."""
     seen, tied = {}, {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
@@ -283,7 +324,8 @@ class ModelWeights:
         self.files = CheckpointFiles(weights_path)
         state = model.state_dict()
         self.expected = {name: (tuple(t.shape), t.is_floating_point()) for name, t in state.items()}
-        tied = set(tied_parameter_names(model))
+        sources = tied_sources(model)
+        tied = set(sources)
         model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
         skip = OMNI_NON_THINKER_PREFIXES if model_type.endswith("_thinker") else ()
         plan = plan_load(model, self.files.keys(), state.keys(), skip_prefixes=skip)
@@ -294,7 +336,7 @@ class ModelWeights:
         # one holding both with different values is refused (transformers unties them; this model is built tied)
         by_target = {t: g for g in plan.groups for t in g.targets()}
         self.tie_checks: Dict[str, str] = {}
-        for name, source in tied_sources(model).items():
+        for name, source in sources.items():
             group = by_target.get(name)
             if group is None or not group.is_rename:
                 continue

@@ -1,5 +1,5 @@
-"""LoRA through HF PEFT: adapters injected into the HF model before it is sharded, trained alone, exported merged or
-as a PEFT adapter folder.
+"""LoRA through HF PEFT: adapters injected into the HF model before it is sharded and trained alone (exported merged
+or as a PEFT adapter folder by veomni/checkpoint/lora_export.py).
 
 `peft.inject_adapter_in_model` (not `get_peft_model`) keeps the model's own class, forward and config, which the
 trainer, the loss and the checkpoint code rely on; the adapters are ordinary parameters of the decoder layers, so
@@ -14,18 +14,15 @@ checkpoint's names (`q_proj.weight`, not `q_proj.base_layer.weight`) and no adap
 """
 
 import contextlib
-import os
 import re
-import shutil
 from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..utils.collectives import on_rank0
 from ..utils.logging import get_logger
+from .loader import tied_sources
 
 logger = get_logger(__name__)
 
@@ -67,7 +64,7 @@ def is_lora_model(model: nn.Module) -> bool:
     return ADAPTER in (getattr(model, "peft_config", None) or {})
 
 
-def _lora_layers(model: nn.Module) -> Iterator:
+def lora_layers(model: nn.Module) -> Iterator:
     from peft.tuners.lora import LoraLayer
 
     for name, module in model.named_modules():
@@ -94,7 +91,7 @@ def attach_lora(model: nn.Module, args, seed: int, base_model_path: Optional[str
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info(
-        f"LoRA r={args.r} alpha={args.alpha} on {len(list(_lora_layers(model)))} layers: {trainable:,} trainable of "
+        f"LoRA r={args.r} alpha={args.alpha} on {len(list(lora_layers(model)))} layers: {trainable:,} trainable of "
         f"{total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
     )
     return initial
@@ -102,10 +99,9 @@ def attach_lora(model: nn.Module, args, seed: int, base_model_path: Optional[str
 
 def _refuse_tied_targets(model: nn.Module, targets: List[str]) -> None:
     """A weight shared with another module (a tied lm_head) cannot be merged alone: the export writes one copy."""
-    counts: Dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        counts[id(param)] = counts.get(id(param), 0) + 1
-    tied = [name for name, layer in _lora_layers(model) if counts[id(layer.get_base_layer().weight)] > 1]
+    pairs = tied_sources(model)
+    shared = set(pairs) | set(pairs.values())
+    tied = [name for name, _ in lora_layers(model) if f"{name}.base_layer.weight" in shared]
     if tied:
         raise ValueError(
             f"model.lora.target_modules={targets} adapts {tied[0]}, whose weight is tied to another module's "
@@ -119,7 +115,7 @@ def _initial_adapters(model: nn.Module, seed: int) -> Dict[str, torch.Tensor]:
     values = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for name, layer in _lora_layers(model):
+        for name, layer in lora_layers(model):
             parts = (layer.lora_A[ADAPTER], layer.lora_B[ADAPTER])
             device = parts[0].weight.device
             for part in parts:
@@ -132,7 +128,7 @@ def _initial_adapters(model: nn.Module, seed: int) -> Dict[str, torch.Tensor]:
     return values
 
 
-def _base_name(key: str) -> Optional[str]:
+def base_name(key: str) -> Optional[str]:
     """The base checkpoint's name of a LoRA model's state-dict key; None for an adapter tensor."""
     return None if _ADAPTER_KEY.search(key) else key.replace(".base_layer.", ".")
 
@@ -146,7 +142,7 @@ def base_checkpoint_names(model: nn.Module, initial: Dict[str, torch.Tensor]):
         return
 
     def as_base(module, state_dict, prefix, local_metadata):
-        renamed = {_base_name(k): v for k, v in state_dict.items() if _base_name(k) is not None}
+        renamed = {base_name(k): v for k, v in state_dict.items() if base_name(k) is not None}
         state_dict.clear()
         state_dict.update(renamed)
 
@@ -169,60 +165,3 @@ def place_adapters(model: nn.Module, initial: Dict[str, torch.Tensor]) -> None:
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
-
-
-# ------------------------------------------------------------------------------------------------ export
-def merged_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The base model's state dict with every adapted weight merged, W + scaling * B @ A (PEFT's merge, done on the
-    gathered full tensors), under the base checkpoint's names."""
-    merged = {}
-    for name, layer in _lora_layers(model):
-        weight = state[f"{name}.base_layer.weight"]
-        a, b = state[f"{name}.lora_A.{ADAPTER}.weight"], state[f"{name}.lora_B.{ADAPTER}.weight"]
-        delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]  # in fp32: a bf16 product would round twice
-        merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
-    for key, tensor in state.items():
-        base = _base_name(key)
-        if base is not None and base not in merged:
-            merged[base] = tensor
-    return merged
-
-
-def adapter_state_dict(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The adapter tensors under the names `PeftModel.save_pretrained` writes (`base_model.model.<path>.lora_A.weight`)."""
-    from peft import get_peft_model_state_dict
-
-    adapters = get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER, save_embedding_layers=False)
-    return {f"base_model.model.{key}": tensor.contiguous() for key, tensor in adapters.items()}
-
-
-def _write_adapter_folder(model: nn.Module, state, out_dir: str, tokenizer_dir: Optional[str]) -> None:
-    from ..checkpoint.hf_export import copy_tokenizer, save_readable
-
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    model.peft_config[ADAPTER].save_pretrained(tmp)  # adapter_config.json
-    save_readable(adapter_state_dict(model, state), os.path.join(tmp, "adapter_model.safetensors"))
-    copy_tokenizer(tokenizer_dir, tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    logger.info(f"exported the LoRA adapter to {out_dir} (load with peft.PeftModel.from_pretrained(base, folder))")
-
-
-def save_lora_model(
-    model: nn.Module, out_dir: str, tokenizer_dir: Optional[str], export: str, max_shard_bytes: int = 5 * 2**30
-) -> None:
-    """Call on all ranks. `export="merged"`: an HF folder of the merged weights in the hub layout (plain
-    `from_pretrained` loads it); `"adapter"`: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)."""
-    from ..checkpoint.hf_export import write_hf_folder
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if export == "adapter":
-        on_rank0(lambda: _write_adapter_folder(model, state, out_dir, tokenizer_dir))
-    elif export == "merged":
-        on_rank0(
-            lambda: write_hf_folder(model, merged_state_dict(model, state), out_dir, tokenizer_dir, max_shard_bytes)
-        )
-    else:
-        raise ValueError(f"model.lora.export={export!r}: choose merged or adapter")

@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 from ..arguments import save_args
-from ..checkpoint import Checkpointer, save_hf_model
+from ..checkpoint import Checkpointer, save_hf_model, save_lora_model
 from ..data.chat_template import export_chat_template
 from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.mixed_precision import resolve_precision
 from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
 from ..distributed.torch_parallelize import ParallelizeConfig, no_split_module_names, parallelize
 from ..models import build_foundation_model
-from ..models.lora import attach_lora, base_checkpoint_names, place_adapters, save_lora_model
+from ..models.lora import attach_lora, base_checkpoint_names, place_adapters
 from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
