@@ -1,6 +1,8 @@
 """Consolidate a veomni DCP checkpoint (saved by any number of ranks) into an HF-format model folder.
 
 python scripts/merge_dcp_to_hf.py --checkpoint outputs/demo/checkpoints/global_step_150 --output outputs/demo/hf
+
+Under torchrun (`torchrun --nproc_per_node N scripts/merge_dcp_to_hf.py ...`) the N processes share the work.
 """
 
 import argparse
@@ -17,8 +19,18 @@ def main():
     parser.add_argument("--output", required=True, help="folder to write (replaced if it exists)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0)
     a = parser.parse_args()
-    out = dcp_to_hf(a.checkpoint, a.output, int(a.max_shard_gb * 2**30))
-    print(f"wrote {out}")
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    try:
+        out = dcp_to_hf(a.checkpoint, a.output, int(a.max_shard_gb * 2**30), all_ranks=launched)
+    finally:
+        if launched:
+            dist.destroy_process_group()
+    if not launched or int(os.environ["RANK"]) == 0:
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

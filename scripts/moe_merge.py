@@ -1,4 +1,4 @@
-"""HF per-expert MoE checkpoint -> veomni's merged expert tensors, streaming shard by shard.
+"""HF per-expert MoE checkpoint -> veomni's merged expert tensors (transformers' own rules), one layer at a time.
 
 python scripts/moe_merge.py --raw_hf_path IN --merge_hf_path OUT [--layout fused|stacked]
 """
@@ -9,7 +9,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from veomni.models.moe_checkpoint import merge_moe_checkpoint, peak_rss_mb  # noqa: E402
+from veomni.checkpoint.moe_conversion import merge_moe_checkpoint, peak_rss_mb  # noqa: E402
 
 
 def main():

@@ -9,7 +9,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from veomni.models.moe_checkpoint import peak_rss_mb, split_moe_checkpoint  # noqa: E402
+from veomni.checkpoint.moe_conversion import peak_rss_mb, split_moe_checkpoint  # noqa: E402
 
 
 def main():

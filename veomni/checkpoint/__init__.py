@@ -6,11 +6,10 @@ from .checkpointer import (
     list_checkpoints,
     named_optimizers,
     resolve_checkpoint,
-    rng_state,
-    set_rng_state,
 )
 from .hf_export import dcp_to_hf, save_hf_model
 from .lora_export import save_lora_model
+from .rng import rng_state, set_rng_state
 from .run_dir import RunDirError, RunPlan, move_run_aside, plan_run
 
 __all__ = [

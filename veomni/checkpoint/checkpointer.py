@@ -4,10 +4,13 @@ atomically.
 Layout under `<output_dir>/checkpoints/`:
     global_step_N/model_optimizer/     DCP shards (tensors only: any world size can load them)
     global_step_N/extra_state/rank_R.pt  scheduler, dataloader, RNG, trainer state (torch.load weights_only)
-    global_step_N/meta.json            step, world and data-parallel sizes; written last inside the folder
+    global_step_N/checksums.json       CRC-32 of every file, computed as it was written (integrity.py)
+    global_step_N/meta.json            step, world and data-parallel sizes, that it has checksums, a LoRA run's
+                                       base model (lora_state.py); written last inside the folder
     latest                             name of the newest complete checkpoint, replaced atomically
 A save is written to `global_step_N.tmp` and renamed only when every rank has finished, so a crash mid-save
-leaves the previous checkpoint as the newest complete one.
+leaves the previous checkpoint as the newest complete one. A folder being replaced or retired is renamed out of the
+`global_step_N` names first and deleted after: a crash midway never leaves a half-deleted `global_step_N`.
 """
 
 import errno
@@ -15,11 +18,11 @@ import io
 import json
 import os
 import pickle
-import random
 import re
 import shutil
 import time
 import uuid
+import zlib
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -35,7 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..utils.collectives import on_rank0
 from ..utils.logging import get_logger
-from .integrity import damaged_files, misfit, write_checksums
+from .integrity import CHECKSUMS, ChecksumsError, checksumming_writer, damaged_files, misfit, write_checksums
+from .lora_state import BASE, BaseRecords, lora_base, trained_state
+from .rng import reseed, rng_state, set_rng_state  # noqa: F401  (their home was here)
 from .safe_reader import SafeFileSystemReader, load_tensor_file
 
 logger = get_logger(__name__)
@@ -47,52 +52,6 @@ def named_optimizers(optimizer) -> Dict[str, torch.optim.Optimizer]:
     """Each inner optimizer of a multi-optimizer (`.optimizers_dict`), or the optimizer itself."""
     inner = getattr(optimizer, "optimizers_dict", None)
     return dict(inner) if inner else {"optimizer": optimizer}
-
-
-# ----------------------------------------------------------------------------------------------- RNG state
-def rng_state() -> Dict[str, Any]:
-    """This rank's generators: CPU, Python, NumPy, and its own accelerator's (only the device it uses: a resume may
-    see another number of devices)."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
-    except ImportError:
-        pass
-    return state
-
-
-def set_rng_state(state: Dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        cuda = state["cuda"]
-        if isinstance(cuda, (list, tuple)):  # saved by an earlier version: every visible device's state
-            cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else None
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
-
-
-def reseed(seed: int, rank: int, step: int) -> None:
-    """Generators of a rank that no saved state belongs to (a resume on more ranks): seeded from (seed, rank, step)."""
-    value = (seed * 1_000_003 + rank * 10_007 + step) % 2**32
-    torch.manual_seed(value)
-    random.seed(value)
-    try:
-        import numpy as np
-
-        np.random.seed(value)
-    except ImportError:
-        pass
 
 
 # ----------------------------------------------------------------------------------------------- discovery
@@ -268,6 +227,7 @@ class Checkpointer:
         self._storage_checked = False  # every rank sees rank 0's files (checked collectively at the first save)
         self.storage_patience_s = 10.0  # how long a network filesystem may take to show rank 0's probe file
         self._warned_abandoned = False  # checkpoints numbered after this run's saves were reported once
+        self._base_records = BaseRecords()  # a LoRA run's base model, checksummed once
 
     # ------------------------------------------------------------------------------------------ save
     def save(
@@ -304,28 +264,36 @@ class Checkpointer:
             check_shared_storage(tmp, self.storage_patience_s)
             self._storage_checked = True
         os.makedirs(os.path.join(tmp, "extra_state"), exist_ok=True)  # never rely on another rank's mkdir
-        state = {"model": get_model_state_dict(model)}
+        base = lora_base(model)
+        state = {"model": self._model_state(model, base is not None)}
         for name, opt in named_optimizers(optimizer).items():
             state[f"optim.{name}"] = get_optimizer_state_dict(model, opt)["state"]
-        _save_small(extra_state, os.path.join(tmp, "extra_state", f"rank_{rank}.pt"))
-        meta = dict(meta, step=step, world_size=dist.get_world_size())
+        extra_file = os.path.join("extra_state", f"rank_{rank}.pt")
+        written = {extra_file: _save_small(extra_state, os.path.join(tmp, extra_file))}  # CRC-32s as written
+        meta = dict(meta, step=step, world_size=dist.get_world_size(), checksums=CHECKSUMS)
+        if base is not None:
+            meta[BASE] = self._base_records(base)
+        writer = checksumming_writer(os.path.join(tmp, "model_optimizer"), tmp, written)
         if self.async_save:
             if self._async_group is None:  # DCP's async save must not share the training collectives
                 self._async_group = dist.new_group(backend="gloo")
-            future = dcp.async_save(
-                state, checkpoint_id=os.path.join(tmp, "model_optimizer"), process_group=self._async_group
-            )
-            self._pending = (future, tmp, final, meta)
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
+            self._pending = (future, tmp, final, meta, written)
         else:
-            dcp.save(state, checkpoint_id=os.path.join(tmp, "model_optimizer"))
-            self._publish(tmp, final, meta)
+            dcp.save(state, storage_writer=writer)
+            self._publish(tmp, final, meta, written)
         return final
+
+    @staticmethod
+    def _model_state(model, adapters_only: bool) -> Dict[str, Any]:
+        state = get_model_state_dict(model)
+        return trained_state(state) if adapters_only else state
 
     def wait(self) -> None:
         """Finish and publish an async save still in flight."""
         if self._pending is None:
             return
-        future, tmp, final, meta = self._pending
+        future, tmp, final, meta, written = self._pending
         self._pending = None
         try:
             future.result()
@@ -333,17 +301,15 @@ class Checkpointer:
             if dist.get_rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise _save_failure(err, tmp) from err
-        self._publish(tmp, final, meta)
+        self._publish(tmp, final, meta, written)
 
-    def _publish(self, tmp: str, final: str, meta: Dict[str, Any]) -> None:
+    def _publish(self, tmp: str, final: str, meta: Dict[str, Any], written: Dict[str, int]) -> None:
         dist.barrier()  # every rank's shards and extra state are on disk
-        write_checksums(tmp)  # (collective: the ranks share the reading)
+        write_checksums(tmp, written)  # (collective: the CRCs each rank computed while writing)
 
         def publish():
             _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-            if os.path.isdir(final):  # re-saving a step (after a resume): the new one wins
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            _rename_into_place(tmp, final)  # re-saving a step (after a resume): the new one wins
             _write_atomic(os.path.join(self.root, "latest"), os.path.basename(final))
             self._retire_old(meta["step"])
             logger.info(f"saved checkpoint {final}")
@@ -370,7 +336,10 @@ class Checkpointer:
                 "that step"
             )
         for step in mine[: -self.save_total_limit]:
-            shutil.rmtree(os.path.join(self.root, f"global_step_{step}"), ignore_errors=True)
+            _delete(os.path.join(self.root, f"global_step_{step}"))
+        for name in os.listdir(self.root):  # what a crash left while deleting
+            if name.endswith(_DELETING):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ load
     def _continue_from(self, path: str) -> None:
@@ -381,16 +350,32 @@ class Checkpointer:
         if here and dist.get_rank() == 0:
             _write_atomic(os.path.join(self.root, "latest"), os.path.basename(os.path.normpath(path)))
 
+    def _check_base(self, path: str, meta: Dict[str, Any], model) -> None:
+        """A checkpoint holding only LoRA adapters resumes only over the base model it was trained on."""
+        if BASE not in meta:
+            return
+        reason = self._base_records.mismatch(meta[BASE], lora_base(model))  # collective
+        if reason:
+            raise CheckpointError(
+                f"checkpoint {path} holds LoRA adapters, not their base model: {reason}. Resume with that base "
+                "(model.model_path), or start a new run (another train.checkpoint.output_dir)"
+            )
+
     def load(self, path: str, model, optimizer) -> Dict[str, Any]:
         """Restore model and optimizer in place (any world size); return meta and every rank's extra state."""
-        state = {"model": get_model_state_dict(model)}
+        meta = _read_meta(path)
+        self._check_base(path, meta, model)
+        state = {"model": self._model_state(model, BASE in meta)}
         param_groups = {}
         for name, opt in named_optimizers(optimizer).items():
             full = get_optimizer_state_dict(model, opt)  # also materialises empty Adam state to load into
             state[f"optim.{name}"], param_groups[name] = full["state"], full["param_groups"]
         reader = SafeFileSystemReader(os.path.join(path, "model_optimizer"))
         _check_shards(path, reader)
-        damaged = damaged_files(path)  # collective, before anything is loaded
+        try:
+            damaged = damaged_files(path, required=bool(meta.get("checksums")))  # collective, before any load
+        except ChecksumsError as err:
+            raise CheckpointError(f"checkpoint {path} is damaged: {err}; {_previous_good(path)}") from err
         if damaged:
             more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
             raise CheckpointError(
@@ -413,17 +398,15 @@ class Checkpointer:
         set_model_state_dict(model, state["model"])
         for name, opt in named_optimizers(optimizer).items():
             set_optimizer_state_dict(model, opt, {"state": state[f"optim.{name}"], "param_groups": param_groups[name]})
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
         self._continue_from(path)
         extra = ExtraStates(path, meta["world_size"])  # read on demand: a same-size resume reads one file per rank
         logger.info(f"resumed from {path} (saved at step {meta['step']} by {meta['world_size']} ranks)")
         return {"meta": meta, "extra_states": extra}
 
 
-def _save_small(obj: Any, file: str) -> None:
+def _save_small(obj: Any, file: str) -> int:
     """torch.save through memory: a failed write then raises OSError with its errno and file name (ENOSPC),
-    where torch's own writer only says `unexpected pos N vs M`."""
+    where torch's own writer only says `unexpected pos N vs M`. Returns the CRC-32 of the bytes written."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     try:
@@ -433,6 +416,48 @@ def _save_small(obj: Any, file: str) -> None:
             os.fsync(f.fileno())
     except OSError as err:  # a failed write() carries no file name of its own
         raise OSError(err.errno, err.strerror, file) from err
+    return zlib.crc32(buffer.getbuffer())
+
+
+_DELETING = ".deleting"
+
+
+def _delete(folder: str) -> None:
+    """Out of the checkpoint names first (one rename), then deleted: a crash midway leaves `<name>.deleting`,
+    never a half-deleted checkpoint that still looks complete."""
+    doomed = folder + _DELETING
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _rename_into_place(tmp: str, final: str) -> None:
+    """`tmp` becomes `final`; an existing `final` is moved aside first and deleted only once the new one is in
+    place (if the rename fails, it is put back)."""
+    if not os.path.isdir(final):
+        os.replace(tmp, final)
+        return
+    aside = final + ".replaced"
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(final, aside)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        os.replace(aside, final)
+        raise
+    _delete(aside)
+
+
+def _read_meta(path: str) -> Dict[str, Any]:
+    file = os.path.join(path, "meta.json")
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict) or "step" not in meta or "world_size" not in meta:
+            raise ValueError("no step or world_size in it")
+        return meta
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path} is damaged: {file}: {err}; {_previous_good(path)}") from err
 
 
 class ExtraStates:

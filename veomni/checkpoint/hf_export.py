@@ -15,7 +15,7 @@ import copy
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -149,8 +149,12 @@ class _Sink:
             raise self.error
 
 
-def _rank_world() -> Tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+def _rank_world(collective: bool = True) -> Tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if collective and dist.is_initialized() else (0, 1)
+
+
+def _alone(fn: Callable[[], Any], *_) -> Any:
+    return fn()
 
 
 def write_folder(
@@ -160,25 +164,27 @@ def write_folder(
     finish: Callable[[str], None],
     max_shard_bytes: int = 5 * 2**30,
     single: Optional[str] = None,
+    collective: bool = True,
 ) -> None:
-    """Collective: `out_dir` replaced at once by a folder of `items`, each rank writing its part through
-    `write_item(index, item, sink)`; `finish(folder)` adds the other files on rank 0. A failure on any rank is
-    raised on every rank and leaves `out_dir` as it was."""
+    """Collective (unless not `collective`: this process alone): `out_dir` replaced at once by a folder of
+    `items`, each rank writing its part through `write_item(index, item, sink)`; `finish(folder)` adds the other
+    files on rank 0. A failure on any rank is raised on every rank and leaves `out_dir` as it was."""
     layout = Layout(_files(items, max_shard_bytes, single))
     tmp = out_dir.rstrip("/") + ".tmp"
+    on_rank0_, on_every_rank_ = (on_rank0, on_every_rank) if collective else (_alone, _alone)
 
     def create():
         shutil.rmtree(tmp, ignore_errors=True)  # no stale shards or index of an earlier export remain
         layout.create(tmp)
 
-    on_rank0(create)
+    on_rank0_(create)
     sink = _Sink(layout, tmp)
     for index, item in enumerate(items):
         write_item(index, item, sink)
     try:
-        on_every_rank(sink.finish, f"writing the HF export {out_dir}")
+        on_every_rank_(sink.finish, f"writing the HF export {out_dir}")
     except Exception:
-        if _rank_world()[0] == 0:
+        if _rank_world(collective)[0] == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # the half-written export only takes space
         raise
 
@@ -188,7 +194,7 @@ def write_folder(
         os.replace(tmp, out_dir)
         logger.info(f"exported {out_dir}")
 
-    on_rank0(publish)
+    on_rank0_(publish)
 
 
 def _row_block(tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, int, bool]]:
@@ -235,7 +241,6 @@ def live_writer(state: Dict[str, torch.Tensor]) -> Callable[[int, Item, _Sink], 
         full = {key: _full(state[key]) for key in item.keys}  # plain tensors: every rank holds them already
         if index % world == rank:
             sink.write(lambda: produce(item, full))
-        del full
 
     return write
 
@@ -263,11 +268,16 @@ def save_hf_model(model, out_dir: str, tokenizer_dir: Optional[str] = None, max_
 
 
 def dcp_to_hf(
-    checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, trust_remote_code: bool = False
+    checkpoint_dir: str,
+    out_dir: str,
+    max_shard_bytes: int = 5 * 2**30,
+    trust_remote_code: bool = False,
+    all_ranks: bool = False,
 ) -> str:
-    """Consolidate the model of a DCP checkpoint (any world size) into an HF folder: in one process, or on every
-    rank of a launch (each reads and writes its share of the tensors, one at a time). The metadata is read with the
-    allow-list reader; a config naming custom code is refused unless `trust_remote_code`."""
+    """Consolidate the model of a DCP checkpoint (any world size) into an HF folder, one tensor in memory at a time:
+    by this process alone, or with `all_ranks` by every rank of a launch (a collective: each reads and writes its
+    share). The metadata is read with the allow-list reader; a config naming custom code is refused unless
+    `trust_remote_code`."""
     from transformers import AutoConfig
 
     from ..models.multimodal import model_class_for
@@ -293,15 +303,16 @@ def dcp_to_hf(
             "is not supported"
         )
     finish = hf_folder_finish(skeleton, config, config_dir)
-    write_folder(hub_items(skeleton, shapes), dcp_writer(reader, shapes), out_dir, finish, max_shard_bytes)
+    items, writer = hub_items(skeleton, shapes), dcp_writer(reader, shapes, all_ranks)
+    write_folder(items, writer, out_dir, finish, max_shard_bytes, collective=all_ranks)
     return out_dir
 
 
-def dcp_writer(reader, shapes: Shapes) -> Callable[[int, Item, _Sink], None]:
+def dcp_writer(reader, shapes: Shapes, all_ranks: bool) -> Callable[[int, Item, _Sink], None]:
     """Each item read from the DCP files by the rank whose turn it is (no collective)."""
     import torch.distributed.checkpoint as dcp
 
-    rank, world = _rank_world()
+    rank, world = _rank_world(all_ranks)
 
     def read(keys: List[str]) -> Dict[str, torch.Tensor]:
         state = {"model": {key: torch.empty(shapes[key][0], dtype=shapes[key][1]) for key in keys}}

@@ -1,22 +1,83 @@
 """A checkpoint that is damaged, or that belongs to another run, is refused before it is loaded.
 
-- Checksums: when a checkpoint is published, every file in it gets a CRC-32 in `checksums.json` (the ranks share
-  the reading); a resume verifies them the same way, so a flipped block of the right length is caught, named, and
-  the previous good checkpoint offered (DCP itself checks only that each file is long enough).
+- Checksums: every file of a checkpoint gets a CRC-32 in `checksums.json`, computed from the bytes as they are
+  written (DCP's files through a file system that checksums its streams; for an async save that is DCP's writing
+  thread, not the training one), and read back only for the few small files other code writes (configs). meta.json
+  records that the checkpoint has them, so a missing or malformed `checksums.json` is refused, not skipped. A resume
+  verifies them (the ranks share the reading), so a flipped block of the right length is caught, named, and the
+  previous good checkpoint offered (DCP itself checks only that each file is long enough).
 - Fit: the checkpoint's tensor names and shapes (its DCP metadata) are compared with what this run would load into;
   another model or optimizer is refused in one line naming the difference, with the two ways out that work.
 """
 
+import contextlib
 import json
 import os
+import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from ..utils.checksum import file_crc32
+from ..utils.logging import get_logger
 
+logger = get_logger(__name__)
 CHECKSUMS = "checksums.json"
+
+
+class ChecksumsError(ValueError):
+    """`checksums.json` missing from a checkpoint written with it, or unreadable: the message names the file."""
+
+
+class _ChecksummedStream:
+    """A file being written, its CRC-32 updated with every write (the rest is the file's own)."""
+
+    def __init__(self, stream):
+        self._stream, self.crc = stream, 0
+
+    def write(self, data) -> int:
+        written = self._stream.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        return written
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+class ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, recording `crcs[path relative to root]` of each file it writes, as it writes it."""
+
+    def __init__(self, root: str, crcs: Dict[str, int]):
+        super().__init__()
+        self.root, self.crcs = root, crcs
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            checksummed = _ChecksummedStream(stream)
+            yield checksummed
+        self.crcs[os.path.relpath(path, self.root)] = checksummed.crc
+
+    def rename(self, path, new_path) -> None:  # DCP writes `.metadata.tmp`, then renames it
+        super().rename(path, new_path)
+        crc = self.crcs.pop(os.path.relpath(path, self.root), None)
+        if crc is not None:
+            self.crcs[os.path.relpath(new_path, self.root)] = crc
+
+
+def checksumming_writer(folder: str, root: str, crcs: Dict[str, int]) -> FileSystemWriter:
+    """DCP's FileSystemWriter for `folder` whose files' CRC-32s land in `crcs` (relative to `root`) as written.
+    DCP writes through the writer's `fs` (FileSystem.create_stream); tests/test_checkpoint_integrity.py checks that
+    it still does, so a torch that stops would fail there, not record nothing."""
+    writer = FileSystemWriter(folder)
+    writer.fs = ChecksummingFileSystem(root, crcs)
+    return writer
 
 
 def _files(folder: str) -> List[str]:
@@ -38,28 +99,56 @@ def _gather(value: Any) -> List[Any]:
     return out
 
 
-def write_checksums(folder: str) -> None:
-    """Collective: every rank checksums a share of the files; rank 0 writes them beside the checkpoint."""
+def shared_crcs(folder: str, names: List[str]) -> Dict[str, int]:
+    """Collective: the CRC-32 of each file (relative to `folder`), the ranks sharing the reading."""
     rank, world = _world()
+    mine = {name: file_crc32(os.path.join(folder, name)) for name in names[rank::world]}
+    return {k: v for part in _gather(mine) for k, v in part.items()}
+
+
+def write_checksums(folder: str, written: Optional[Dict[str, int]] = None) -> None:
+    """Collective: `checksums.json` beside the checkpoint, from each rank's `written` CRCs (computed as the files
+    were written); files no rank wrote itself (configs other code wrote) are read, the ranks sharing the reading."""
+    rank, world = _world()
+    known = {k: v for part in _gather(written or {}) for k, v in part.items()}
     names = [_files(folder) if rank == 0 else None]
     if world > 1:
         dist.broadcast_object_list(names, src=0)
-    mine = {name: file_crc32(os.path.join(folder, name)) for name in names[0][rank::world]}
-    merged = {k: v for part in _gather(mine) for k, v in part.items()}
+    merged = dict(known, **shared_crcs(folder, [n for n in names[0] if n not in known]))
     if rank == 0:
         with open(os.path.join(folder, CHECKSUMS), "w") as f:
-            json.dump(merged, f, indent=0, sort_keys=True)
+            json.dump({n: merged[n] for n in names[0]}, f, indent=0, sort_keys=True)
 
 
-def damaged_files(folder: str) -> Optional[List[str]]:
-    """Collective: the files whose checksum does not match (every rank gets the same list); None when the
-    checkpoint has no checksums (written by an earlier version)."""
-    rank, world = _world()
+def _expected(folder: str, required: bool) -> Optional[Dict[str, int]]:
     path = os.path.join(folder, CHECKSUMS)
     if not os.path.isfile(path):
+        if required:
+            raise ChecksumsError(f"{path} is missing (its meta.json says it was written with checksums)")
+        logger.warning(f"{folder} has no {CHECKSUMS} (written by an earlier version): its files are not verified")
         return None
-    with open(path) as f:
-        expected: Dict[str, int] = json.load(f)
+    try:
+        with open(path) as f:
+            expected = json.load(f)
+        root = os.path.normpath(os.path.abspath(folder))
+        for name, crc in expected.items():  # names inside the checkpoint only, CRCs as written
+            inside = os.path.normpath(os.path.join(root, name)).startswith(root + os.sep) and not os.path.isabs(name)
+            if not inside or not isinstance(crc, int):
+                raise ValueError(f"entry {name!r}: {crc!r} is not a file of this checkpoint and its CRC-32")
+    except (ValueError, AttributeError, UnicodeDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ChecksumsError(f"{path} is malformed ({first})") from err
+    return expected
+
+
+def damaged_files(folder: str, required: bool = False) -> Optional[List[str]]:
+    """Collective: the files whose checksum does not match (every rank gets the same list); None when the
+    checkpoint has no checksums (written by an earlier version). `required` (its meta.json says it has them): a
+    missing or malformed `checksums.json` raises ChecksumsError naming it."""
+    rank, world = _world()
+    expected = _expected(folder, required)
+    if expected is None:
+        return None
     bad = []
     for name in sorted(expected)[rank::world]:
         full = os.path.join(folder, name)

@@ -34,7 +34,9 @@ def merged_items(model: nn.Module, shapes) -> List[Item]:
         elif item.convert is None:
             item.keys = [keys[item.keys[0]]]
         elif any(key in adapted for key in item.keys):
-            raise ValueError(f"model.lora.export=merged: {item.keys[0]} is adapted and converted on export; unsupported")
+            raise ValueError(
+                f"model.lora.export=merged: {item.keys[0]} is adapted and converted on export; unsupported"
+            )
         else:  # a converted group (MoE experts) reads the model's own names
             item.convert = _renamed(item.convert, {keys[k]: k for k in item.keys})
             item.keys = [keys[k] for k in item.keys]

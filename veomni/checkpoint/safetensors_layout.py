@@ -16,21 +16,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..models.loader import SAFETENSORS_DTYPES
+
 INDEX_FILE = "model.safetensors.index.json"
-_NAMES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
+_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 # the order safetensors writes a file's tensors in: by dtype, this list first to last, then by name
 _ORDER = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E5M2", "F8_E4M3", "I8")
 _ORDER += ("U8", "BOOL")
@@ -107,14 +96,18 @@ class Layout:
             weight_map = {name: slot.file for name, slot in self.slots.items()}
             total = sum(nbytes(slot.shape, slot.dtype) for slot in self.slots.values())
             with open(os.path.join(folder, INDEX_FILE), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1
+                )
 
     def write(self, folder: str, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
         """`tensor` (the whole tensor `name`, or its rows from `first_row` on) into its place."""
         slot = self.slots[name]
         shape = tuple(tensor.shape)
-        fits = shape == slot.shape if not slot.shape else (
-            shape[1:] == slot.shape[1:] and first_row + shape[0] <= slot.shape[0]
+        fits = (
+            shape == slot.shape
+            if not slot.shape
+            else (shape[1:] == slot.shape[1:] and first_row + shape[0] <= slot.shape[0])
         )
         if tensor.dtype != slot.dtype or not fits:
             raise ValueError(

@@ -36,6 +36,21 @@ BIN_SINGLE_FILE = "pytorch_model.bin"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _NON_FLOAT_SAFETENSORS = ("I", "U", "BOOL")  # safetensors dtype names of integer and boolean tensors
+# safetensors' dtype names of the torch dtypes (a name torch lacks, e.g. F4, gives no dtype: is_float only)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 READ_AHEAD = 4  # threads reading the next tensor groups while one is placed (transformers' loader uses 4 too)
 
 
@@ -120,25 +135,33 @@ class CheckpointFiles:
         self.file_of: Dict[str, str] = {}
         self.shape: Dict[str, Tuple[int, ...]] = {}
         self.is_float: Dict[str, bool] = {}
+        self.dtype: Dict[str, Optional[torch.dtype]] = {}
         self._handles: Dict[str, object] = {}
         self._pickled: Tuple[Optional[str], Dict[str, torch.Tensor]] = (None, {})
         self._lock = threading.Lock()  # reads come from several threads: opening files and `.bin` shards is serial
         for path in self.files:
-            for key, shape, is_float in self._header(path):
+            for key, shape, dtype, is_float in self._header(path):
                 if key in self.file_of:
                     raise WeightsMismatchError(f"{path}: key '{key}' is also in {self.file_of[key]}")
                 self.file_of[key], self.shape[key], self.is_float[key] = path, shape, is_float
+                self.dtype[key] = dtype
         self._check_index()
 
     def _header(self, path: str):
         if path.endswith(_PICKLE_SUFFIXES):
             for key, tensor in self._pickled_file(path).items():
-                yield key, tuple(tensor.shape), tensor.is_floating_point()
+                yield key, tuple(tensor.shape), tensor.dtype, tensor.is_floating_point()
             return
         handle = self._handle(path)
         for key in handle.keys():
             view = handle.get_slice(key)
-            yield key, tuple(view.get_shape()), not view.get_dtype().startswith(_NON_FLOAT_SAFETENSORS)
+            name = view.get_dtype()
+            yield (
+                key,
+                tuple(view.get_shape()),
+                SAFETENSORS_DTYPES.get(name),
+                not name.startswith(_NON_FLOAT_SAFETENSORS),
+            )
 
     def _check_index(self) -> None:
         for index in (INDEX_FILE, BIN_INDEX_FILE):
@@ -208,7 +231,9 @@ class CheckpointFiles:
 def _unreadable(path: str, err: BaseException, key: Optional[str] = None) -> str:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     what = f"reading '{key}': " if key else ""
-    return f"{path}: not a readable safetensors file ({what}{first}; {os.path.getsize(path)} bytes): damaged or cut short"
+    return (
+        f"{path}: not a readable safetensors file ({what}{first}; {os.path.getsize(path)} bytes): damaged or cut short"
+    )
 
 
 def iter_safetensors(weights_path: str) -> Iterator[Tuple[str, torch.Tensor]]:
