@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -273,14 +274,15 @@ class Checkpointer:
         meta = dict(meta, step=step, world_size=dist.get_world_size(), checksums=CHECKSUMS)
         if base is not None:
             meta[BASE] = self._base_records(base)
-        writer = checksumming_writer(os.path.join(tmp, "model_optimizer"), tmp, written)
+        folder = os.path.join(tmp, "model_optimizer")
+        writer = checksumming_writer(folder, tmp, written)
         if self.async_save:
             if self._async_group is None:  # DCP's async save must not share the training collectives
                 self._async_group = dist.new_group(backend="gloo")
-            future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
+            future = dcp.async_save(state, checkpoint_id=folder, storage_writer=writer, process_group=self._async_group)
             self._pending = (future, tmp, final, meta, written)
         else:
-            dcp.save(state, storage_writer=writer)
+            dcp.save(state, checkpoint_id=folder, storage_writer=writer)
             self._publish(tmp, final, meta, written)
         return final
 
@@ -395,7 +397,7 @@ class Checkpointer:
             inner = next(iter(getattr(err, "failures", {}).values()), (err,))[0]  # DCP wraps per-rank failures
             first = f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
             raise CheckpointError(f"checkpoint {path} could not be read ({first}); {_previous_good(path)}") from err
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=BASE not in meta))  # adapters
         for name, opt in named_optimizers(optimizer).items():
             set_optimizer_state_dict(model, opt, {"state": state[f"optim.{name}"], "param_groups": param_groups[name]})
         self._continue_from(path)

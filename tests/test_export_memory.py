@@ -1,0 +1,42 @@
+"""HF exports written by every rank (veomni/checkpoint/hf_export.py): on 2 ranks, each rank's peak-RSS growth
+during an export stays within 1.3 x (its shard + the largest tensor), for the HF export and LoRA's merged and adapter
+exports; each folder holds exactly what the rank-0 export wrote (same keys, dtypes, values, and the files byte for
+byte as safetensors writes them). The rank-0 export gathered the whole model on rank 0: its growth there was the
+model (benchmarks/hf_export.py measures both at Qwen3-1.7B's shape)."""
+
+import json
+import os
+
+import torch
+
+from helpers import REPO, torchrun
+
+SCRIPT = os.path.join(REPO, "tests", "dist", "check_export_memory.py")
+# Qwen3-shaped, 17M parameters (69 MB fp32): the largest tensor (the embedding, 6 MB) is 9% of the whole
+SHAPE = dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=8, head_dim=48)
+SHAPE.update(num_key_value_heads=4, vocab_size=4096, tie_word_embeddings=False)
+
+
+def _write_hub(folder: str) -> str:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**SHAPE), dtype=torch.float32)
+    model.save_pretrained(folder, max_shard_size="20MB")
+    return folder
+
+
+def test_every_rank_exports_within_its_shard_plus_one_tensor(tmp_path):
+    hub = _write_hub(str(tmp_path / "hub"))
+    proc = torchrun(SCRIPT, [hub, str(tmp_path / "out")], 2, timeout=900)
+    marker = "EXPORT_MEMORY "
+    results = [json.loads(line[len(marker) :]) for line in proc.stdout.splitlines() if line.startswith(marker)]
+    assert sorted((r["what"], r["rank"]) for r in results) == [
+        (what, rank) for what in ("hf", "lora_adapter", "lora_merged") for rank in (0, 1)
+    ], proc.stdout[-2000:]
+    for r in results:
+        budget = 1.3 * (r["shard"] + r["largest"])
+        print(f"{r['what']} rank {r['rank']}: growth {r['growth'] / 2**20:.1f} MiB, budget {budget / 2**20:.1f} MiB")
+        assert r["largest"] < (2 * r["shard"]) / 8  # the whole is the two shards
+        assert r["growth"] <= budget, f"{r['what']} on rank {r['rank']}: grew {r['growth']} bytes, budget {budget}"
+    assert "EXPORT_CHECKS_OK" in proc.stdout, proc.stdout[-3000:]
