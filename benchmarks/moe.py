@@ -149,7 +149,9 @@ def main():
             files = [f for f in os.listdir(big) if f.endswith(".safetensors")]
             total = sum(os.path.getsize(os.path.join(big, f)) for f in files) / 2**20
             largest = max(os.path.getsize(os.path.join(big, f)) for f in files) / 2**20
-            setup = "import sys; sys.path.insert(0, '.'); from veomni.checkpoint.moe_conversion import merge_moe_checkpoint"
+            setup = (
+                "import sys; sys.path.insert(0, '.'); from veomni.checkpoint.moe_conversion import merge_moe_checkpoint"
+            )
             base, peak = rss_during(setup, f"merge_moe_checkpoint({big!r}, {os.path.join(tmp, f'merged{layers}')!r})")
             print(
                 f"moe_merge, {layers} layers: {len(files)} shards, {total:.0f} MB (largest shard {largest:.0f} MB, "

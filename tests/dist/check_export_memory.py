@@ -50,7 +50,7 @@ def measured(what: str, model, export) -> None:
     export()
     growth = _status("VmHWM") - before
     result = dict(what=what, rank=dist.get_rank(), growth=growth, shard=shard, largest=largest)
-    print("EXPORT_MEMORY " + json.dumps(result), flush=True)
+    os.write(1, ("EXPORT_MEMORY " + json.dumps(result) + "\n").encode())  # one write: the ranks share stdout
     dist.barrier()
 
 
@@ -102,7 +102,8 @@ def merged_reference(model, full: dict) -> dict:
     from veomni.models import lora
 
     out = {}
-    for name, layer in getattr(lora, "lora_layers", None) or lora._lora_layers(model):
+    layers = getattr(lora, "lora_layers", None) or lora._lora_layers
+    for name, layer in layers(model):
         weight, a, b = (full[f"{name}.{part}.weight"] for part in ("base_layer", "lora_A.default", "lora_B.default"))
         out[f"{name}.weight"] = (weight.float() + (b.float() @ a.float()) * layer.scaling["default"]).to(weight.dtype)
     for key, tensor in full.items():
