@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from ..utils.checksum import file_crc32
+from ..utils.collectives import on_every_rank, on_rank0
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -99,25 +100,30 @@ def _gather(value: Any) -> List[Any]:
     return out
 
 
+def _shared(fn: Callable[[], Any], what: str) -> List[Any]:
+    """Every rank's `fn()`; a failure on one rank (an unreadable file) is raised on all, not left in the gather."""
+    return _gather(on_every_rank(fn, what, error_type=OSError))
+
+
 def shared_crcs(folder: str, names: List[str]) -> Dict[str, int]:
     """Collective: the CRC-32 of each file (relative to `folder`), the ranks sharing the reading."""
     rank, world = _world()
-    mine = {name: file_crc32(os.path.join(folder, name)) for name in names[rank::world]}
-    return {k: v for part in _gather(mine) for k, v in part.items()}
+    mine = lambda: {name: file_crc32(os.path.join(folder, name)) for name in names[rank::world]}  # noqa: E731
+    return {k: v for part in _shared(mine, f"checksumming files of {folder}") for k, v in part.items()}
 
 
 def write_checksums(folder: str, written: Optional[Dict[str, int]] = None) -> None:
     """Collective: `checksums.json` beside the checkpoint, from each rank's `written` CRCs (computed as the files
     were written); files no rank wrote itself (configs other code wrote) are read, the ranks sharing the reading."""
-    rank, world = _world()
     known = {k: v for part in _gather(written or {}) for k, v in part.items()}
-    names = [_files(folder) if rank == 0 else None]
-    if world > 1:
-        dist.broadcast_object_list(names, src=0)
-    merged = dict(known, **shared_crcs(folder, [n for n in names[0] if n not in known]))
-    if rank == 0:
+    names = on_rank0(lambda: _files(folder))
+    merged = dict(known, **shared_crcs(folder, [n for n in names if n not in known]))
+
+    def write():
         with open(os.path.join(folder, CHECKSUMS), "w") as f:
-            json.dump({n: merged[n] for n in names[0]}, f, indent=0, sort_keys=True)
+            json.dump({n: merged[n] for n in names}, f, indent=0, sort_keys=True)
+
+    on_rank0(write)
 
 
 def _expected(folder: str, required: bool) -> Optional[Dict[str, int]]:
@@ -149,12 +155,16 @@ def damaged_files(folder: str, required: bool = False) -> Optional[List[str]]:
     expected = _expected(folder, required)
     if expected is None:
         return None
-    bad = []
-    for name in sorted(expected)[rank::world]:
-        full = os.path.join(folder, name)
-        if not os.path.isfile(full) or file_crc32(full) != expected[name]:
-            bad.append(name)
-    return sorted(b for part in _gather(bad) for b in part)
+
+    def mine() -> List[str]:
+        names = sorted(expected)[rank::world]
+        return [
+            n
+            for n in names
+            if not os.path.isfile(os.path.join(folder, n)) or file_crc32(os.path.join(folder, n)) != expected[n]
+        ]
+
+    return sorted(b for part in _shared(mine, f"verifying {folder}") for b in part)
 
 
 def _flat(state: Dict[str, Any], prefix: str = "") -> Dict[str, Tuple[int, ...]]:
