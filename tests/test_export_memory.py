@@ -40,3 +40,35 @@ def test_every_rank_exports_within_its_shard_plus_one_tensor(tmp_path):
         assert r["largest"] < (2 * r["shard"]) / 8  # the whole is the two shards
         assert r["growth"] <= budget, f"{r['what']} on rank {r['rank']}: grew {r['growth']} bytes, budget {budget}"
     assert "EXPORT_CHECKS_OK" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_merge_dcp_to_hf_on_two_ranks_writes_what_one_process_writes(tmp_path, one_process_group):
+    """scripts/merge_dcp_to_hf.py under torchrun (the ranks share the tensors) writes the same files, byte for byte,
+    as dcp_to_hf in one process, for Qwen3-MoE (per-expert hub keys split from the fused experts)."""
+    import filecmp
+    import subprocess
+
+    from hf_families import write_checkpoint
+
+    from helpers import child_env, torchrun_cmd
+    from veomni.checkpoint import Checkpointer, dcp_to_hf
+    from veomni.checkpoint.hf_export import architecture_of, export_config
+    from veomni.models import build_foundation_model
+
+    hub = write_checkpoint("qwen3_moe", str(tmp_path / "hub"))
+    model = build_foundation_model(hub, hub, torch_dtype="float32")
+    attach = lambda folder: export_config(model.config, os.path.join(folder, "hf_config"), architecture_of(model))  # noqa: E731
+    path = Checkpointer(str(tmp_path / "run")).save(1, model, torch.optim.AdamW(model.parameters()), {}, {}, attach)
+    one = dcp_to_hf(path, str(tmp_path / "one"), max_shard_bytes=300_000)
+    script = os.path.join(REPO, "scripts", "merge_dcp_to_hf.py")
+    two = str(tmp_path / "two")
+    cmd = torchrun_cmd(2, script, "--checkpoint", path, "--output", two, "--max-shard-gb", str(300_000 / 2**30))
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and f"wrote {two}" in proc.stdout, proc.stderr[-3000:]
+    names = sorted(os.listdir(one))
+    assert names == sorted(os.listdir(two)) and len([n for n in names if n.endswith(".safetensors")]) > 1
+    assert all(filecmp.cmp(os.path.join(one, n), os.path.join(two, n), shallow=False) for n in names), names
+    assert any(
+        ".experts.3.gate_proj" in k
+        for k in json.load(open(os.path.join(two, "model.safetensors.index.json")))["weight_map"]
+    )
