@@ -27,6 +27,7 @@ from ..distributed.torch_parallelize import ParallelizeConfig, no_split_module_n
 from ..models import build_foundation_model
 from ..models.lora import attach_lora, base_checkpoint_names, place_adapters, save_lora_model
 from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
+from ..ops.kernels import bind_kernels
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
 from ..plan.runlog import PlanCheckCallback
@@ -150,6 +151,8 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             moe_implementation=args.model.ops_implementation.moe_implementation,
             trust_remote_code=args.model.trust_remote_code,
         )
+        # fused kernels on this instance only, before adapters, sharding and compile wrap its modules
+        bind_kernels(model, args.model.ops_implementation.kernels, get_device_type(), args.train.accelerator.tp_size)
         model = self.prepare_model(model)
         # LoRA adapters go in before sharding, so FSDP2/DDP wrap them with their layers; {} without LoRA
         adapters = attach_lora(model, args.model.lora, args.train.seed, args.model.model_path)
