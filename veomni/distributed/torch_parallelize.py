@@ -70,7 +70,7 @@ def parallelize(model: nn.Module, state: ParallelState, config: ParallelizeConfi
     materialize = _materializer(model, config)
     if state.mode == "ddp":
         materialize()
-        apply_ddp(model, state)
+        apply_ddp(model, state, config.mixed_precision)
         return model
     experts = apply_ep(model, state) if state.ep_enabled else []  # split over ep before FSDP shards over ep_fsdp
     apply_fsdp(model, state, config, experts)

@@ -21,7 +21,7 @@ from ..arguments import save_args
 from ..checkpoint import Checkpointer, save_hf_model
 from ..data.chat_template import export_chat_template
 from ..distributed import clip_grad_norm, init_parallel_state
-from ..distributed.mixed_precision import resolve_precision
+from ..distributed.mixed_precision import resolve_precision, set_tf32
 from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
 from ..distributed.torch_parallelize import ParallelizeConfig, no_split_module_names, parallelize
 from ..models import build_foundation_model
@@ -142,6 +142,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
         fsdp = args.train.accelerator.fsdp_config
         # fp32 master weights by default (bf16 compute on CUDA via the FSDP2 policy); pure bf16 only when asked
         precision = resolve_precision(fsdp.mixed_precision, get_device_type(), fsdp.fsdp_mode)
+        set_tf32(args.train.tf32, get_device_type())
         model = build_foundation_model(
             config_path=args.model.config_path,
             weights_path=args.model.model_path,
