@@ -103,8 +103,9 @@ def test_ddp_computes_in_bf16_over_fp32_masters_like_fsdp2(tmp_path):
     }
     run_text_tasks(2, [(config, str(tmp_path / name), flags) for name, flags in runs.items()])
     got = {name: read_metrics(str(tmp_path / name)) for name in runs}
-    for step, (fsdp, ddp, fp32) in enumerate(zip(got["fsdp2_bf16"], got["ddp_bf16"], got["ddp_fp32"]), 1):
-        for key, tol in (("loss", 1e-2), ("grad_norm", 5e-2)):
+    assert len(got["fsdp2_bf16"]) == len(got["ddp_bf16"]) == 4
+    for step, (fsdp, ddp) in enumerate(zip(got["fsdp2_bf16"], got["ddp_bf16"]), 1):
+        for key, tol in (("loss", 2e-3), ("grad_norm", 1e-2)):  # bf16: ~3 significant digits
             assert abs(ddp[key] - fsdp[key]) <= tol * abs(fsdp[key]), (step, key, ddp[key], fsdp[key])
     assert got["ddp_bf16"] != got["ddp_fp32"]  # (a tiny model at init: bf16 moves the loss by ~1e-5 only)
 
