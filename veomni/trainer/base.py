@@ -69,6 +69,7 @@ def parallelize_config_from_args(args, model, materialize: bool = True) -> Paral
         enable_reentrant=args.train.gradient_checkpointing.enable_reentrant,
         enable_forward_prefetch=fsdp.forward_prefetch,
         enable_compile=args.model.ops_implementation.compile,
+        fp8=args.train.fp8,
         broadcast_model_weights_from_rank0=args.train.broadcast_model_weights_from_rank0,
         max_load_broadcast_size=fsdp.max_load_broadcast_size,
         expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
