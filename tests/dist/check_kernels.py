@@ -89,21 +89,24 @@ def _cos_sin(position_ids, head_dim=16):
 
 
 def check_rope():
-    from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from veomni.ops.kernels.liger_ops import rotary_pos_emb as liger_rotary_pos_emb
 
     torch.manual_seed(0)
     position_ids = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])  # two packed documents
     cos, sin = _cos_sin(position_ids)
-    q, k = torch.randn(1, 2, 10, 16), torch.randn(1, 1, 10, 16)
+    # q as the attention makes it: a transpose of [batch, seq, heads, dim]; k plainly contiguous
+    q, k = torch.randn(1, 10, 2, 16).transpose(1, 2), torch.randn(1, 1, 10, 16)
     got = forward_backward(lambda a, b: liger_rotary_pos_emb(a, b, cos, sin), [q, k])
     want = forward_backward(lambda a, b: apply_rotary_pos_emb(a, b, cos, sin), [q, k])
     return {"errors": compare(got, want, ("qk", "qk"))}
 
 
 def check_vision_rope():
-    from liger_kernel.transformers.rope import liger_rotary_pos_emb_vision
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
+    from veomni.ops.kernels.liger_ops import rotary_pos_emb_vision as liger_rotary_pos_emb_vision
 
     torch.manual_seed(0)
     q, k = torch.randn(12, 2, 16), torch.randn(12, 2, 16)  # (patches, heads, head_dim)

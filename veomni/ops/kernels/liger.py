@@ -5,12 +5,13 @@ every model of that family built or run later in the process runs liger too. Her
 
     RMSNorm  each norm module of the model is replaced (in its parent) by a `LigerRMSNorm` holding the same
              Parameter, so state-dict names, FSDP units and checkpoints are unchanged;
-    SwiGLU   each gated MLP instance gets liger's `LigerSwiGLUMLP.forward` (its own Linear layers, LoRA and
-             all, still run; only silu(gate) * up is fused);
+    SwiGLU   each gated MLP instance gets a forward whose silu(gate) * up is one kernel (its own Linear layers,
+             LoRA and all, still run);
     RoPE     each attention instance gets its class's forward with the modeling-file function
              `apply_rotary_pos_emb` (`_vision` in vision towers) meaning liger's
              (veomni.compat.transformers.bind_forward_with_global).
 
+The kernels run as torch custom ops (liger_ops.py), so torch.compile keeps a compiled layer in one graph.
 Which modules: those of the families below whose modeling files were checked to match liger's semantics (llama-
 style RMSNorm: fp32 normalisation, cast back, then times the weight; SwiGLU with silu). M-RoPE (Qwen2.5-VL,
 Qwen3-VL): transformers 5 merges the three position sections into cos/sin once per forward in the rotary embedding,
@@ -31,9 +32,9 @@ _MODELING_FILES = {f"transformers.models.{name}.modeling_{name}" for name in FAM
 
 
 def _liger_ropes() -> Dict[str, Callable]:
-    from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
+    from .liger_ops import rotary_pos_emb, rotary_pos_emb_vision
 
-    return {"apply_rotary_pos_emb": liger_rotary_pos_emb, "apply_rotary_pos_emb_vision": liger_rotary_pos_emb_vision}
+    return {"apply_rotary_pos_emb": rotary_pos_emb, "apply_rotary_pos_emb_vision": rotary_pos_emb_vision}
 
 
 def _in_family(module: nn.Module) -> bool:
@@ -60,25 +61,16 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
 
 
 def _liger_rms_norm(norm: nn.Module) -> nn.Module:
-    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from .liger_ops import LigerRMSNorm
 
-    with torch.device("meta"):  # its own weight is dropped at once: allocate nothing
-        fused = LigerRMSNorm(
-            norm.weight.shape[-1],
-            eps=norm.variance_epsilon,
-            casting_mode="llama",  # fp32 normalisation, cast to the input dtype, then times the weight
-            # not in place: in-place backward writes dX over the incoming gradient, which autograd may also hand to
-            # another branch (an add passes one gradient to both inputs); one buffer per norm is the price
-            in_place=False,
-        )
-    fused.weight = norm.weight  # the same Parameter: names, sharding, optimizer state unchanged
+    fused = LigerRMSNorm(norm.weight, norm.variance_epsilon)  # the same Parameter: names, sharding, optimizer state
     fused.train(norm.training)
     return fused
 
 
 def bind_liger(model: nn.Module) -> Dict[str, int]:
     """Bind liger's kernels onto `model`'s own modules; returns {"rms_norm": n, "swiglu": n, "rope": n}."""
-    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    from .liger_ops import swiglu_mlp_forward
 
     counts = {"rms_norm": 0, "swiglu": 0, "rope": 0}
     for parent in list(model.modules()):
@@ -89,7 +81,7 @@ def bind_liger(model: nn.Module) -> Dict[str, int]:
     ropes = _liger_ropes()
     for module in model.modules():
         if is_swiglu_mlp(module):
-            module.forward = LigerSwiGLUMLP.forward.__get__(module)
+            module.forward = swiglu_mlp_forward.__get__(module)
             counts["swiglu"] += 1
         elif _in_family(module) and type(module).__name__.endswith("Attention"):
             for global_name, kernel in ropes.items():
