@@ -44,7 +44,7 @@ def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> T
     rms_norm, _, _ = _liger()
     block, warps = rms_norm.calculate_settings(x.shape[-1])
     x2d = x.contiguous().view(-1, x.shape[-1])
-    mode = rms_norm._str_to_casting_mode[_RMS_CASTING]
+    mode = rms_norm._str_to_casting_mode[_RMS_CASTING]  # the int the forward returns (liger's name, pinned 0.8.5)
     dx, dw = rms_norm.rms_norm_backward(dy.contiguous(), x2d, weight, rstd, 0.0, mode, block, warps, False, None)
     return dx.view(x.shape), dw
 
