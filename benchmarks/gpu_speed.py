@@ -20,6 +20,8 @@ and says so); logs go to <out>/logs/<stage>.log and their tails are printed at t
             each variant: eager, kernels, compile, compile+kernels, compile+kernels+fp8 (tensorwise)
   hf        the HF Trainer on the same documents: DataCollatorWithFlattening (padding-free), sdpa, bf16,
             adamw_torch_fused
+  loss      the output head's loss alone (bf16 head of the model's shape): chunked vs liger's fused linear
+            cross-entropy, time and peak memory, to choose the CUDA default (chunked until this says otherwise)
   sync      one compiled trainer step under torch.cuda.set_sync_debug_mode("warn"): the syncs it makes, by site
   profile   2 steps of the compiled trainer and of the compiled bare loop under torch.profiler: top kernels of each
   more      when time allows: Qwen3-0.6B 8k, Qwen3-4B 32k with activation checkpointing, Qwen3-30B-A3B (4 layers) 8k
@@ -55,13 +57,14 @@ PLAN = [
     ("tests", 130, 60),
     ("speed:qwen3_1_7b:8192:off", 150, 40),
     ("hf:qwen3_1_7b:8192", 40, 25),
+    ("loss:qwen3_1_7b:8192", 25, 15),
     ("sync:qwen3_1_7b:8192", 25, 15),
     ("profile:qwen3_1_7b:8192", 40, 25),
     ("speed:qwen3_0_6b:8192:off", 60, 30),
     ("speed:qwen3_4b:32768:on", 90, 45),
     ("speed:qwen3_30b_a3b:8192:off", 70, 40),
 ]
-SMOKE_PLAN = [(s.replace("qwen3_1_7b", "demo_qwen3").replace(":8192", ":256"), 240, 1) for s, _, _ in PLAN[:5]]
+SMOKE_PLAN = [(s.replace("qwen3_1_7b", "demo_qwen3").replace(":8192", ":256"), 240, 1) for s, _, _ in PLAN[:6]]
 
 
 # ------------------------------------------------------------------------------------------------ orchestrator
@@ -167,7 +170,7 @@ def print_table(rows, peak):
         print(f"{r['model']:14s} {r['tokens']:6d} {r.get('variant', '-'):21s} {r.get('loop', 'hf'):7s} "
               f"{r['tokens'] / r['s']:8.0f} {mfu:6.1%} {r.get('peak', 0) / 2**30:5.1f}  {ratio}")  # fmt: skip
     for r in rows:
-        if r.get("kind") in ("sync", "profile", "error"):
+        if r.get("kind") in ("sync", "profile", "loss", "error"):
             print(json.dumps(r)[:2000])
 
 
@@ -360,6 +363,38 @@ def stage_profile(args):
         gpu_mfu.reset_peak_memory()
 
 
+def stage_loss(args):
+    """chunked_head_loss_sum vs liger_head_loss_sum on the model's head shape, bf16: fwd+bwd time, peak memory."""
+    _, model_name, tokens = args.stage.split(":")
+    torch, gpu_mfu, folder, batch, lengths, flops, steps, warmup = stage_setup(args, model_name)
+    from veomni.ops import chunked_head_loss_sum
+    from veomni.ops.kernels.liger_loss import liger_head_loss_sum
+
+    config = gpu_mfu.model_config(model_name, moe_layers=4)
+    dtype = torch.bfloat16 if gpu_mfu.DEVICE == "cuda" else torch.float32
+    head = torch.nn.Linear(config["hidden_size"], config["vocab_size"], bias=False, device=gpu_mfu.DEVICE, dtype=dtype)
+    hidden = torch.randn(1, int(tokens), config["hidden_size"], device=gpu_mfu.DEVICE, dtype=dtype)
+    labels = batch["labels"].to(gpu_mfu.DEVICE)
+    losses = {"chunked": chunked_head_loss_sum}
+    if gpu_mfu.DEVICE == "cuda":  # liger's Triton kernels need a GPU
+        losses["liger"] = liger_head_loss_sum
+    for name, loss_fn in losses.items():
+        times = []
+        gpu_mfu.reset_peak_memory()
+        for _ in range(steps):
+            leaf = hidden.detach().clone().requires_grad_()
+            gpu_mfu.synchronize()
+            tic = time.perf_counter()
+            loss, _ = loss_fn(head, leaf, labels, 1024)
+            loss.backward()
+            gpu_mfu.synchronize()
+            times.append(time.perf_counter() - tic)
+            head.weight.grad = None
+        record(args.rows, {"kind": "loss", "loss": name, "model": model_name, "tokens": int(tokens),
+                           "ms": 1e3 * sum(times[warmup:]) / max(len(times) - warmup, 1),
+                           "peak": gpu_mfu.peak_memory()})  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the same code path on CPU, tiny model, no figures")
@@ -374,7 +409,8 @@ def main():
         sys.exit(orchestrate(args))
     if args.smoke:
         os.environ.setdefault("VEOMNI_DEVICE", "cpu")
-    {"speed": stage_speed, "hf": stage_hf, "sync": stage_sync, "profile": stage_profile}[args.stage.split(":")[0]](args)
+    stages = {"speed": stage_speed, "hf": stage_hf, "sync": stage_sync, "profile": stage_profile, "loss": stage_loss}
+    stages[args.stage.split(":")[0]](args)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ def test_smoke_runs_every_stage_and_writes_the_results(tmp_path):
     assert all(r["mfu"] > 0 and r["s"] > 0 for r in rows if r["kind"] in ("step", "hf"))
     assert [r["kind"] for r in rows if r["kind"] in ("hf", "sync")] == ["hf", "sync"]
     assert {r["loop"] for r in rows if r["kind"] == "profile"} == {"trainer", "bare"}
+    assert [r["loss"] for r in rows if r["kind"] == "loss"] == ["chunked"]  # liger's needs CUDA
     assert not [r for r in rows if r["kind"] == "error"]
-    for stage in ("tests", "speed:", "hf:", "sync:", "profile:"):
+    for stage in ("tests", "speed:", "hf:", "sync:", "profile:", "loss:"):
         assert f"=== {stage}" in done.stdout and "trainer/bare" in done.stdout
