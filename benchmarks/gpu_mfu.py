@@ -124,7 +124,7 @@ def micro_batch(lengths, vocab, seed):
     return MainCollator(sp_size=1)([{"input_ids": d, "labels": list(d)} for d in docs])
 
 
-def build_trainer(config_dir, steps, batch, checkpointing, compile_layers=False):
+def build_trainer(config_dir, steps, batch, checkpointing, compile_layers=False, extra_argv=()):
     """Our BaseTrainer on a fixed synthetic micro-batch: the real step, none of the data pipeline."""
     from veomni.arguments import VeOmniArguments, parse_args
     from veomni.trainer.base import BaseTrainer
@@ -162,7 +162,7 @@ def build_trainer(config_dir, steps, batch, checkpointing, compile_layers=False)
         "--train.global_batch_size", "1", "--model.ops_implementation.moe_implementation", "fused",
         "--train.checkpoint.output_dir", os.path.join(config_dir, "out"), "--train.optimizer.lr", "1e-5",
         "--data.train_path", config_dir,  # must exist; never read (the synthetic loader replaces the data)
-        "--model.ops_implementation.compile", str(compile_layers).lower(),
+        "--model.ops_implementation.compile", str(compile_layers).lower(), *extra_argv,
     ]  # fmt: skip
     return SyntheticTrainer(parse_args(VeOmniArguments, argv))
 

@@ -214,3 +214,170 @@ def test_compiled_decoder_layers_equal_eager(tmp_path):
     assert abs(compiled_loss - eager_loss) < 1e-5 * eager_loss
     worst = max(_relative_error(compiled_grads[n], g) for n, g in eager_grads.items())
     assert worst < 1e-4, worst
+
+
+# ------------------------------------------------------------------------------------ liger kernels, fp8 (bf16)
+def _liger_or_skip():
+    from veomni.ops.kernels import liger_available
+
+    if not liger_available():  # benchmarks/gpu_speed.py carries the wheel (.whl)
+        pytest.skip("liger-kernel is not installed here")
+
+
+def _bf16_errors(fused, eager, inputs):
+    """Relative errors of fused (bf16) and of eager (bf16) against eager in fp32: outputs and input gradients."""
+    results = []
+    for fn, dtype in ((eager, torch.float32), (eager, torch.bfloat16), (fused, torch.bfloat16)):
+        leaves = [t.detach().to(dtype).clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        outs = out if isinstance(out, tuple) else (out,)
+        sum(o.float().sum() * (i + 1) for i, o in enumerate(outs)).backward()
+        results.append([*outs, *(t.grad for t in leaves)])
+    reference, eager_bf16, fused_bf16 = results
+    return [_relative_error(a, r) for a, r in zip(fused_bf16, reference)], [
+        _relative_error(a, r) for a, r in zip(eager_bf16, reference)
+    ]
+
+
+def test_liger_kernels_in_bf16_are_as_close_to_fp32_as_transformers_bf16():
+    _liger_or_skip()
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from veomni.ops.kernels.liger_ops import rms_norm, rotary_pos_emb, swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, w = torch.randn(4096, 2048, device="cuda", generator=g), torch.randn(2048, device="cuda", generator=g)
+    q, k = torch.randn(1, 16, 4096, 128, device="cuda", generator=g), torch.randn(1, 8, 4096, 128, device="cuda")
+    angles = torch.randn(1, 4096, 64, device="cuda", generator=g)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    a, b = torch.randn(4096, 6144, device="cuda", generator=g), torch.randn(4096, 6144, device="cuda", generator=g)
+
+    def eager_norm(h, weight):
+        h32 = h.float()
+        return weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+    cases = {
+        "rms_norm": (lambda h, weight: rms_norm(h, weight, 1e-6), eager_norm, [x, w]),
+        "rope": (lambda a_, b_: rotary_pos_emb(a_, b_, cos.bfloat16(), sin.bfloat16()),
+                 lambda a_, b_: apply_rotary_pos_emb(a_, b_, cos.to(a_.dtype), sin.to(a_.dtype)), [q, k]),
+        "swiglu": (swiglu, lambda a_, b_: F.silu(a_) * b_, [a, b]),
+    }  # fmt: skip
+    for name, (fused, eager, inputs) in cases.items():
+        fused_err, eager_err = _bf16_errors(fused, eager, inputs)
+        for f, e in zip(fused_err, eager_err):
+            assert f <= 2 * e + 1e-3, f"{name}: fused bf16 {fused_err} vs transformers bf16 {eager_err}"
+
+
+def _triton_launches():
+    """A context counting Triton kernel launches (JITFunction.run)."""
+    import contextlib
+
+    from triton.runtime.jit import JITFunction
+
+    @contextlib.contextmanager
+    def counting():
+        run, box = JITFunction.run, [0]
+
+        def counted(self, *args, **kwargs):
+            box[0] += 1
+            return run(self, *args, **kwargs)
+
+        JITFunction.run = counted
+        try:
+            yield box
+        finally:
+            JITFunction.run = run
+
+    return counting()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bound_model_in_bf16_follows_an_unbound_one_in_the_same_process(tmp_path, compiled):
+    """kernels=liger on one model, eager on its twin (and compiled with inductor: liger's custom ops inside the
+    compiled layers, no fallback): bf16 loss and gradients agree; the twin launches no Triton kernel eagerly."""
+    _liger_or_skip()
+    from veomni.distributed.compile import compile_basic_modules
+    from veomni.distributed.torch_parallelize import basic_module_instances
+    from veomni.ops.kernels import bind_kernels
+
+    config = _tiny_qwen3(str(tmp_path), num_hidden_layers=2)
+    models = []
+    for bind in (True, False):
+        torch.manual_seed(0)
+        model = build_foundation_model(config, torch_dtype="float32", init_device="cuda")
+        if bind:
+            assert bind_kernels(model, "liger", "cuda")["rms_norm"] == 2 * 4 + 1
+        if compiled:
+            compile_basic_modules(basic_module_instances(model, ["Qwen3DecoderLayer"]))
+        models.append(model)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in LENGTHS]
+    batch = MainCollator()([{"input_ids": d, "labels": list(d)} for d in docs])
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+    labels = batch.pop("labels")
+    results = []
+    for model in models:
+        with _triton_launches() as launches, torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = causal_lm_loss_sum(model(**batch).logits, labels)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}, launches[0]))
+    (bound_loss, bound_grads, bound_launches), (loss, grads, launches) = results
+    assert abs(bound_loss - loss) < 5e-3 * loss
+    worst = max(_relative_error(bound_grads[n], g) for n, g in grads.items())
+    assert worst < 5e-2, worst
+    if not compiled:  # (compiled, inductor's own Triton kernels run in both)
+        assert bound_launches > 0 and launches == 0, (bound_launches, launches)
+
+
+def test_liger_fused_linear_cross_entropy_equals_the_chunked_loss_in_bf16():
+    """The same contract as chunked_head_loss_sum, bf16 head; prints both peaks for the default's decision."""
+    _liger_or_skip()
+    from veomni.ops.kernels.liger_loss import liger_head_loss_sum
+
+    torch.manual_seed(0)
+    tokens, hidden, vocab = 8192, 1024, 32768
+    h = (torch.randn(tokens, hidden, device="cuda") * 0.5).to(torch.bfloat16)
+    head = torch.nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (1, tokens), device="cuda")
+    labels[0, ::7] = -100
+    results, peaks = [], {}
+    for name, loss_fn in (("chunked", chunked_head_loss_sum), ("liger", liger_head_loss_sum)):
+        head.zero_grad()
+        leaf = h.clone()[None].requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss, count = loss_fn(head, leaf, labels, 1024)
+        (loss / 1000.0).backward()
+        torch.cuda.synchronize()
+        peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        results.append((loss.detach(), int(count), leaf.grad, head.weight.grad.clone()))
+    print(f"peak MiB above inputs: {peaks}")
+    (c_loss, c_count, c_dh, c_dw), (l_loss, l_count, l_dh, l_dw) = results
+    assert c_count == l_count
+    assert abs(l_loss.item() - c_loss.item()) < 1e-3 * c_loss.item()
+    assert _relative_error(l_dh, c_dh) < 2e-2 and _relative_error(l_dw, c_dw) < 2e-2
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_follows_bf16_on_the_gpu(recipe):
+    pytest.importorskip("torchao")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need compute capability 8.9 (Ada, Hopper) or newer")
+    from veomni.distributed.fp8 import apply_fp8
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 8192, bias=False), torch.nn.Linear(8192, 4096, bias=False))
+    model = model.cuda()
+    twin = __import__("copy").deepcopy(model)
+    assert apply_fp8(model, recipe)["converted"] == 2  # both shapes are large enough for either recipe
+    x = torch.randn(8192, 4096, device="cuda")
+    outs = []
+    for m in (model, twin):
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = m(leaf)
+        out.float().square().mean().backward()
+        outs.append((out.float(), leaf.grad, m[0].weight.grad))
+    for got, want in zip(*outs):
+        assert ((got - want).norm() / want.norm()).item() < 0.1

@@ -29,7 +29,7 @@ def warnings_seen(monkeypatch):
     [
         ("cuda", "fsdp2", {}, torch.float32, torch.bfloat16, torch.float32),  # the default on a GPU
         ("cpu", "fsdp2", {}, torch.float32, None, None),  # plain fp32 on CPU
-        ("cuda", "ddp", {}, torch.float32, None, None),  # DDP has no casting policy: fp32
+        ("cuda", "ddp", {}, torch.float32, torch.bfloat16, torch.float32),  # DDP: autocast bf16 over fp32
         ("cpu", "fsdp2", {"param_dtype": "bfloat16"}, torch.float32, torch.bfloat16, torch.float32),
         ("cuda", "fsdp2", {"param_dtype": "float32"}, torch.float32, None, None),
         ("cuda", "fsdp2", {"reduce_dtype": "bfloat16"}, torch.float32, torch.bfloat16, torch.bfloat16),
@@ -87,3 +87,44 @@ def test_default_keeps_small_updates_that_pure_bf16_loses(one_process_group):
     pure = _fraction_unchanged_after_training(_resolve("cuda", enable=False))
     assert default == 0.0, f"{default:.1%} of the weights never moved with fp32 master weights"
     assert pure > 0.3, f"pure bf16 lost only {pure:.1%} of the updates: the comparison shows nothing"
+
+
+def test_ddp_computes_in_bf16_over_fp32_masters_like_fsdp2(tmp_path):
+    """2 gloo ranks, the same data: DDP with param_dtype bfloat16 (autocast over fp32 parameters) follows FSDP2's
+    bf16 policy within bf16 tolerance, step by step, while plain fp32 DDP is visibly elsewhere (so bf16 is on)."""
+    from helpers import read_metrics, run_text_tasks, tiny_run_config
+
+    config = tiny_run_config(str(tmp_path))
+    bf16 = ["--train.accelerator.fsdp_config.mixed_precision.param_dtype", "bfloat16", "--train.max_steps", "4"]
+    runs = {
+        "fsdp2_bf16": bf16 + ["--train.accelerator.fsdp_config.fsdp_mode", "fsdp2"],
+        "ddp_bf16": bf16 + ["--train.accelerator.fsdp_config.fsdp_mode", "ddp"],
+        "ddp_fp32": ["--train.max_steps", "4", "--train.accelerator.fsdp_config.fsdp_mode", "ddp"],
+    }
+    run_text_tasks(2, [(config, str(tmp_path / name), flags) for name, flags in runs.items()])
+    got = {name: read_metrics(str(tmp_path / name)) for name in runs}
+    assert len(got["fsdp2_bf16"]) == len(got["ddp_bf16"]) == 4
+    for step, (fsdp, ddp) in enumerate(zip(got["fsdp2_bf16"], got["ddp_bf16"]), 1):
+        for key, tol in (("loss", 2e-3), ("grad_norm", 1e-2)):  # bf16: ~3 significant digits
+            assert abs(ddp[key] - fsdp[key]) <= tol * abs(fsdp[key]), (step, key, ddp[key], fsdp[key])
+    assert got["ddp_bf16"] != got["ddp_fp32"]  # (a tiny model at init: bf16 moves the loss by ~1e-5 only)
+
+
+def test_ddp_forward_runs_in_bf16_with_fp32_parameters_and_gradients(one_process_group):
+    """apply_ddp with a bf16 compute dtype: every linear computes in bf16, parameters and their gradients (what
+    DDP all-reduces and AdamW updates) stay fp32."""
+    from veomni.arguments import MixedPrecisionArguments
+    from veomni.distributed.fsdp import apply_ddp
+    from veomni.distributed.parallel_dims import ParallelDims
+    from veomni.distributed.parallel_state import ParallelState
+
+    state = ParallelState.from_dims(ParallelDims.resolve(1), mode="ddp")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    apply_ddp(model, state, MixedPrecisionArguments(param_dtype="bfloat16"))
+    seen = []
+    for layer in (model[0], model[2]):
+        layer.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    model(torch.randn(8, 16)).float().pow(2).mean().backward()
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}

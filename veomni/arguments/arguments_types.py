@@ -148,16 +148,17 @@ class OptimizerArguments:
 
 @dataclass
 class MixedPrecisionArguments:
-    """FSDP2 mixed precision."""
+    """Mixed precision (FSDP2 and DDP)."""
 
     enable: bool = _doc(
-        "fp32 master weights and optimizer state, compute in param_dtype (FSDP2 MixedPrecisionPolicy). Off: "
+        "fp32 master weights and optimizer state, compute in param_dtype (FSDP2: MixedPrecisionPolicy; DDP: the "
+        "forward under torch.autocast, gradients all-reduced in fp32). Off: "
         "parameters and optimizer state are kept in param_dtype itself; with a 16-bit param_dtype that is pure "
         "bf16/fp16 training, which loses small updates (a warning says so).",
         default=True,
     )
     param_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = _doc(
-        "Compute dtype. null: bfloat16 on CUDA with fsdp2; float32 on CPU and with ddp (see "
+        "Compute dtype. null: bfloat16 on CUDA (fsdp2 and ddp); float32 on CPU (see "
         "veomni.distributed.mixed_precision.resolve_precision).",
         default=None,
     )
@@ -313,6 +314,19 @@ class TrainingArguments:
     log_steps: int = _doc("Print a metrics line every N steps.", default=1)
     skip_nonfinite_steps: bool = _doc("Skip a step with non-finite loss/grad instead of stopping.", default=False)
     use_tensorboard: bool = _doc("Write TensorBoard scalars under output_dir/tensorboard.", default=False)
+    tf32: bool = _doc(
+        "On CUDA, fp32 matmuls and convolutions use TensorFloat-32 tensor cores (10-bit mantissa inputs, fp32 "
+        "accumulation). Off: exact fp32. No effect on CPU.",
+        default=True,
+    )
+    fp8: Literal["off", "tensorwise", "rowwise"] = _doc(
+        "torchao float8 training of the linear layers large enough to gain (veomni.distributed.fp8: torchao's "
+        "H100-measured size rule; never the output head nor layers whose dims are not multiples of 16); "
+        "`tensorwise`: one scale per tensor (fastest; FSDP2 then gathers the weights in float8), `rowwise`: one "
+        "scale per row (more accurate). Needs torchao (pip install veomni[fp8]) and an H100-class GPU to gain; runs "
+        "emulated elsewhere. Not with tp_size > 1.",
+        default="off",
+    )
     optimizer: OptimizerArguments = field(default_factory=OptimizerArguments)
     accelerator: AcceleratorArguments = field(default_factory=AcceleratorArguments)
     checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)

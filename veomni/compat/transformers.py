@@ -8,7 +8,9 @@ Everything else here is a module global, wrapper or hook that veomni reuses so a
 """
 
 import contextlib
+import inspect
 import sys
+import types
 from collections.abc import Mapping
 from typing import Callable, Iterator, List, Optional, Tuple
 from unittest import mock
@@ -29,6 +31,8 @@ __all__ = [
     "processor_without_video",
     "calculate_timestamps",
     "feat_extract_output_lengths",
+    "forward_calls_global",
+    "bind_forward_with_global",
 ]
 
 PRIVATE_SYMBOLS: List[Tuple[str, str, str]] = [
@@ -48,6 +52,16 @@ PRIVATE_SYMBOLS: List[Tuple[str, str, str]] = [
     ("transformers.models.qwen2_5_omni.processing_qwen2_5_omni", "_get_feat_extract_output_lengths", "audio tokens"),
     ("transformers", "PreTrainedModel._no_split_modules", "FSDP units / compiled units"),
     ("transformers", "PreTrainedModel._keys_to_ignore_on_load_unexpected", "keys from_pretrained drops"),
+    # the RoPE functions an attention forward calls by name: veomni.ops.kernels binds liger's in their place, per
+    # instance (bind_forward_with_global); tests/test_kernels.py's canary checks each forward still calls them
+    ("transformers.models.llama.modeling_llama", "apply_rotary_pos_emb", "liger RoPE per attention instance"),
+    ("transformers.models.qwen2.modeling_qwen2", "apply_rotary_pos_emb", "same"),
+    ("transformers.models.qwen3.modeling_qwen3", "apply_rotary_pos_emb", "same"),
+    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "apply_rotary_pos_emb", "same"),
+    ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "apply_rotary_pos_emb", "same (M-RoPE: merged cos/sin)"),
+    ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "apply_rotary_pos_emb_vision", "same, vision tower"),
+    ("transformers.models.qwen3_vl.modeling_qwen3_vl", "apply_rotary_pos_emb", "same (interleaved M-RoPE)"),
+    ("transformers.models.qwen3_vl.modeling_qwen3_vl", "apply_rotary_pos_emb_vision", "same, vision tower"),
 ]
 
 # the name of the wrapper GradientCheckpointingLayer.__init_subclass__ installs around every layer's forward
@@ -126,6 +140,51 @@ def is_experts_module(module) -> bool:
 def keys_to_ignore_on_load_unexpected(model) -> List[str]:
     """Patterns of checkpoint keys `from_pretrained` drops silently (an MTP head, an Omni talker)."""
     return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+
+
+def _plain_forward(cls) -> Callable:
+    """The class's forward without its decorators (`deprecate_kwarg`'s wrapper: the model's own layers already
+    call the forward with the current argument names)."""
+    return inspect.unwrap(cls.forward)
+
+
+def forward_calls_global(cls, name: str) -> bool:
+    """Whether `cls.forward` looks up the modeling-file global `name` (e.g. `apply_rotary_pos_emb`) when it runs."""
+    forward = _plain_forward(cls)
+    return name in forward.__code__.co_names and name in forward.__globals__
+
+
+_REBOUND: dict = {}  # (forward, name, replacement) -> the rebuilt function, shared by every instance of a class
+
+
+def bind_forward_with_global(module: nn.Module, name: str, replacement: Callable) -> None:
+    """Give `module` (this instance only) its class's forward in which the modeling-file global `name` means
+    `replacement`: the same code object over a copy of the modeling file's globals with that one name changed.
+
+    This is how a fused RoPE reaches one model and not the next: liger's own patch assigns the module global, which
+    every model of the family in the process then runs. The copy is taken at binding time (a later reassignment of
+    another global of that file is not seen by the bound instances). All instances of a class share one rebuilt
+    function, so torch.compile sees one code for all layers. Raises if the forward does not call `name` (transformers
+    moved the function): binding would then silently do nothing."""
+    cls = type(module)
+    if not forward_calls_global(cls, name):
+        raise AttributeError(
+            f"{cls.__name__}.forward (transformers {_version()}) no longer calls the global `{name}` that veomni binds "
+            "a fused kernel in place of: see veomni/compat/transformers.py (or run model.ops_implementation.kernels "
+            "eager)"
+        )
+    forward = _plain_forward(cls)
+    key = (forward, name, replacement)
+    if key not in _REBOUND:
+        namespace = dict(forward.__globals__)
+        namespace[name] = replacement
+        rebuilt = types.FunctionType(
+            forward.__code__, namespace, forward.__name__, forward.__defaults__, forward.__closure__
+        )
+        rebuilt.__kwdefaults__ = forward.__kwdefaults__
+        rebuilt.__qualname__ = forward.__qualname__
+        _REBOUND[key] = rebuilt
+    module.forward = types.MethodType(_REBOUND[key], module)
 
 
 # ------------------------------------------------------------------------------------------- processors

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -12,7 +13,7 @@ from ..compat.torch import replicate
 from ..compat.transformers import no_split_modules
 from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
-from .mixed_precision import resolve_precision
+from .mixed_precision import autocast_forward, resolve_precision
 from .parallel_plan import expert_shard_placement
 from .parallel_state import ParallelState
 
@@ -121,17 +122,28 @@ def apply_fsdp(model: nn.Module, state: ParallelState, options: FSDPOptions, exp
 
 def check_ddp_options(state: ParallelState, options: FSDPOptions) -> None:
     """What DDP cannot do, refused before anything is built."""
-    if options.enable_fsdp_offload or mixed_precision_policy(options.mixed_precision, state.mode) is not None:
-        raise ValueError("fsdp_config.offload and mixed_precision need fsdp_mode=fsdp2, not ddp")
+    if options.enable_fsdp_offload:
+        raise ValueError("fsdp_config.offload needs fsdp_mode=fsdp2, not ddp")
+    policy = mixed_precision_policy(options.mixed_precision, state.mode)
+    if policy is not None and policy.reduce_dtype not in (None, torch.float32):
+        raise ValueError(
+            "fsdp_config.mixed_precision.reduce_dtype bfloat16 needs fsdp_mode=fsdp2: DDP all-reduces its fp32 "
+            "gradients (set reduce_dtype float32)"
+        )
     if state.ep_enabled:
         raise ValueError("expert parallel needs fsdp_mode=fsdp2, not ddp")
     if state.tp_enabled:
         raise ValueError("tensor parallel (tp_size > 1) needs fsdp_mode=fsdp2, not ddp")
 
 
-def apply_ddp(model: nn.Module, state: ParallelState) -> None:
+def apply_ddp(model: nn.Module, state: ParallelState, mixed_precision: Any = None) -> None:
     """DDP over the data ranks; sequence-parallel ranks hold the same parameters but different tokens, so their
-    gradients are summed too."""
+    gradients are summed too. With a compute dtype (`mixed_precision`, bf16 by default on CUDA), the forward runs
+    under autocast over the fp32 parameters, as FSDP2 computes in bf16 over fp32 masters."""
     model.to(get_device())
     replicate(model, device_mesh=state.flat_meshes["dp_sp"] if state.sp_enabled else state.dp_mesh)
-    logger.info(f"DDP over {state.dp_size} ranks")
+    policy = mixed_precision_policy(mixed_precision, state.mode)
+    compute = policy.param_dtype if policy is not None else None
+    if compute not in (None, torch.float32):
+        model.forward = autocast_forward(model.forward, get_device_type(), compute)
+    logger.info(f"DDP over {state.dp_size} ranks, compute dtype {str(compute or torch.float32).replace('torch.', '')}")

@@ -3,15 +3,19 @@
 Pure bf16 (parameters and AdamW state in bf16) loses every update smaller than half a bf16 ulp of its weight:
 at lr 5e-5, 47% of the weights of a model were unchanged after 10 steps on an H100. So the default keeps fp32
 master weights and optimizer state, and computes in bf16 on CUDA (`MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)`), in fp32 on CPU (where bf16 matmuls are slow and only lose accuracy) and under DDP (which has
-no casting policy here). Pure low precision happens only when asked for (`mixed_precision.enable false` with a
-16-bit `param_dtype`), and says so.
+reduce_dtype=fp32)`), in fp32 on CPU (where bf16 matmuls are slow and only lose accuracy). DDP gets the same
+choice: fp32 parameters and gradients (all-reduced in fp32), the forward under `torch.autocast` in the compute dtype
+(`autocast_forward`; DDP has no casting policy of its own that runs on every device). Pure low precision happens
+only when asked for (`mixed_precision.enable false` with a 16-bit `param_dtype`), and says so.
+
+TF32 (`train.tf32`, on by default): on CUDA, the fp32 matmuls and convolutions that remain (fp32 runs, fp32 parts of
+a bf16 step) use TensorFloat-32 tensor cores (`set_tf32`).
 """
 
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -29,8 +33,8 @@ class Precision:
 
 
 def default_compute_dtype(device_type: str, mode: str = "fsdp2") -> str:
-    """`mixed_precision.param_dtype: null` means this."""
-    return "bfloat16" if device_type == "cuda" and mode == "fsdp2" else "float32"
+    """`mixed_precision.param_dtype: null` means this (FSDP2 and DDP alike)."""
+    return "bfloat16" if device_type == "cuda" else "float32"
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,3 +64,28 @@ def resolve_precision(mixed_precision: Any, device_type: str, mode: str = "fsdp2
     if compute == torch.float32 and reduce == torch.float32:
         return Precision(torch.float32, None)  # nothing to cast: plain fp32 (what CPU and DDP run)
     return Precision(torch.float32, MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce))
+
+
+def autocast_forward(forward: Callable, device_type: str, dtype: torch.dtype) -> Callable:
+    """`forward` run under `torch.autocast(device_type, dtype)`: DDP's bf16 compute over fp32 parameters (matmuls in
+    `dtype`, reductions and norms in fp32 as autocast decides; gradients and the all-reduce stay fp32)."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def set_tf32(enabled: bool, device_type: str) -> None:
+    """TensorFloat-32 for fp32 matmuls and convolutions on CUDA (`train.tf32`); nothing on other devices (CPU
+    matmuls stay exact fp32, which the parity tests rely on)."""
+    if device_type != "cuda":
+        return
+    precision = "tf32" if enabled else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled

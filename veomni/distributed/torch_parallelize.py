@@ -4,6 +4,7 @@
 
     apply_sp       Ulysses sequence parallel (sequence_parallel/apply.py)
     apply_tp       tensor parallel, by the family's plan (tensor_parallel.py)
+    apply_fp8      torchao float8 training of the large linear layers (fp8.py)
     apply_ac       activation checkpointing (activation_checkpointing.py)
     apply_compile  torch.compile of each basic module (compile.py)
     apply_ep       expert parallel, by the family's plan (parallel_plan.py)
@@ -23,6 +24,7 @@ from ..models.multimodal import model_class_for
 from ..utils.logging import get_logger
 from .activation_checkpointing import apply_ac
 from .compile import apply_compile
+from .fp8 import apply_fp8
 from .fsdp import FSDPOptions, apply_ddp, apply_fsdp, basic_module_instances, check_ddp_options, no_split_module_names
 from .parallel_plan import apply_ep
 from .parallel_state import ParallelState, get_parallel_state
@@ -52,6 +54,7 @@ class ParallelizeConfig(FSDPOptions):
     broadcast_model_weights_from_rank0: bool = True
     max_load_broadcast_size: int = 2**30
     enable_compile: bool = False
+    fp8: str = "off"  # train.fp8: off | tensorwise | rowwise
     materialize: bool = True  # False: leave a meta model unallocated (the planner reads its shards' shapes only)
 
 
@@ -63,6 +66,8 @@ def parallelize(model: nn.Module, state: ParallelState, config: ParallelizeConfi
         apply_sp(model, state)
     if state.tp_enabled:  # before FSDP, which then shards the tp DTensors over dp_shard (2-D parameters)
         apply_tp(model, state.tp_mesh)
+    if config.fp8 != "off":  # before checkpointing and compile wrap the layers (torchao's order)
+        apply_fp8(model, config.fp8, state.tp_size)
     if config.enable_gradient_checkpointing:
         apply_ac(model, config.enable_reentrant)
     if config.enable_compile:  # after checkpointing is set, which the compiled forward takes over
@@ -70,7 +75,7 @@ def parallelize(model: nn.Module, state: ParallelState, config: ParallelizeConfi
     materialize = _materializer(model, config)
     if state.mode == "ddp":
         materialize()
-        apply_ddp(model, state)
+        apply_ddp(model, state, config.mixed_precision)
         return model
     experts = apply_ep(model, state) if state.ep_enabled else []  # split over ep before FSDP shards over ep_fsdp
     apply_fsdp(model, state, config, experts)

@@ -21,12 +21,13 @@ from ..arguments import save_args
 from ..checkpoint import Checkpointer, save_hf_model, save_lora_model
 from ..data.chat_template import export_chat_template
 from ..distributed import clip_grad_norm, init_parallel_state
-from ..distributed.mixed_precision import resolve_precision
+from ..distributed.mixed_precision import resolve_precision, set_tf32
 from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
 from ..distributed.torch_parallelize import ParallelizeConfig, no_split_module_names, parallelize
 from ..models import build_foundation_model
 from ..models.lora import attach_lora, base_checkpoint_names, place_adapters
 from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
+from ..ops.kernels import bind_kernels
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
 from ..plan.runlog import PlanCheckCallback
@@ -68,6 +69,7 @@ def parallelize_config_from_args(args, model, materialize: bool = True) -> Paral
         enable_reentrant=args.train.gradient_checkpointing.enable_reentrant,
         enable_forward_prefetch=fsdp.forward_prefetch,
         enable_compile=args.model.ops_implementation.compile,
+        fp8=args.train.fp8,
         broadcast_model_weights_from_rank0=args.train.broadcast_model_weights_from_rank0,
         max_load_broadcast_size=fsdp.max_load_broadcast_size,
         expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
@@ -141,6 +143,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
         fsdp = args.train.accelerator.fsdp_config
         # fp32 master weights by default (bf16 compute on CUDA via the FSDP2 policy); pure bf16 only when asked
         precision = resolve_precision(fsdp.mixed_precision, get_device_type(), fsdp.fsdp_mode)
+        set_tf32(args.train.tf32, get_device_type())
         model = build_foundation_model(
             config_path=args.model.config_path,
             weights_path=args.model.model_path,
@@ -150,6 +153,8 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             moe_implementation=args.model.ops_implementation.moe_implementation,
             trust_remote_code=args.model.trust_remote_code,
         )
+        # fused kernels on this instance only, before adapters, sharding and compile wrap its modules
+        bind_kernels(model, args.model.ops_implementation.kernels, get_device_type(), args.train.accelerator.tp_size)
         model = self.prepare_model(model)
         # LoRA adapters go in before sharding, so FSDP2/DDP wrap them with their layers; {} without LoRA
         adapters = attach_lora(model, args.model.lora, args.train.seed, args.model.model_path)

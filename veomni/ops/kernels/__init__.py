@@ -1,0 +1,84 @@
+"""`model.ops_implementation.kernels`: fused kernels bound to one model instance.
+
+    auto    liger-kernel on CUDA when it is installed (`pip install veomni[kernels]`), eager otherwise
+    liger   liger-kernel's RMSNorm, RoPE and SwiGLU (refused where it cannot run)
+    eager   transformers' own modules
+
+The decision is said once in the log. Binding touches only the given model (see `liger.bind_liger`): another
+model built in the same process, bound or not, runs its own modules. The fused linear cross-entropy is a loss,
+not a module of the model: `liger_head_loss_sum` (liger_loss.py), with `chunked_head_loss_sum`'s contract.
+"""
+
+import functools
+import importlib.util
+import os
+from typing import Dict
+
+from torch import nn
+
+from ...utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+CHOICES = ("auto", "liger", "eager")
+KEY = "model.ops_implementation.kernels"
+
+__all__ = ["CHOICES", "bind_kernels", "liger_available", "resolve_kernels"]
+
+
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None and importlib.util.find_spec("triton") is not None
+
+
+def _triton_interpreter() -> bool:
+    """Triton's interpreter runs kernels on CPU tensors (tests only: it is slow, and needs test-side adaptations)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_kernels(choice: str, device_type: str, tp_size: int = 1) -> str:
+    """`liger` or `eager` for the configured `choice` on `device_type`; a choice that cannot run raises, naming
+    the key. Tensor parallel keeps eager (liger's kernels take plain tensors, not DTensors)."""
+    if choice not in CHOICES:
+        raise ValueError(f"{KEY}={choice!r}: choose one of {', '.join(CHOICES)}")
+    if choice == "eager":
+        return "eager"
+    runs_here = device_type == "cuda" or _triton_interpreter()
+    if choice == "auto":
+        if not liger_available():
+            reason = "liger-kernel is not installed (pip install veomni[kernels])"
+        elif not runs_here:
+            reason = f"no CUDA device ({device_type})"
+        elif tp_size > 1:
+            reason = "tensor parallel (tp_size > 1) runs transformers' modules"
+        else:
+            _said(choice, "liger", "liger-kernel RMSNorm, RoPE and SwiGLU on this model")
+            return "liger"
+        _said(choice, "eager", reason)
+        return "eager"
+    if not liger_available():
+        raise ValueError(f"{KEY}=liger needs liger-kernel and triton: pip install veomni[kernels]")
+    if not runs_here:
+        raise ValueError(f"{KEY}=liger needs a CUDA GPU (Triton kernels); this run is on {device_type}")
+    if tp_size > 1:
+        raise ValueError(f"{KEY}=liger with tensor parallel (tp_size={tp_size}): liger's kernels take no DTensors")
+    _said(choice, "liger", "asked for")
+    return "liger"
+
+
+@functools.lru_cache(maxsize=None)
+def _said(choice: str, chosen: str, why: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        logger.info(f"{KEY}={choice}: {chosen} ({why})")
+
+
+def bind_kernels(model: nn.Module, choice: str, device_type: str, tp_size: int = 1) -> Dict[str, int]:
+    """Bind the kernels `choice` resolves to onto `model` (this instance only); returns how many modules of each
+    kind were bound ({} for eager). Call before sharding and compiling."""
+    if resolve_kernels(choice, device_type, tp_size) == "eager":
+        return {}
+    from .liger import bind_liger
+
+    counts = bind_liger(model)
+    if not any(counts.values()):
+        logger.warning(f"{KEY}: no module of {type(model).__name__} has a liger kernel here; it runs eager")
+    return counts
