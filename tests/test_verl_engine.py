@@ -83,7 +83,9 @@ def _launch(nproc: int, runs: list, out: str) -> dict:
     args = [SCENARIOS, plan, out]
     cmd = [sys.executable, *args] if nproc == 1 else torchrun_cmd(nproc, "--master_port=0", *args)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    if proc.returncode != 0:  # the ranks' own errors first: torchrun's summary at the end says only that one failed
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line and "Warning" not in line]
+        raise AssertionError(f"{' '.join(cmd)} failed:\n" + "\n".join(errors[:20]) + f"\n{proc.stderr[-6000:]}")
     with open(out) as f:
         return json.load(f)
 
