@@ -40,6 +40,7 @@ def _expected_groups(dims: ParallelDims, rank: int) -> dict:
         "dp": grid[:, :, u, t].ravel(),
         "dp_shard_sp": grid[r, :, :, t].ravel(),
         "dp_sp": grid[:, :, :, t].ravel(),
+        "sp": grid[r, s, :, t],  # VeOmni's name of the ulysses group
     }
     fsdp = grid[:, :, :, t].reshape(dims.dp_replicate, dims.fsdp)  # HSDP: replicate x (shard x ulysses)
     groups["fsdp"] = fsdp if dims.dp_replicate > 1 else fsdp.ravel()
@@ -57,6 +58,8 @@ def _built_groups(state) -> dict:
     dense = state.device_mesh
     groups = {name: dense[name].mesh.tolist() for name in ("dp_replicate", "dp_shard", "ulysses", "tp")}
     groups.update({name: mesh.mesh.tolist() for name, mesh in state.flat_meshes.items()})
+    # every flattened view is reachable by name on the dense (root) mesh too, as VeOmni's clients read it
+    assert all(dense[name].mesh.tolist() == groups[name] for name in state.flat_meshes)
     groups.update({name: mesh[name].mesh.tolist() for name, mesh in state.extra_meshes.items()})
     groups["fsdp"] = state.fsdp_mesh.mesh.tolist()
     return groups

@@ -16,6 +16,16 @@ from .arguments_types import (
     VeOmniArguments,
     WandbArguments,
 )
+from .config_names import (  # VeOmni's names of the same groups (config_names.py)
+    AcceleratorConfig,
+    CheckpointConfig,
+    DataloaderConfig,
+    GradientCheckpointingConfig,
+    MixedPrecisionConfig,
+    OpsImplementationConfig,
+    OptimizerConfig,
+    WandbConfig,
+)
 from .parser import ConfigError, parse_args, save_args
 
 __all__ = [
@@ -34,6 +44,15 @@ __all__ = [
     "TrainingArguments",
     "VeOmniArguments",
     "WandbArguments",
+    # VeOmni's names of the same groups
+    "AcceleratorConfig",
+    "CheckpointConfig",
+    "DataloaderConfig",
+    "GradientCheckpointingConfig",
+    "MixedPrecisionConfig",
+    "OpsImplementationConfig",
+    "OptimizerConfig",
+    "WandbConfig",
     "parse_args",
     "save_args",
 ]

@@ -88,11 +88,29 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
 
 
 @torch.no_grad()
-def clip_grad_norm(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
-    """Clip in place when `max_norm > 0`; return the total norm before clipping as a Python float."""
+def clip_grad_norm_tensor(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip in place when `max_norm > 0`; return the total norm before clipping as a float64 scalar tensor (the same
+    value on every rank, every gradient counted once: FSDP shards, expert-parallel experts, replicas)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    total = total_grad_norm(params, norm_type).item()
-    coef = max_norm / (total + 1e-6)
+    total = total_grad_norm(params, norm_type)
+    coef = max_norm / (total.item() + 1e-6)
     if max_norm > 0 and coef < 1.0:  # on the local shards: scaling them scales the DTensor, without its dispatch
         foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], coef)
     return total
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
+    """Clip in place when `max_norm > 0`; return the total norm before clipping as a Python float."""
+    return clip_grad_norm_tensor(model, max_norm, norm_type).item()
+
+
+def bind_clip_grad_norm(model: torch.nn.Module) -> None:
+    """`model.clip_grad_norm_(max_norm, norm_type=2.0)` -> the total norm as a tensor, as FSDP1 modules and VeOmni's
+    parallelized models have it: clients such as verl's VeOmni engine call it in place of
+    `torch.nn.utils.clip_grad_norm_`, which cannot combine gradients that live on different meshes (experts on the
+    ep mesh, the rest on the FSDP mesh). Other keywords of torch's version are accepted and ignored."""
+
+    def clip_grad_norm_(max_norm: float, norm_type: float = 2.0, **_ignored) -> torch.Tensor:
+        return clip_grad_norm_tensor(model, max_norm, norm_type)
+
+    model.clip_grad_norm_ = clip_grad_norm_

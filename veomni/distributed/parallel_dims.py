@@ -1,14 +1,15 @@
 """`ParallelDims`: the one place that turns the configured parallel sizes into degrees, validates them, and builds
 the device meshes.
 
-Every mesh is derived from one 1-D world mesh by unflattening it, as torchtitan does:
+Every mesh is derived from the dense mesh, the root, through its flattened 1-D world view:
 
-    world (W) -> dense  (dp_replicate, dp_shard, ulysses, tp)      row-major: tp ranks are adjacent
-              -> <name> (<name>_fsdp, <name>) per extra dim (ep)   or (<name>, <name>_fsdp) when not innermost
+    dense (dp_replicate, dp_shard, ulysses, tp)  row-major: tp ranks are adjacent
+    world (W) = dense flattened -> <name> (<name>_fsdp, <name>) per extra dim (ep), or (<name>, <name>_fsdp)
 
 and the data-parallel views are flattened from the dense mesh: `dp` (dp_replicate x dp_shard), `dp_shard_sp`
-(dp_shard x ulysses: what FSDP shards over, since sequence-parallel ranks hold the same parameters) and `dp_sp`
-(every rank holding its own tokens). The arguments (`TrainingArguments.resolve`) and `init_parallel_state` both
+(dp_shard x ulysses: what FSDP shards over, since sequence-parallel ranks hold the same parameters), `dp_sp`
+(every rank holding its own tokens) and `sp` (ulysses, under VeOmni's name). Since the dense mesh is the root, each
+view is also reachable by name on it (`dense["dp_sp"]`, `dense.get_group("sp")`), as VeOmni's clients expect. The arguments (`TrainingArguments.resolve`) and `init_parallel_state` both
 call `ParallelDims.resolve`, so the degrees a config means are computed by one formula.
 """
 
@@ -107,13 +108,16 @@ class ParallelDims:
     # ------------------------------------------------------------------- meshes
     def build_meshes(self, device_type: str) -> "ParallelMeshes":
         """Every mesh of this layout, derived from one world mesh (collective on every rank, same order)."""
-        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
         sizes = (self.dp_replicate, self.dp_shard, self.ulysses, self.tp)
-        dense = unflatten_mesh(world, 0, sizes, DENSE_DIMS)
+        # the dense mesh is the root, so every flattened view is also reachable by name on it (`dense["sp"]`,
+        # `dense.get_local_rank("dp")`), as VeOmni's `device_mesh` is and verl's VeOmni engine reads it
+        dense = init_device_mesh(device_type, sizes, mesh_dim_names=DENSE_DIMS)
+        world = flatten_mesh(dense, "world")
         flat = {
             "dp": flatten_mesh(dense["dp_replicate", "dp_shard"], "dp"),
             "dp_shard_sp": flatten_mesh(dense["dp_shard", "ulysses"], "dp_shard_sp"),
             "dp_sp": flatten_mesh(dense["dp_replicate", "dp_shard", "ulysses"], "dp_sp"),
+            "sp": flatten_mesh(dense["ulysses"], "sp"),  # VeOmni's name of the sequence-parallel group
         }
         extra = {}
         fsdp = self._fsdp_mesh(dense, flat)

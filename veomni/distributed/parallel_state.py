@@ -74,6 +74,7 @@ class ParallelState:
     flat_meshes = property(lambda self: self.meshes.flat)
     extra_meshes = property(lambda self: self.meshes.extra)
     extra_parallel_names = property(lambda self: [extra.name for extra in self.dims.extras])
+    dp_mode = property(lambda self: self.mode, doc="VeOmni's name of `mode` ('fsdp2' or 'ddp').")
 
     # ------------------------------------------------------------------ data parallel
     @property
@@ -199,12 +200,19 @@ def init_parallel_state(
     mode: Literal["fsdp2", "ddp"] = "fsdp2",
     async_enabled: bool = False,
     dist_timeout_minutes: float = 10,
+    dp_mode: Optional[Literal["fsdp2", "ddp"]] = None,
+    ep_size: Optional[int] = None,
 ) -> ParallelState:
     """Initialise the process group (if needed) and the device meshes; `get_parallel_state()` returns them.
 
     `dist_timeout_minutes`: how long any collective may wait for a peer before the job fails.
+    VeOmni's spellings are accepted as well (see `veomni_keywords`): `dp_mode` for `mode`, `ep_size` for an extra
+    dim named `ep`, and `extra_parallel_sizes` without names meaning `("ep",)`.
     """
     global _PARALLEL_STATE
+    mode, extra_parallel_sizes, extra_parallel_names = veomni_keywords(
+        mode, dp_mode, ep_size, extra_parallel_sizes, extra_parallel_names
+    )
     if mode not in ("fsdp2", "ddp"):
         raise ValueError(f"mode must be 'fsdp2' or 'ddp', got {mode!r}")
     init_distributed(dist_timeout_minutes)
@@ -223,6 +231,38 @@ def init_parallel_state(
     )
     _PARALLEL_STATE = ParallelState.from_dims(dims, mode, async_enabled)
     return _PARALLEL_STATE
+
+
+# ------------------------------------------------------------------------------- VeOmni's keywords
+def veomni_keywords(
+    mode: str,
+    dp_mode: Optional[str],
+    ep_size: Optional[int],
+    extra_parallel_sizes: Optional[Sequence[int]],
+    extra_parallel_names: Optional[Sequence[str]],
+):
+    """(mode, extra sizes, extra names) from VeOmni's spellings of `init_parallel_state`'s arguments, as its clients
+    (verl's VeOmni engine, the seed's pull request) write them:
+
+    - `dp_mode="fsdp2"` is `mode="fsdp2"` (both given and different: an error);
+    - `ep_size=N` is an extra parallel dim `ep` of size N (with `extra_parallel_sizes` too: an error);
+    - `extra_parallel_sizes=(N,)` without names names it `ep`: VeOmni's default, `extra_parallel_names=("ep",)`.
+    """
+    if dp_mode is not None:
+        if mode != "fsdp2" and mode != dp_mode:
+            raise ValueError(f"init_parallel_state: mode={mode!r} and dp_mode={dp_mode!r} disagree; pass one")
+        mode = dp_mode
+    sizes = list(extra_parallel_sizes or [])
+    names = list(extra_parallel_names or [])
+    if ep_size is not None:
+        if sizes:
+            raise ValueError("init_parallel_state: pass ep_size or extra_parallel_sizes, not both")
+        sizes, names = [ep_size], ["ep"]
+    if sizes and not names:
+        if len(sizes) != 1:
+            raise ValueError(f"init_parallel_state: extra_parallel_sizes={sizes} needs extra_parallel_names")
+        names = ["ep"]
+    return mode, sizes, names
 
 
 def get_parallel_state() -> ParallelState:

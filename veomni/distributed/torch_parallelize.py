@@ -17,13 +17,18 @@ Per-family differences live in the plans (TP_PLANS, PARALLEL_PLANS), not in bran
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 from torch import nn
 
+from ..arguments.config_names import MixedPrecisionConfig
 from ..compat.transformers import config_attn_implementation
 from ..models.multimodal import model_class_for
+from ..utils.device import get_device_type
 from ..utils.logging import get_logger
 from .activation_checkpointing import apply_ac
+from .clip_grad_norm import bind_clip_grad_norm
 from .compile import apply_compile
+from .compute_dtype import keep_fp32_compute, resolved_compute_dtype
 from .fp8 import apply_fp8
 from .fsdp import FSDPOptions, apply_ddp, apply_fsdp, basic_module_instances, check_ddp_options, no_split_module_names
 from .parallel_plan import apply_ep
@@ -126,6 +131,8 @@ def build_parallelize_model(
     max_load_broadcast_size: int = 2**30,
     expert_zero_comm: bool = False,
     enable_compile: bool = False,
+    enable_mixed_precision: Optional[bool] = None,
+    **ignored: Any,
 ) -> nn.Module:
     """Wrap `model` for training on the parallel state's meshes; returns the same module object.
 
@@ -137,8 +144,40 @@ def build_parallelize_model(
     over ep_fsdp instead of their hidden dim, when the local experts split evenly (else a warning, and dim 1).
     `enable_compile`: `torch.compile` each basic module's forward (decoder layers, vision blocks; see
     `compile_basic_modules`).
+
+    VeOmni's calling convention works too (see `veomni_parallelize_keywords`): `enable_mixed_precision=True/False`
+    (the seed's name) is `mixed_precision=MixedPrecisionConfig(enable=...)`, and keywords VeOmni takes that mean
+    nothing here (`fqn_to_index_mapping`, ...) are accepted with one warning naming them. The returned model has
+    `model.clip_grad_norm_(max_norm)`, which returns the total norm as a tensor over every gradient, experts
+    included; and when `mixed_precision` resolves to float32 compute, an enclosing autocast does not lower it
+    (compute_dtype.py).
     """
+    mixed_precision = veomni_parallelize_keywords(mixed_precision, enable_mixed_precision, ignored)
     given = locals()
     config = ParallelizeConfig(**{f.name: given[f.name] for f in fields(ParallelizeConfig) if f.name in given})
     config.basic_modules = list(basic_modules or [])
-    return parallelize(model, get_parallel_state(), config)
+    state = get_parallel_state()
+    model = parallelize(model, state, config)
+    bind_clip_grad_norm(model)
+    if mixed_precision is not None and resolved_compute_dtype(mixed_precision, get_device_type(), state.mode) == (
+        torch.float32
+    ):
+        keep_fp32_compute(model, get_device_type())
+    return model
+
+
+# ------------------------------------------------------------------------------- VeOmni's keywords
+def veomni_parallelize_keywords(mixed_precision: Any, enable_mixed_precision: Optional[bool], ignored: dict) -> Any:
+    """The `mixed_precision` that VeOmni's keywords mean; warns once about keywords that have no effect here.
+
+    `enable_mixed_precision=X` (VeOmni before its MixedPrecisionConfig, and the seed's pull request) is
+    `MixedPrecisionConfig(enable=X)`: fp32 master weights and bf16 compute on CUDA, fp32 on CPU. VeOmni's
+    `fqn_to_index_mapping` (which safetensors shard holds each key) is not needed: the loader reads the index itself.
+    """
+    if enable_mixed_precision is not None:
+        if mixed_precision is not None:
+            raise ValueError("build_parallelize_model: pass mixed_precision or enable_mixed_precision, not both")
+        mixed_precision = MixedPrecisionConfig(enable=bool(enable_mixed_precision))
+    if ignored:
+        logger.warning(f"build_parallelize_model ignores {sorted(ignored)}: no effect in this implementation")
+    return mixed_precision

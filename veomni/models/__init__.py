@@ -2,6 +2,7 @@
 
 from .auto import build_config, build_foundation_model, build_tokenizer
 from .loader import iter_safetensors, load_weights
+from .model_weights import save_model_weights
 from .processor import build_processor
 
 __all__ = [
@@ -11,4 +12,5 @@ __all__ = [
     "build_tokenizer",
     "iter_safetensors",
     "load_weights",
+    "save_model_weights",
 ]

@@ -1,5 +1,6 @@
 """`build_foundation_model` and `build_tokenizer`: HF-format configs, tokenizers and safetensors weights."""
 
+import copy
 import json
 import os
 from typing import Any, Dict, Optional, Union
@@ -80,8 +81,35 @@ def build_tokenizer(tokenizer_path: str, trust_remote_code: bool = False, **kwar
     return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code, **kwargs)
 
 
+def _config_of(config_path, weights_path, trust_remote_code: bool, config_kwargs: Dict[str, Any]) -> PretrainedConfig:
+    """The config to build: a `PretrainedConfig` given as `config_path` (verl's critic passes one it rewrote) is
+    copied, so the caller's object is not changed by what the build sets; else it is read from the folder."""
+    if isinstance(config_path, PretrainedConfig):
+        config = copy.deepcopy(config_path)
+        config.update(config_kwargs)
+        return config
+    return build_config(config_path or weights_path, trust_remote_code=trust_remote_code, **config_kwargs)
+
+
+def _kernels_of(ops_implementation, attn_implementation: Optional[str], moe_implementation: Optional[str]):
+    """(attention, experts) implementations: from `ops_implementation` (an `OpsImplementationConfig`, VeOmni's way
+    of passing them) where the keywords were left at their defaults; a keyword that disagrees with it is refused."""
+    if ops_implementation is None:
+        return attn_implementation, moe_implementation
+    chosen = []
+    for key, given, default in (
+        ("attn_implementation", attn_implementation, VARLEN),
+        ("moe_implementation", moe_implementation, None),
+    ):
+        from_ops = getattr(ops_implementation, key, None)
+        if given != default and from_ops is not None and given != from_ops:
+            raise ValueError(f"build_foundation_model: {key}={given!r} but ops_implementation.{key}={from_ops!r}")
+        chosen.append(given if given != default or from_ops is None else from_ops)
+    return tuple(chosen)
+
+
 def build_foundation_model(
-    config_path: Optional[str] = None,
+    config_path: Union[None, str, PretrainedConfig] = None,
     weights_path: Optional[str] = None,
     init_device: str = "cpu",
     torch_dtype: Union[str, torch.dtype] = "bfloat16",
@@ -89,6 +117,7 @@ def build_foundation_model(
     moe_implementation: Optional[str] = None,
     config_kwargs: Optional[Dict[str, Any]] = None,
     trust_remote_code: bool = False,
+    ops_implementation: Optional[Any] = None,
 ) -> PreTrainedModel:
     """Build a causal LM, or a vision/audio-language model (Qwen2.5-VL, Qwen3-VL(-MoE), Qwen2.5-Omni / Qwen3-Omni-MoE
     thinker; a full Omni config builds its thinker), from an HF config, loading `weights_path` unless the model is
@@ -107,10 +136,16 @@ def build_foundation_model(
     loads the weights (from rank 0, broadcast) afterwards. Without weights the model is initialised from the
     current torch seed, identically on every rank. `trust_remote_code` (also accepted in `config_kwargs`) lets a
     config's `auto_map` import Python from the model folder; off by default.
+
+    VeOmni's calling convention works too: `config_path` may be a `PretrainedConfig` object (copied, never changed),
+    whose `architectures` may name a `*ForTokenClassification` / `*ForSequenceClassification` head (a critic or reward
+    model); `ops_implementation` (an `OpsImplementationConfig`) supplies `attn_implementation` and
+    `moe_implementation` (an explicit keyword that disagrees with it is an error).
     """
     config_kwargs = dict(config_kwargs or {})
     trust_remote_code = bool(config_kwargs.pop("trust_remote_code", trust_remote_code))
-    config = build_config(config_path or weights_path, trust_remote_code=trust_remote_code, **config_kwargs)
+    attn_implementation, moe_implementation = _kernels_of(ops_implementation, attn_implementation, moe_implementation)
+    config = _config_of(config_path, weights_path, trust_remote_code, config_kwargs)
     config = thinker_config(config)
     config.use_cache = False  # with a cache, transformers ignores packed position_ids and attends across documents
     if getattr(config, "text_config", None) is not None:

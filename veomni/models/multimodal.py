@@ -59,10 +59,24 @@ def is_multimodal(config) -> bool:
     return getattr(thinker_config(config), "model_type", "") in MULTIMODAL_MODEL_TYPES
 
 
+# a head named by `config.architectures` that is not a language-model head: verl's critic rewrites its config to
+# `<Family>ForTokenClassification` (num_labels=1, one value per token); a reward model is a sequence classifier
+_HEAD_AUTO_CLASSES = {
+    "ForTokenClassification": "AutoModelForTokenClassification",
+    "ForSequenceClassification": "AutoModelForSequenceClassification",
+}
+
+
 def model_class_for(config):
-    """The transformers auto class that builds `config`: image-text-to-text for the VL / Omni thinker families."""
+    """The transformers auto class that builds `config`: `*ForTokenClassification` / `*ForSequenceClassification`
+    when `config.architectures` names one, image-text-to-text for the VL / Omni thinker families, else causal LM."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    for suffix, auto_class in _HEAD_AUTO_CLASSES.items():
+        if architecture.endswith(suffix):
+            return getattr(transformers, auto_class)
     return AutoModelForImageTextToText if is_multimodal(config) else AutoModelForCausalLM
 
 

@@ -43,8 +43,18 @@ def _log_once(message: str) -> None:
     logger.info(message)
 
 
+# VeOmni's names for its flash attention with Ulysses built in (verl's VeOmni engine sends them): here the varlen
+# kernel, which reads cu_seq_lens like flash attention; `build_parallelize_model` wraps it in Ulysses when the parallel
+# state has ulysses_size > 1, as it wraps any other attention
+WITH_SP_NAMES = tuple(f"veomni_flash_attention_{v}_with_sp" for v in (2, 3, 4))
+
+
 def resolve_attn_implementation(name: Optional[str]) -> Optional[str]:
-    """The implementation that will run for `name`: a flash kernel whose package is missing becomes veomni_varlen."""
+    """The implementation that will run for `name`: a flash kernel whose package is missing becomes veomni_varlen,
+    and so does each of VeOmni's `veomni_flash_attention_{2,3,4}_with_sp`."""
+    if name in WITH_SP_NAMES:
+        _log_once(f"attn_implementation={name}: running {VARLEN} (Ulysses-wrapped when ulysses_size > 1)")
+        return VARLEN
     package = _FLASH_PACKAGES.get(name)
     if package is not None and not _has_package(package):
         _log_once(f"attn_implementation={name}: package `{package}` is not installed; running {VARLEN} instead")

@@ -30,6 +30,14 @@ class MultiOptimizer(torch.optim.Optimizer):
         self.defaults = {}
         reset_optimizer_step_hooks(self)
 
+    # VeOmni's MultiOptimizer interface, read by its clients (verl's offload walks `optimizers_dict` when
+    # `_is_multi_optimizer` is set; `key_names` are the inner optimizers' names, in stepping order)
+    _is_multi_optimizer = True
+
+    @property
+    def key_names(self) -> List[str]:
+        return list(self.optimizers_dict)
+
     @property
     def param_groups(self) -> List[dict]:
         return [g for opt in self.optimizers_dict.values() for g in opt.param_groups]
