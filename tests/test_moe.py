@@ -192,6 +192,7 @@ def test_load_balancing_loss_is_per_document():
     so micro-batch grouping (1 process vs several ranks) cannot change it."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+    from veomni.ops import shift_labels
     from veomni.ops.moe import load_balancing_loss_sum
 
     g = torch.Generator().manual_seed(0)
@@ -201,13 +202,13 @@ def test_load_balancing_loss_is_per_document():
     labels = torch.randint(0, 50, (1, sum(lengths)), generator=g)
     labels[0, 2] = -100  # an ignored label counts for nothing
     labels[0, torch.tensor([0, *lengths[:-1]]).cumsum(0)[1:]] = -100  # each document's first label (the collator)
-    packed = load_balancing_loss_sum(logits, top_k, labels, position_ids)
+    packed = load_balancing_loss_sum(logits, top_k, shift_labels(labels), position_ids)  # labels as collated
     alone, start = 0.0, 0
     for n in lengths:
         part = [lg[start : start + n] for lg in logits]
         doc_labels = labels[:, start : start + n].clone()
         want = load_balancing_loss_func(tuple(part), experts, top_k) * (doc_labels[0, 1:] != -100).sum()
-        got = load_balancing_loss_sum(part, top_k, doc_labels, position_ids[:, start : start + n])
+        got = load_balancing_loss_sum(part, top_k, shift_labels(doc_labels), position_ids[:, start : start + n])
         torch.testing.assert_close(got, want.float())
         alone, start = alone + got, start + n
     torch.testing.assert_close(packed, alone)

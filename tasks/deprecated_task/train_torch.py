@@ -23,7 +23,7 @@ from veomni.distributed import clip_grad_norm
 from veomni.distributed.parallel_state import destroy_parallel_state, get_parallel_state
 from veomni.distributed.torch_parallelize import build_parallelize_model
 from veomni.models import build_foundation_model, build_tokenizer
-from veomni.ops import causal_lm_loss_sum, count_loss_tokens
+from veomni.ops import count_loss_tokens, lm_loss_sum
 from veomni.optim import build_lr_scheduler, build_optimizer
 from veomni.trainer.base import init_parallel_state_from_args
 from veomni.utils import get_device, get_device_type, get_logger, lifecycle
@@ -126,9 +126,10 @@ def main():
             total = torch.zeros((), device=device)
             for micro_batch in micro_batches:
                 micro_batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
-                labels = micro_batch.pop("labels")
+                labels = micro_batch.pop("labels")  # shifted by the collator (shift_labels holds the same)
+                micro_batch.pop("shift_labels", None)
                 logits = model(**micro_batch, use_cache=False).logits
-                loss_sum, _ = causal_lm_loss_sum(logits, labels)
+                loss_sum, _ = lm_loss_sum(logits, labels)
                 (loss_sum * parallel_state.dp_size / tokens).backward()
                 total += loss_sum.detach()
             grad_norm = clip_grad_norm(model, opt.max_grad_norm)

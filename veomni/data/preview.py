@@ -90,8 +90,11 @@ def documents(micro_batch: Dict[str, Any]) -> List[Tuple[int, int]]:
 
 
 def _row(micro_batch: Dict[str, Any], key: str) -> List[int]:
+    """The micro-batch's first row of `key`; its labels realigned to the input ids (the collator shifts them: the
+    label of token t is the target of position t - 1), as `loss_flags` reads a sample's labels."""
     value = micro_batch[key]
-    return value.reshape(-1, value.shape[-1])[0].tolist()
+    row = value.reshape(-1, value.shape[-1])[0].tolist()
+    return [IGNORE_INDEX] + row[:-1] if key == "labels" else row
 
 
 # ------------------------------------------------------------------------------------------------- preview

@@ -22,11 +22,10 @@ from ..checkpoint import Checkpointer, save_hf_model
 from ..data.chat_template import export_chat_template
 from ..distributed import clip_grad_norm, init_parallel_state
 from ..distributed.mixed_precision import resolve_precision
-from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
 from ..distributed.torch_parallelize import ParallelizeConfig, no_split_module_names, parallelize
 from ..models import build_foundation_model
 from ..models.lora import attach_lora, base_checkpoint_names, place_adapters, save_lora_model
-from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
+from ..ops import CausalLMLoss, count_loss_tokens
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
 from ..plan.runlog import PlanCheckCallback
@@ -50,7 +49,7 @@ from .step_count import StepCountMixin, close_loader, set_epoch
 logger = get_logger(__name__)
 
 # Micro-batch keys the trainer consumes itself (the loss); everything else goes to the model as is.
-_NOT_MODEL_INPUTS = ("labels",)
+_NOT_MODEL_INPUTS = ("labels", "shift_labels")
 
 
 def parallelize_config_from_args(args, model, materialize: bool = True) -> ParallelizeConfig:
@@ -157,6 +156,8 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             self.model = self._parallelize(model)
         place_adapters(self.model, adapters)
         self.model.train()
+        chunk = args.model.ops_implementation.loss_chunk_size  # no full fp32 logits
+        self.loss_module = CausalLMLoss(self.model, chunk)
         self.moe_metrics = MoEMetrics(self.model, self.device)  # routing counts hooked on the experts modules
         self.num_params = sum(p.numel() for p in self.model.parameters())
         logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.1f}M parameters ({self.num_params:,})")
@@ -235,30 +236,16 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
 
     def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
         """Summed token loss of one micro-batch; override for custom losses."""
-        labels = micro_batch["labels"]
         inputs = {k: v for k, v in micro_batch.items() if k not in _NOT_MODEL_INPUTS}
-        chunk = self.args.model.ops_implementation.loss_chunk_size
-        sp = self.parallel_state.sp_enabled  # sequence shards carry labels the collator already shifted
-        with chunked_lm_head_loss(self.model, labels, chunk, labels_shifted=sp) as head_loss:  # no full fp32 logits
-            outputs = self.model(**inputs, use_cache=False)
-        if head_loss is not None:  # the head returned the summed loss in place of the logits
-            loss_sum = outputs.logits
-        elif sp:
-            loss_sum, _ = shifted_lm_loss_sum(outputs.logits, labels)
-        else:
-            loss_sum, _ = causal_lm_loss_sum(outputs.logits, labels)
-        router_logits = getattr(outputs, "router_logits", None)
-        if (
-            router_logits and not self.evaluating
-        ):  # MoE load balancing (output_router_logits): per document, so no layout moves it
-            config, position_ids = self.model.config, inputs.get("position_ids")
-            if sp:  # a document's router statistics are summed over the ranks that hold its tokens
-                group = self.parallel_state.sp_group
-                aux_sum = sp_load_balancing_loss_sum(
-                    router_logits, config.num_experts_per_tok, labels, position_ids, group
-                )
-            else:
-                aux_sum = load_balancing_loss_sum(router_logits, config.num_experts_per_tok, labels, position_ids)
+        out = self.loss_module(micro_batch["labels"], **inputs, use_cache=False)
+        loss_sum = out.loss_sum
+        router_logits = getattr(out.outputs, "router_logits", None)
+        if router_logits and not self.evaluating:  # MoE load balancing: per document, so no layout moves it
+            config, state = self.model.config, self.parallel_state
+            group = state.sp_group if state.sp_enabled else None  # a document's statistics summed over its shards
+            aux_sum = load_balancing_loss_sum(
+                router_logits, config.num_experts_per_tok, micro_batch["labels"], inputs.get("position_ids"), group
+            )
             self.moe_metrics.add_aux(aux_sum)  # logged as aux_loss, beside the LM loss
             loss_sum = loss_sum + config.router_aux_loss_coef * aux_sum
         return loss_sum
@@ -272,8 +259,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
         # a short last batch (streamed data without drop_last) counts as out of data: each micro-batch's backward
         # issues its own FSDP reduce-scatters, so every rank must run the same number of them
         have = micro_batches is not None and len(micro_batches) == self.args.train.dataloader_batch_size
-        count = count_loss_tokens_shifted if self.parallel_state.sp_enabled else count_loss_tokens
-        loss_tokens = sum(count(mb["labels"]) for mb in micro_batches) if have else 0
+        loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches) if have else 0
         tokens = sum(mb["input_ids"].numel() for mb in micro_batches) if have else 0
         asked = lifecycle.stop_requested()
         stops = [int(asked == sig) for sig in lifecycle.STOP_EXIT_CODES]  # which stop signal this rank got

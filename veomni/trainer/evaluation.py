@@ -22,7 +22,6 @@ import torch.distributed as dist
 from ..data import build_dataloader, build_dataset
 from ..data.data_collator import MainCollator
 from ..data.data_transform import IGNORE_INDEX
-from ..distributed.sequence_parallel import count_loss_tokens_shifted
 from ..ops import count_loss_tokens
 from ..utils import lifecycle
 from ..utils.logging import get_logger
@@ -71,7 +70,6 @@ class EvaluationMixin:
     def evaluate(self) -> Dict[str, Any]:
         """{"eval_loss", "eval_ppl", "eval_tokens"} over the whole held-out set. Collective: every rank alike."""
         state = self.parallel_state
-        count = count_loss_tokens_shifted if state.sp_enabled else count_loss_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self.eval_dataloader.set_epoch(0)
@@ -93,7 +91,7 @@ class EvaluationMixin:
                     loss = self.forward_loss_sum(micro_batch)
                     if step:  # (a masked batch adds nothing, and its labels count no token)
                         loss_sum += loss.double()
-                        tokens += count(micro_batch["labels"])
+                        tokens += count_loss_tokens(micro_batch["labels"])
         finally:
             self.evaluating = False
             self.model.train(was_training)
