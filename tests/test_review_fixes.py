@@ -200,6 +200,7 @@ def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_
     from types import SimpleNamespace
 
     from veomni.trainer.base import BaseTrainer
+    from veomni.trainer.checkpointing import TrainState
     from veomni.utils import lifecycle
 
     class Loader:
@@ -218,10 +219,9 @@ def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_
     trainer = BaseTrainer.__new__(BaseTrainer)
     checkpoint = SimpleNamespace(save_steps=0, save_hf_weights=False)
     trainer.args = SimpleNamespace(train=SimpleNamespace(num_train_epochs=1, checkpoint=checkpoint))
-    trainer.epoch = trainer.epoch_step = trainer.global_step = trainer.consumed_tokens = 0
-    trainer.epoch_steps, trainer.total_steps, trainer._last_saved_step = [2], 2, -1
-    trainer.train_dataloader, trainer.callbacks = Loader(), []
-    trainer._step_totals = lambda micro_batches: {"loss_tokens": 1, "tokens": 1}
+    trainer.state, trainer.epoch_steps, trainer.total_steps = TrainState(), [2], 2
+    trainer.train_dataloader, trainer.callbacks, trainer.evaluator = Loader(), [], None
+    trainer._step_totals = lambda micro_batches: {"loss_tokens": 1, "tokens": 1, "stop": None}
     trainer.train_step = lambda micro_batches, totals: {}
     trainer.save_checkpoint = lambda: saved.append((trainer.global_step, trainer.train_dataloader.closed))
     trainer.checkpointer = SimpleNamespace(wait=lambda: None)

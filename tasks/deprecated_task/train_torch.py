@@ -20,12 +20,12 @@ from veomni.compat.transformers import no_split_modules
 from veomni.data import build_dataloader, build_dataset
 from veomni.data.data_transform import process_pretrain_example
 from veomni.distributed import clip_grad_norm
-from veomni.distributed.parallel_state import destroy_parallel_state, get_parallel_state
+from veomni.distributed.parallel_state import destroy_parallel_state, init_parallel_state_from_config
 from veomni.distributed.torch_parallelize import build_parallelize_model
 from veomni.models import build_foundation_model, build_tokenizer
 from veomni.ops import count_loss_tokens, lm_loss_sum
 from veomni.optim import build_lr_scheduler, build_optimizer
-from veomni.trainer.base import init_parallel_state_from_args
+from veomni.trainer.task import user_error_types
 from veomni.utils import get_device, get_device_type, get_logger, lifecycle
 
 logger = get_logger("train_torch")
@@ -34,8 +34,7 @@ logger = get_logger("train_torch")
 def main():
     args = parse_args(VeOmniArguments)
     torch.manual_seed(args.train.seed)
-    init_parallel_state_from_args(args.train.accelerator)
-    parallel_state = get_parallel_state()
+    parallel_state = init_parallel_state_from_config(args.train.accelerator)
     out = args.train.checkpoint.output_dir
     if parallel_state.is_main_process:
         save_args(args, out)
@@ -153,4 +152,4 @@ def main():
 
 
 if __name__ == "__main__":
-    lifecycle.run_worker(main)
+    lifecycle.run_worker(main, user_error_types)

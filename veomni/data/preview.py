@@ -131,7 +131,7 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
     import torch.distributed as dist
 
     from ..distributed import destroy_parallel_state
-    from ..trainer.base import init_parallel_state_from_args
+    from ..distributed.parallel_state import init_parallel_state_from_config
     from ..trainer.preflight import check_first_records
     from ..trainer.step_count import close_loader
     from ..utils.device import get_device
@@ -141,7 +141,7 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
     if world == 1:
         _one_process(args)
     trainer = _bare_trainer(build_trainer, args)
-    trainer.parallel_state = init_parallel_state_from_args(args.train.accelerator)
+    trainer.parallel_state = init_parallel_state_from_config(args.train.accelerator)
     trainer.is_main = trainer.parallel_state.is_main_process
     trainer.device = get_device()
     try:

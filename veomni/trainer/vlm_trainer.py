@@ -70,6 +70,8 @@ class _ModalityRates(Callback):
 
 
 class VLMTrainer(TextTrainer):
+    non_model_keys = (*TextTrainer.non_model_keys, *_TOKEN_MASKS)  # the masks are counted, never given to the model
+
     def build_data_transform(self):
         args = self.args
         self.processor = build_processor(args.model.tokenizer_path, trust_remote_code=args.model.trust_remote_code)
@@ -134,9 +136,6 @@ class VLMTrainer(TextTrainer):
         return [_ModalityRates()] + super().build_callbacks()
 
     # ---------------------------------------------------------------------------------------------- step
-    def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
-        return super().forward_loss_sum({k: v for k, v in micro_batch.items() if k not in _TOKEN_MASKS})
-
     def train_step(self, micro_batches, totals):
         counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # visual, audio tokens on this rank
         for mb in micro_batches:
