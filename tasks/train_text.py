@@ -3,7 +3,7 @@
 `python tasks/train_text.py --help [GROUP]` lists every config key with its type, default and doc.
 
 Exit codes: 0 done; 1 an error (said once, by the first rank that failed); 130/143 stopped by SIGINT/SIGTERM
-after saving a checkpoint, 129 the same after the launcher died (see veomni.utils.lifecycle).
+after saving a checkpoint, 129 the same after the launcher died (see veomni.trainer.lifecycle).
 A new task copies this file and builds its own trainer (veomni.trainer.task runs the rest).
 """
 

@@ -165,7 +165,7 @@ def test_launcher_gives_stopped_workers_time_to_save(monkeypatch):
 
 _REPEATED_STOP = """
 import os, signal, sys, time
-from veomni.utils import lifecycle
+from veomni.trainer import lifecycle
 lifecycle.REPEAT_WINDOW_S = 1.0
 lifecycle.install_stop_handlers()
 lifecycle.set_loop_active(True)
@@ -199,9 +199,9 @@ def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_
     import signal
     from types import SimpleNamespace
 
+    from veomni.trainer import lifecycle
     from veomni.trainer.base import BaseTrainer
     from veomni.trainer.checkpointing import TrainState
-    from veomni.utils import lifecycle
 
     class Loader:
         closed = 0  # close(): the loader's worker processes stopped

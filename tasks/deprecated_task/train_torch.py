@@ -3,7 +3,7 @@
 bash train.sh tasks/deprecated_task/train_torch.py configs/text/demo.yaml
 
 It saves no checkpoints, so SIGINT/SIGTERM end it at once (exit 130/143); errors end every rank promptly with
-the message said once (exit 1). See veomni.utils.lifecycle.
+the message said once (exit 1). See veomni.trainer.lifecycle.
 """
 
 import json
@@ -25,8 +25,9 @@ from veomni.distributed.torch_parallelize import build_parallelize_model
 from veomni.models import build_foundation_model, build_tokenizer
 from veomni.ops import count_loss_tokens, lm_loss_sum
 from veomni.optim import build_lr_scheduler, build_optimizer
+from veomni.trainer import lifecycle
 from veomni.trainer.task import user_error_types
-from veomni.utils import get_device, get_device_type, get_logger, lifecycle
+from veomni.utils import get_device, get_device_type, get_logger
 
 logger = get_logger("train_torch")
 

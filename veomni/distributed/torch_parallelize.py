@@ -13,6 +13,7 @@
 Per-family differences live in the plans (TP_PLANS, PARALLEL_PLANS), not in branches here.
 """
 
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
@@ -99,6 +100,24 @@ def _reference_init(model: nn.Module) -> Callable[[], nn.Module]:
     return build
 
 
+# build_parallelize_model's keywords -> the config keys they spell
+SEED_KEYWORDS = {
+    "init_device": "train.init_device",
+    "weights_path": "model.model_path",  # a meta model is filled from it
+    "enable_full_shard": "train.accelerator.fsdp_config.full_shard",  # False: ZeRO-2 style
+    "enable_reshard_after_forward": "train.accelerator.fsdp_config.reshard_after_forward",
+    "mixed_precision": "train.accelerator.fsdp_config.mixed_precision",  # the group, a bool, or None: none
+    "enable_fsdp_offload": "train.accelerator.fsdp_config.offload",
+    "enable_forward_prefetch": "train.accelerator.fsdp_config.forward_prefetch",
+    "max_load_broadcast_size": "train.accelerator.fsdp_config.max_load_broadcast_size",
+    "enable_gradient_checkpointing": "train.gradient_checkpointing.enable",
+    "enable_reentrant": "train.gradient_checkpointing.enable_reentrant",
+    "broadcast_model_weights_from_rank0": "train.broadcast_model_weights_from_rank0",
+    "expert_zero_comm": "train.optimizer.muon_expert_zero_comm",  # with Muon: whole experts per rank
+    "enable_compile": "model.ops_implementation.compile",
+}
+
+
 def build_parallelize_model(
     model: nn.Module,
     init_device: str = "cpu",
@@ -116,39 +135,14 @@ def build_parallelize_model(
     expert_zero_comm: bool = False,
     enable_compile: bool = False,
 ) -> nn.Module:
-    """The seed's entry: `parallelize` on `get_parallel_state()` with the config these keywords spell, each the
-    config key beside it; returns the same module object.
-
-        init_device                         train.init_device
-        weights_path                        model.model_path (a meta model is filled from it)
-        enable_full_shard                   train.accelerator.fsdp_config.full_shard (False: ZeRO-2 style)
-        enable_reshard_after_forward        .. fsdp_config.reshard_after_forward
-        mixed_precision                     .. fsdp_config.mixed_precision (the group, a bool, or None: none)
-        enable_fsdp_offload                 .. fsdp_config.offload
-        enable_forward_prefetch             .. fsdp_config.forward_prefetch
-        max_load_broadcast_size             .. fsdp_config.max_load_broadcast_size
-        enable_gradient_checkpointing       train.gradient_checkpointing.enable
-        enable_reentrant                    train.gradient_checkpointing.enable_reentrant
-        broadcast_model_weights_from_rank0  train.broadcast_model_weights_from_rank0
-        expert_zero_comm                    train.optimizer.muon_expert_zero_comm (with Muon): whole experts per rank
-        enable_compile                      model.ops_implementation.compile
-        basic_modules                       the FSDP (and compiled) units, by class name: exactly these
-    """
+    """The seed's entry: `parallelize` on `get_parallel_state()` with the config these keywords spell (each sets the
+    key `SEED_KEYWORDS` names); returns the same module object. `basic_modules`: the FSDP (and compiled) units,
+    exactly these class names."""
+    given = locals()
     args = VeOmniArguments()
-    train, model_args = args.train, args.model
-    fsdp = train.accelerator.fsdp_config
-    train.init_device, model_args.model_path = init_device, weights_path
-    fsdp.full_shard, fsdp.reshard_after_forward = enable_full_shard, enable_reshard_after_forward
-    fsdp.mixed_precision, fsdp.offload, fsdp.forward_prefetch = (
-        mixed_precision,
-        enable_fsdp_offload,
-        enable_forward_prefetch,
-    )
-    fsdp.max_load_broadcast_size = max_load_broadcast_size
-    train.gradient_checkpointing.enable = enable_gradient_checkpointing
-    train.gradient_checkpointing.enable_reentrant = enable_reentrant
-    train.broadcast_model_weights_from_rank0 = broadcast_model_weights_from_rank0
-    if expert_zero_comm:
-        train.optimizer.type, train.optimizer.muon_expert_zero_comm = "muon", True
-    model_args.ops_implementation.compile = enable_compile
+    for keyword, key in SEED_KEYWORDS.items():
+        *groups, leaf = key.split(".")
+        setattr(functools.reduce(getattr, groups, args), leaf, given[keyword])
+    if expert_zero_comm:  # (a Muon key: the trainer honours it with Muon only)
+        args.train.optimizer.type = "muon"
     return parallelize(model, get_parallel_state(), args, basic_modules=list(basic_modules or []))

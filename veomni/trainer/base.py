@@ -41,9 +41,9 @@ from ..models.lora import attach_lora, base_checkpoint_names, place_adapters, sa
 from ..ops import CausalLMLoss, LossOutput, count_loss_tokens
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
-from ..utils import lifecycle
 from ..utils.device import get_device, get_device_type, synchronize
 from ..utils.logging import get_logger
+from . import lifecycle
 from .callbacks import (
     Callback,
     LossPlotCallback,

@@ -20,8 +20,8 @@ from ..checkpoint.checkpointer import reseed
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
 from ..checkpoint.run_dir import is_inside, lock_run_dir, remap_into
 from ..data.data_loader import reshard_loader_state
-from ..utils import lifecycle
 from ..utils.logging import get_logger
+from . import lifecycle
 
 logger = get_logger(__name__)
 RUN_CONFIG = "veomni_config.yaml"

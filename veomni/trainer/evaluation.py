@@ -23,7 +23,7 @@ from ..data import build_dataloader, build_dataset
 from ..data.data_collator import MainCollator
 from ..data.data_transform import IGNORE_INDEX
 from ..ops import count_loss_tokens
-from ..utils import lifecycle
+from . import lifecycle
 
 
 def build_eval_loader(args, transform, collate_fn_kwargs: Dict[str, Any]):

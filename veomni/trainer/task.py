@@ -21,7 +21,7 @@ def run_task(build_trainer: Callable[[Any], Any]) -> None:
     argv before parsing) shows N samples as trained, the packing and the step counts, then exits without a model
     (veomni.data.preview).
     """
-    from ..utils.lifecycle import run_worker
+    from .lifecycle import run_worker
 
     def main():
         import sys
