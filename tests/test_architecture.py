@@ -42,6 +42,29 @@ def _planted(node: ast.AST) -> bool:
     return False
 
 
+def _binds_a_forward(node: ast.AST) -> bool:
+    """`x.forward = ...` or `setattr(x, "forward", ...)`."""
+    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        return node.attr == "forward"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+        name = node.args[1] if len(node.args) > 1 else None
+        return isinstance(name, ast.Constant) and name.value == "forward"
+    return False
+
+
+def test_instance_forwards_are_bound_only_through_compat():
+    """A module's own forward is replaced nowhere but in veomni/compat (`bind_instance_method`, each use with its
+    canary in tests/test_compat.py): models adapt through modules, wrappers and torch's hooks."""
+    found = [
+        _where(path, node)
+        for path, tree in _trees(PACKAGE)
+        if "compat" not in path.relative_to(PACKAGE).parts
+        for node in ast.walk(tree)
+        if _binds_a_forward(node)
+    ]
+    assert not found, "instance forward replaced outside veomni/compat:\n" + "\n".join(found)
+
+
 def test_no_veomni_attributes_on_modules_or_tensors():
     found = [_where(path, node) for path, tree in _trees(PACKAGE) for node in ast.walk(tree) if _planted(node)]
     assert not found, "side channels through `_veomni_*` attributes:\n" + "\n".join(found)

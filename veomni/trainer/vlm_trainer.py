@@ -83,7 +83,7 @@ class VLMTrainer(TextTrainer):
         transform, template = TRANSFORMS[config.model_type]
         name = args.data.chat_template if args.data.chat_template not in ("default", "auto") else template
         chat_template = build_multimodal_chat_template(name, self.tokenizer)
-        # the same function model.get_position_id_func() returns; built from the config, as the data comes first
+        # the same function get_position_id_func(model) returns; built from the config, as the data comes first
         position_id_func = build_position_id_func(config)
         mm_configs = dict(args.data.mm_configs or {})
         mm_configs.setdefault("max_seq_len", args.data.max_seq_len)
