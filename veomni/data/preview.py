@@ -105,7 +105,7 @@ def _bare_trainer(build_trainer: Callable[[Any], Any], args):
 
     original = BaseTrainer.__init__
 
-    def shell(self, a):
+    def shell(self, a, *_, **__):  # (a task may hand its trainer callbacks too)
         self.args = a
 
     BaseTrainer.__init__ = shell

@@ -46,7 +46,7 @@ class TextTrainer(BaseTrainer):
         )
         self.training_chat_template = chat_template.get_jinja_template() or None
         info, warning = training_template_note(chat_template, data.chat_template, own)
-        if getattr(self, "is_main", True):
+        if self.is_main:
             logger.info(info)
             if warning:
                 logger.warning(warning)
