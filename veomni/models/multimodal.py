@@ -19,7 +19,6 @@ The adapter (`adapt_multimodal_model`) changes no modeling code; hooks around th
 """
 
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -178,22 +177,11 @@ def _fix_position_ids(kwargs: Dict[str, Any]) -> None:
             kwargs["position_ids"] = position_ids.transpose(0, 1)
 
 
-@dataclass
-class MultimodalAdapter:
-    """What the training forward bound to a model takes from outside it.
-
-    `shard_visual_outputs(config, ran, input_ids)`, installed by Ulysses sequence parallel
-    (veomni.distributed.sequence_parallel.multimodal), replaces each encoder's outputs in `ran` by the slice whose
-    placeholders lie in this rank's sequence shard; None: every embedding is kept."""
-
-    shard_visual_outputs: Optional[Callable[[Any, Dict[str, Any], Optional[torch.Tensor]], None]] = None
-
-
 # model -> its adapter; weak, so an entry goes with its model (nothing planted on the model instance)
 _ADAPTERS: "weakref.WeakKeyDictionary[nn.Module, MultimodalAdapter]" = weakref.WeakKeyDictionary()
 
 
-def multimodal_adapter(model: nn.Module) -> Optional[MultimodalAdapter]:
+def multimodal_adapter(model: nn.Module) -> Optional["MultimodalAdapter"]:
     """The adapter `adapt_multimodal_model` bound to `model`, or None."""
     return _ADAPTERS.get(model)
 
@@ -209,26 +197,30 @@ def adapt_multimodal_model(model: nn.Module) -> nn.Module:
     are bound to the instance through veomni.compat (`bind_instance_method`, with its canary in test_compat.py)."""
     if model in _ADAPTERS:
         return model
-    adapter = _ADAPTERS[model] = MultimodalAdapter()
-    run = _EncoderRun(model, adapter)
-    for kind in run.kinds:
-        bind_instance_method(model.model, _GETTERS[kind], run.getter(kind))
-    model.get_input_embeddings().register_forward_hook(run.add_pending_zero)
-    model.register_forward_pre_hook(run.before_forward, with_kwargs=True)
-    model.register_forward_hook(run.after_forward)
+    adapter = _ADAPTERS[model] = MultimodalAdapter(model)
+    for kind in adapter.kinds:
+        bind_instance_method(model.model, _GETTERS[kind], adapter.getter(kind))
+    model.get_input_embeddings().register_forward_hook(adapter.add_pending_zero)
+    model.register_forward_pre_hook(adapter.before_forward, with_kwargs=True)
+    model.register_forward_hook(adapter.after_forward)
     return model
 
 
-class _EncoderRun:
+class MultimodalAdapter:
     """One forward's encoder outputs: run by `before_forward`, handed to HF's forward by the bound getters, and
-    forgotten by `after_forward`."""
+    forgotten by `after_forward`.
 
-    def __init__(self, model: nn.Module, adapter: MultimodalAdapter):
-        self.model, self.adapter, self.inner = model, adapter, model.model
+    `shard_visual_outputs(config, ran, input_ids)`, installed by Ulysses sequence parallel
+    (veomni.distributed.sequence_parallel.multimodal), replaces each encoder's outputs in `ran` by the slice whose
+    placeholders lie in this rank's sequence shard; None: every embedding is kept."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.inner = model, model.model
         self.kinds = encoder_kinds(model)
         self.originals = {kind: getattr(self.inner, _GETTERS[kind]) for kind in self.kinds}
         self.precomputed: Dict[str, Any] = {}
         self.pending_zero: List[torch.Tensor] = []
+        self.shard_visual_outputs: Optional[Callable[[Any, Dict[str, Any], Optional[torch.Tensor]], None]] = None
 
     def getter(self, kind: str) -> Callable:
         original = self.originals[kind]
@@ -263,10 +255,10 @@ class _EncoderRun:
                 zero = part if zero is None else zero + part
             else:
                 ran[kind] = outputs
-        if self.adapter.shard_visual_outputs is not None:
+        if self.shard_visual_outputs is not None:
             # a slice stays on the graph even when empty: a rank whose shard holds no visual token still gives the
             # tower a (zero) gradient, so FSDP reduces the same units on every rank
-            self.adapter.shard_visual_outputs(self.inner.config, ran, kwargs.get("input_ids"))
+            self.shard_visual_outputs(self.inner.config, ran, kwargs.get("input_ids"))
         self.precomputed.update(ran)  # only now: Qwen3-VL's video getter calls the image getter while it runs
         if zero is not None:
             self.pending_zero.append(zero)

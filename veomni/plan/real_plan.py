@@ -10,7 +10,7 @@ from ..arguments import VeOmniArguments, parse_args
 from ..distributed.mixed_precision import resolve_precision
 from ..distributed.parallel_state import init_parallel_state_from_config
 from ..distributed.torch_parallelize import parallelize
-from ..models import build_foundation_model
+from ..trainer.base import build_model_from_args
 from .fake_cluster import fake_world
 from .model_shape import ModelShape
 from .shards import RankPlan, read_rank_plan
@@ -33,18 +33,8 @@ def load_args(argv: List[str], world_size: Optional[int]) -> VeOmniArguments:
 
 
 def build_meta_model(args, device_type: str):
-    """The model as BaseTrainer.build_model builds it, on meta, in the dtype its parameters will have."""
-    fsdp = args.train.accelerator.fsdp_config
-    precision = resolve_precision(fsdp.mixed_precision, device_type, fsdp.fsdp_mode)
-    ops = args.model.ops_implementation
-    return build_foundation_model(
-        config_path=args.model.config_path,
-        init_device="meta",
-        torch_dtype=precision.param_dtype,
-        attn_implementation=ops.attn_implementation,
-        moe_implementation=ops.moe_implementation,
-        trust_remote_code=args.model.trust_remote_code,
-    )
+    """The model as the trainer builds it, on meta, in the dtype its parameters will have on `device_type`."""
+    return build_model_from_args(args, device_type, "meta")
 
 
 def reshard_after_forward(args, fsdp_size: int) -> bool:

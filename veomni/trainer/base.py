@@ -65,6 +65,23 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+def build_model_from_args(args, device_type: str, init_device: str):
+    """The model `args` describe, before LoRA and sharding, in the dtype its parameters train in on `device_type`:
+    fp32 master weights by default (bf16 compute on CUDA through the FSDP2 policy), pure bf16 only when asked. The
+    planner builds its meta model with it too (veomni.plan.real_plan)."""
+    fsdp, ops = args.train.accelerator.fsdp_config, args.model.ops_implementation
+    precision = resolve_precision(fsdp.mixed_precision, device_type, fsdp.fsdp_mode)
+    return build_foundation_model(
+        config_path=args.model.config_path,
+        weights_path=args.model.model_path,
+        init_device=init_device,
+        torch_dtype=precision.param_dtype,
+        attn_implementation=ops.attn_implementation,
+        moe_implementation=ops.moe_implementation,
+        trust_remote_code=args.model.trust_remote_code,
+    )
+
+
 class BaseTrainer(StepCountMixin):
     """Builds everything from `args` and runs `fit()`. Subclasses choose the data (`build_dataset`,
     `build_dataloader`); `callbacks` are the task's own (e.g. the planner's check, veomni.plan.runlog)."""
@@ -114,19 +131,7 @@ class BaseTrainer(StepCountMixin):
     # ------------------------------------------------------------------------------------------ building
     def build_model(self) -> None:
         args = self.args
-        fsdp = args.train.accelerator.fsdp_config
-        # fp32 master weights by default (bf16 compute on CUDA via the FSDP2 policy); pure bf16 only when asked
-        precision = resolve_precision(fsdp.mixed_precision, get_device_type(), fsdp.fsdp_mode)
-        model = build_foundation_model(
-            config_path=args.model.config_path,
-            weights_path=args.model.model_path,
-            init_device=args.train.init_device,
-            torch_dtype=precision.param_dtype,
-            attn_implementation=args.model.ops_implementation.attn_implementation,
-            moe_implementation=args.model.ops_implementation.moe_implementation,
-            trust_remote_code=args.model.trust_remote_code,
-        )
-        model = self.prepare_model(model)
+        model = self.prepare_model(build_model_from_args(args, get_device_type(), args.train.init_device))
         # LoRA adapters go in before sharding, so FSDP2/DDP wrap them with their layers; {} without LoRA
         adapters = attach_lora(model, args.model.lora, args.train.seed, args.model.model_path)
         with base_checkpoint_names(model, adapters):  # a meta model then loads the base checkpoint unchanged
