@@ -225,6 +225,7 @@ class BaseTrainer(StepCountMixin):
         return {
             k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) if torch.is_tensor(v) else v
             for k, v in micro_batch.items()
+            if k != "shift_labels"  # (transformers' name for the labels: the trainer reads `labels`)
         }
 
     def lm_loss(self, micro_batch: Dict[str, Any]) -> LossOutput:
