@@ -110,6 +110,7 @@ class BaseTrainer(StepCountMixin):
         self.train_dataloader = self.build_dataloader()
         self.compute_train_steps()
         self.run_dir.refuse_completed(self.total_steps)
+        eval_data = self.build_eval_data()  # before the model too: a held-out file that fails, fails in seconds
         if self.is_main:
             save_args(args, self.output_dir)
         self.state = TrainState()
@@ -121,7 +122,7 @@ class BaseTrainer(StepCountMixin):
             self.train_dataloader, self.state,
         )  # fmt: skip
         self.checkpointer.resume(self.is_main)
-        self.evaluator = self.build_evaluator()
+        self.evaluator = self.build_evaluator(*eval_data) if eval_data else None
         self.callbacks: List[Callback] = self.build_callbacks() + list(callbacks)
 
     # the loop's position, as callbacks and subclasses read it
@@ -168,16 +169,17 @@ class BaseTrainer(StepCountMixin):
         state = self.parallel_state
         return {"sp_size": state.sp_size, "sp_rank": state.sp_rank}
 
-    def build_evaluator(self) -> Optional[Evaluator]:
-        """The held-out loss of `data.eval_path`, or None without it."""
-        args = self.args
-        if not args.data.eval_path:
+    def build_eval_data(self):
+        """(dataset, loader, collator) of `data.eval_path`, or None without it."""
+        if not self.args.data.eval_path:
             return None
-        dataset, loader, collate = build_eval_loader(args, self.build_transform(), self.collate_fn_kwargs())
-        return Evaluator(
-            dataset, loader, collate, lambda mb: self.lm_loss(self._to_device(mb)).loss_sum, self.model,
-            self.parallel_state, self.device, args.train.eval_steps,
-        )  # fmt: skip
+        return build_eval_loader(self.args, self.build_transform(), self.collate_fn_kwargs())
+
+    def build_evaluator(self, dataset, loader, collate) -> Evaluator:
+        """The held-out loss, through this trainer's LM loss (no auxiliary losses)."""
+        loss_sum = lambda mb: self.lm_loss(self._to_device(mb)).loss_sum  # noqa: E731
+        eval_steps = self.args.train.eval_steps
+        return Evaluator(dataset, loader, collate, loss_sum, self.model, self.parallel_state, self.device, eval_steps)
 
     def build_optimizer(self) -> None:
         opt = self.args.train.optimizer
