@@ -253,3 +253,28 @@ def test_fused_head_loss_refuses_a_second_order_gradient():
         torch.autograd.grad(loss, hidden, create_graph=True)
     (grad,) = torch.autograd.grad(loss, hidden)  # first order, as training takes it
     assert grad.abs().sum() > 0
+
+
+def test_a_registered_head_loss_backend_runs_in_the_module(tmp_path):
+    """Another kernel plugs in as a backend of CausalLMLoss (the contract a GPU fused linear + cross-entropy meets):
+    it is handed the head and only the rows that have a target, and its sum is the module's loss."""
+    import torch.nn.functional as F
+
+    from veomni.ops import register_head_loss_backend
+
+    calls = []
+
+    def plain(head, hidden, targets, chunk_size):
+        calls.append((hidden.shape[0], chunk_size))
+        return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+
+    register_head_loss_backend("test_plain", plain)
+    torch.manual_seed(0)
+    model = build_foundation_model(write_model_config(str(tmp_path)), torch_dtype="float32")
+    batch, labels = _batch()
+    expected = _plain(model, batch, labels)
+    out = CausalLMLoss(model, 16, backend="test_plain")(labels, **batch)
+    assert calls == [(sum(LENGTHS) - len(LENGTHS), 16)]
+    torch.testing.assert_close(out.loss_sum, expected[0], rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="unknown head-loss backend 'nope'"):
+        CausalLMLoss(model, 16, backend="nope")

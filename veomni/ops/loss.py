@@ -210,6 +210,8 @@ class CausalLMLoss(nn.Module):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size if chunk_size > 0 and supports_chunked_loss(model) else 0
+        if backend not in _HEAD_LOSS_BACKENDS:
+            raise ValueError(f"unknown head-loss backend {backend!r}; registered: {sorted(_HEAD_LOSS_BACKENDS)}")
         self.backend = backend
 
     def forward(self, labels: torch.Tensor, **inputs) -> LossOutput:
