@@ -196,7 +196,9 @@ def load_balancing_loss_sum(
     tokens = torch.zeros(documents, device=labels.device).index_add_(0, document, torch.ones_like(counted))
     loss_tokens = torch.zeros(documents, device=labels.device).index_add_(0, document, counted)
     if group is not None:
-        stats = all_reduce_autograd(torch.cat([chosen, probs, tokens[:, None], loss_tokens[:, None]], dim=1), group)
+        stats = all_reduce_autograd(
+            torch.cat([chosen, probs, tokens[:, None], loss_tokens[:, None]], dim=1), group=group
+        )
         chosen, probs = stats[:, :num_experts], stats[:, num_experts : 2 * num_experts]
         tokens, loss_tokens = stats[:, -2], stats[:, -1]
     pooled = tokens[:, None] * len(router_logits)
