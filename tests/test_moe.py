@@ -212,3 +212,24 @@ def test_load_balancing_loss_is_per_document():
         torch.testing.assert_close(got, want.float())
         alone, start = alone + got, start + n
     torch.testing.assert_close(packed, alone)
+
+
+def test_load_balancing_loss_over_a_sequence_group_of_one_equals_the_plain_one(one_process_group):
+    """The Ulysses path (position ids gathered, statistics all-reduced over the group, the sum split over its ranks)
+    on a group of one is the plain per-document loss, value and gradient (2-rank parity: test_ulysses)."""
+    import torch.distributed as dist
+
+    from veomni.ops import shift_labels
+    from veomni.ops.moe import load_balancing_loss_sum
+
+    g = torch.Generator().manual_seed(0)
+    lengths, experts, top_k = [7, 12, 5], 8, 2
+    logits = [torch.randn(sum(lengths), experts, generator=g, requires_grad=True) for _ in range(3)]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = shift_labels(torch.randint(0, 50, (1, sum(lengths)), generator=g))
+    plain = load_balancing_loss_sum(logits, top_k, labels, position_ids)
+    grouped = load_balancing_loss_sum(logits, top_k, labels, position_ids, group=dist.group.WORLD)
+    torch.testing.assert_close(grouped, plain)
+    want = torch.autograd.grad(plain, logits)
+    for got, expected in zip(torch.autograd.grad(grouped, logits), want):
+        torch.testing.assert_close(got, expected)
