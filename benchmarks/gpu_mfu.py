@@ -226,11 +226,13 @@ def time_bare(model, batch, steps, warmup, label=""):
     parameters and AdamW state, bf16 compute on CUDA (autocast; the trainer casts through FSDP2's policy)."""
     import torch
 
-    from veomni.ops import chunked_lm_head_loss
+    from veomni.ops import CausalLMLoss
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     inputs = {k: (v.to(DEVICE, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
     labels = inputs.pop("labels")
+    inputs.pop("shift_labels", None)
+    loss_module = CausalLMLoss(model, 1024)
     autocast = torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda")
     reset_peak_memory()
     times = []
@@ -238,9 +240,9 @@ def time_bare(model, batch, steps, warmup, label=""):
         for i in range(steps):
             synchronize()
             tic = time.perf_counter()
-            with chunked_lm_head_loss(model, labels, 1024) as head, autocast:
-                out = model(**inputs, use_cache=False)
-            (out.logits / head["tokens"]).backward()
+            with autocast:
+                out = loss_module(labels, **inputs, use_cache=False)
+            (out.loss_sum / out.tokens).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)

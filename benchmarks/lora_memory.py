@@ -60,7 +60,7 @@ def worker(args, mode: str) -> None:
     import torch
 
     from veomni.distributed.parallel_state import destroy_parallel_state, init_parallel_state
-    from veomni.ops import chunked_lm_head_loss
+    from veomni.ops import CausalLMLoss, shift_labels
     from veomni.utils.device import get_device
 
     init_parallel_state(dp_size=1)
@@ -75,8 +75,7 @@ def worker(args, mode: str) -> None:
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
         for ids in rows:
-            with chunked_lm_head_loss(model, ids, 1024):
-                loss = model(input_ids=ids, use_cache=False).logits
+            loss = CausalLMLoss(model, 1024)(shift_labels(ids), input_ids=ids, use_cache=False).loss_sum
             (loss / ids.numel()).backward()
         grad_bytes = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
         optimizer.step()

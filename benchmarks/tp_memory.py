@@ -37,7 +37,7 @@ def worker(args) -> None:
     from veomni.distributed.parallel_state import destroy_parallel_state, init_parallel_state
     from veomni.distributed.torch_parallelize import build_parallelize_model
     from veomni.models import build_foundation_model
-    from veomni.ops import chunked_lm_head_loss
+    from veomni.ops import CausalLMLoss, shift_labels
     from veomni.optim import build_optimizer
 
     tp = int(os.environ.get("WORLD_SIZE", 1))
@@ -53,13 +53,13 @@ def worker(args) -> None:
     for _ in range(2):
         ids = torch.randint(3, vocab, (1, args.row), generator=g)
         pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
-        rows.append({"input_ids": ids, "position_ids": pos, "labels": ids.clone()})
+        rows.append({"input_ids": ids, "position_ids": pos, "labels": shift_labels(ids)})
     tokens = sum(int(r["labels"].numel()) for r in rows)
 
     def step():
         for mb in rows:
-            with chunked_lm_head_loss(model, mb["labels"], 1024):
-                loss = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+            inputs = {"input_ids": mb["input_ids"], "position_ids": mb["position_ids"], "use_cache": False}
+            loss = CausalLMLoss(model, 1024)(mb["labels"], **inputs).loss_sum
             (loss / tokens).backward()
         clip_grad_norm(model, 1.0)
         optimizer.step()

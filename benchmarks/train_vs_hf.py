@@ -121,7 +121,7 @@ def check_first_batch(trainer, state, samples, batch_size, tokenizer):
     first = [{"input_ids": s["input_ids"], "labels": list(s["labels"])} for s in samples[:batch_size]]
     with torch.no_grad():
         packed = MainCollator()(first)
-        tokens = int((packed["labels"][..., 1:] != -100).sum())
+        tokens = int((packed["labels"] != -100).sum())  # shifted by the collator
         ours = trainer.forward_loss_sum(packed).item() / tokens
         model = hf_model(trainer.args.model.config_path, state)
         pad = model(**DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")(first)).loss

@@ -18,7 +18,7 @@ sys.path.insert(0, ".")
 from veomni.arguments import VeOmniArguments, parse_args  # noqa: E402
 from veomni.distributed import destroy_parallel_state  # noqa: E402
 from veomni.models import build_foundation_model  # noqa: E402
-from veomni.ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens  # noqa: E402
+from veomni.ops import CausalLMLoss, count_loss_tokens  # noqa: E402
 from veomni.trainer import TextTrainer  # noqa: E402
 from veomni.utils.demo_assets import ensure_demo_assets  # noqa: E402
 
@@ -33,15 +33,14 @@ def bare_loop(args, batches, warmup):
         moe_implementation=ops.moe_implementation,
     )
     opt = torch.optim.AdamW(model.parameters(), lr=args.train.optimizer.lr, foreach=True)
+    loss_module = CausalLMLoss(model, ops.loss_chunk_size)
     times, tokens = [], []
     for i, micro_batches in enumerate(batches):
         tic = time.perf_counter()
         n = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches)
         for mb in micro_batches:
-            inputs = {k: v for k, v in mb.items() if k != "labels"}
-            with chunked_lm_head_loss(model, mb["labels"], ops.loss_chunk_size) as head:
-                out = model(**inputs, use_cache=False)
-            loss = out.logits if head is not None else causal_lm_loss_sum(out.logits, mb["labels"])[0]
+            inputs = {k: v for k, v in mb.items() if k not in ("labels", "shift_labels")}
+            loss = loss_module(mb["labels"], **inputs, use_cache=False).loss_sum
             (loss / n).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -73,12 +73,11 @@ def _build(sp: int, async_enabled: bool):
 
 
 def _step(model, batch, sp: bool):
-    from veomni.ops import chunked_lm_head_loss
+    from veomni.ops import CausalLMLoss
 
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    with chunked_lm_head_loss(model, labels, 1024, labels_shifted=sp):
-        loss = model(**inputs, use_cache=False).logits
+    labels = batch["labels"]  # shifted by the collator, with or without sequence parallel
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    loss = CausalLMLoss(model, 1024)(labels, **inputs, use_cache=False).loss_sum
     loss.backward()
     model.zero_grad(set_to_none=True)
 

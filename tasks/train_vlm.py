@@ -5,13 +5,14 @@ videos (frames) and audio (veomni/trainer/vlm_trainer.py). `python tasks/train_v
 config key. Exit codes as tasks/train_text.py.
 """
 
-from veomni.utils.task import run_task
+from veomni.trainer.task import run_task
 
 
 def build_trainer(args):
-    from veomni.trainer.vlm_trainer import VLMTrainer  # imported after the config is parsed: --help answers at once
+    from veomni.plan.runlog import PlanCheckCallback  # imported after the config is parsed: --help answers at once
+    from veomni.trainer.vlm_trainer import VLMTrainer
 
-    return VLMTrainer(args)
+    return VLMTrainer(args, callbacks=[PlanCheckCallback()])  # the planner's memory prediction, checked
 
 
 if __name__ == "__main__":

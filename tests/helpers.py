@@ -146,12 +146,12 @@ def one_by_one(model, docs):
     reference a packed micro-batch must equal. Leaves the model's gradients zeroed."""
     import torch
 
-    from veomni.ops import causal_lm_loss_sum
+    from veomni.ops import lm_loss_sum, shift_labels
 
     total = 0.0
     for d in docs:
         ids = torch.tensor([d["input_ids"]])
-        loss, _ = causal_lm_loss_sum(model(input_ids=ids).logits, ids)
+        loss, _ = lm_loss_sum(model(input_ids=ids).logits, shift_labels(ids))
         loss.backward()
         total += loss.item()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

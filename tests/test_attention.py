@@ -9,7 +9,7 @@ from helpers import one_by_one, write_model_config
 from veomni.data import MainCollator
 from veomni.models import build_foundation_model
 from veomni.ops import attention as attn
-from veomni.ops import causal_lm_loss_sum
+from veomni.ops import lm_loss_sum
 
 LENGTHS = (17, 40, 5, 63, 40)  # two documents of equal length exercise the batched SDPA call
 
@@ -21,7 +21,7 @@ def _docs():
 
 
 def _check_packed(model, inputs, labels, total, grads):
-    loss, _ = causal_lm_loss_sum(model(**inputs, use_cache=False).logits, labels)
+    loss, _ = lm_loss_sum(model(**inputs, use_cache=False).logits, labels)
     loss.backward()
     assert abs(loss.item() - total) <= 1e-5 * total
     for name, p in model.named_parameters():

@@ -341,3 +341,30 @@ def test_processor_helpers():
     omni = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
     assert compat_hf.feat_extract_output_lengths(omni)(torch.tensor([3000])).tolist() == [750]
     assert compat_hf.feat_extract_output_lengths(qwen3) is None
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_multimodal_forward_takes_the_adapters_encoder_outputs(name):
+    """The multimodal adapter runs each encoder before HF's forward and hands the outputs to it through the
+    `get_*_features` methods it binds (compat.bind_instance_method): HF's forward must still ask for them by name.
+    If it stopped, the vision tower would run a second time in the forward (and a dummy micro-batch's would not)."""
+    from vlm_inputs import TINY, make_sample, pack
+
+    from veomni.models import build_foundation_model
+    from veomni.models.multimodal import encoder_kinds
+
+    torch.manual_seed(0)
+    model = build_foundation_model(TINY[name], torch_dtype="float32", moe_implementation="eager")
+    runs = len(encoder_kinds(model))  # image and video: each kind once, real or dummy
+    calls = []
+    model.model.visual.register_forward_pre_hook(lambda module, args: calls.append(1))
+    g = torch.Generator().manual_seed(1)
+    batch = pack([make_sample(model, 4, [(4, 4)], g), make_sample(model, 3, [(4, 8)], g)])
+    batch.pop("labels"), batch.pop("shift_labels"), batch.pop("image_mask", None)
+    model(**batch, use_cache=False)
+    assert len(calls) == runs == 2  # the adapter's runs only: HF's forward took their outputs
+    calls.clear()
+    text_only = pack([{k: v for k, v in make_sample(model, 5, [], g).items()}])
+    text_only.pop("labels"), text_only.pop("shift_labels")
+    model(**text_only, use_cache=False)
+    assert len(calls) == runs  # the dummy inputs every rank runs, so FSDP gathers the same units everywhere

@@ -21,8 +21,7 @@ from helpers import TINY_QWEN3_MOE, read_metrics, run_text_task, tiny_run_config
 from veomni.data import MainCollator
 from veomni.models import build_foundation_model
 from veomni.ops import attention as attn
-from veomni.ops import causal_lm_loss_sum
-from veomni.ops.loss import chunked_head_loss_sum
+from veomni.ops import chunked_head_loss_sum, lm_loss_sum, shift_labels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
@@ -107,7 +106,7 @@ def test_packed_micro_batch_equals_documents_one_by_one(tmp_path):
         separate = []
         for d in docs:  # one document per forward: no packing, transformers' SDPA
             ids = torch.tensor([d], device="cuda")
-            separate.append(causal_lm_loss_sum(model(input_ids=ids).logits, ids)[0])
+            separate.append(lm_loss_sum(model(input_ids=ids).logits, shift_labels(ids))[0])
         one_by_one = torch.stack(separate).sum()
         one_by_one.backward()
         want = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -115,7 +114,7 @@ def test_packed_micro_batch_equals_documents_one_by_one(tmp_path):
         batch = MainCollator()([{"input_ids": d, "labels": list(d)} for d in docs])
         batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
         labels = batch.pop("labels")
-        packed, _ = causal_lm_loss_sum(model(**batch).logits, labels)
+        packed, _ = lm_loss_sum(model(**batch).logits, labels)
     packed.backward()
     assert abs(packed.item() - one_by_one.item()) < 2e-3 * one_by_one.item()
     worst = max(_relative_error(p.grad, want[n]) for n, p in model.named_parameters())
@@ -129,6 +128,7 @@ def test_fused_linear_cross_entropy_equals_plain_loss_without_the_logits():
     head = torch.nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, vocab, (1, tokens), device="cuda")
     labels[0, ::7] = -100
+    labels = shift_labels(labels)
     results, peaks = [], []
     for fused in (False, True):
         head.zero_grad()
@@ -139,7 +139,7 @@ def test_fused_linear_cross_entropy_equals_plain_loss_without_the_logits():
         if fused:
             loss, _ = chunked_head_loss_sum(head, leaf[None], labels, chunk_size=1024)
         else:
-            loss, _ = causal_lm_loss_sum(head(leaf[None]), labels)
+            loss, _ = lm_loss_sum(head(leaf[None]), labels)
         (loss / 1000.0).backward()
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - before)
@@ -164,7 +164,7 @@ def test_fused_experts_equal_eager_experts(tmp_path):
     results = {}
     for impl, model in models.items():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = causal_lm_loss_sum(model(input_ids=ids).logits, ids)
+            loss, _ = lm_loss_sum(model(input_ids=ids).logits, shift_labels(ids))
         loss.backward()
         results[impl] = loss.item(), {n: p.grad for n, p in model.named_parameters()}
     (eager_loss, eager_grads), (fused_loss, fused_grads) = results["eager"], results["fused"]
@@ -207,7 +207,7 @@ def test_compiled_decoder_layers_equal_eager(tmp_path):
         model = build_foundation_model(config, torch_dtype="float32", init_device="cuda")
         if compiled:
             compile_basic_modules(basic_module_instances(model, ["Qwen3DecoderLayer"]))
-        loss, _ = causal_lm_loss_sum(model(**batch).logits, labels)
+        loss, _ = lm_loss_sum(model(**batch).logits, labels)
         loss.backward()
         results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results

@@ -254,7 +254,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly_also_after_the_launc
 
 @pytest.mark.parametrize("loop_active", [False, True])
 def test_first_stop_signal_sets_a_flag_in_the_loop_and_ends_set_up_at_once(loop_active):
-    from veomni.utils import lifecycle
+    from veomni.trainer import lifecycle
 
     previous = {sig: signal.getsignal(sig) for sig in lifecycle.STOP_EXIT_CODES}
     lifecycle.install_stop_handlers()
@@ -292,7 +292,7 @@ def test_heartbeat_starts_with_the_group_and_names_a_peer_stopped_before_its_fir
     """The first beat follows the process group's start within a fraction of a second (not the 1 s beat), and a
     peer with no beat yet is said to have stopped before it, with the time since the group started: not "never
     reported", which read as if that rank had never started."""
-    from veomni.utils import lifecycle
+    from veomni.trainer import lifecycle
 
     store, group = _DictStore(), threading.Event()
     monkeypatch.setattr(lifecycle, "_default_store", lambda: store if group.is_set() else None)

@@ -1,5 +1,5 @@
-"""Chunked loss at the output head: same loss and gradients as the plain loss on full logits (fp32, 1e-6), with
-at most `chunk_size` tokens of logits alive; tied and untied heads, MoE aux loss, FSDP2."""
+"""Chunked loss at the output head (CausalLMLoss): same loss and gradients as the plain loss on full logits (fp32,
+1e-6), with at most `chunk_size` tokens of logits alive; tied and untied heads, MoE aux loss, FSDP2."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import torch.distributed as dist
 from helpers import write_model_config, write_moe_config
 from veomni.data import MainCollator
 from veomni.models import build_foundation_model
-from veomni.ops import causal_lm_loss_sum, chunked_lm_head_loss
+from veomni.ops import CausalLMLoss, lm_loss_sum, shift_labels
 
 LENGTHS = (17, 40, 5, 63)
 GRAD_ACCUMULATION = 3.0
@@ -18,11 +18,12 @@ def _batch():
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(3, 512, (n,), generator=g).tolist() for n in LENGTHS]
     batch = MainCollator()([{"input_ids": d, "labels": list(d)} for d in docs])
+    batch.pop("shift_labels")
     return batch, batch.pop("labels")
 
 
 def _plain(model, batch, labels):
-    loss, tokens = causal_lm_loss_sum(model(**batch).logits, labels)
+    loss, tokens = lm_loss_sum(model(**batch).logits, labels)
     (loss / GRAD_ACCUMULATION).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -30,13 +31,12 @@ def _plain(model, batch, labels):
 
 
 def _chunked(model, batch, labels, chunk):
-    with chunked_lm_head_loss(model, labels, chunk) as head_loss:
-        out = model(**batch)
-    assert out.logits.dim() == 0  # the summed loss comes back in place of the logits
-    (out.logits / GRAD_ACCUMULATION).backward()  # the trainer's normalisation reaches the loss's backward
+    out = CausalLMLoss(model, chunk)(labels, **batch)
+    assert out.outputs.logits.numel() == 0  # the model's own forward computed no logits
+    (out.loss_sum / GRAD_ACCUMULATION).backward()  # the trainer's normalisation reaches the loss's backward
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    return out.logits.detach(), head_loss["tokens"], grads
+    return out.loss_sum.detach(), out.tokens, grads
 
 
 def _assert_same(a, b):
@@ -75,7 +75,7 @@ def test_only_one_chunk_of_logits_exists(tmp_path, monkeypatch):
 
     def counting_linear(*args, **kwargs):
         out = linear(*args, **kwargs)
-        if out.shape[-1] == vocab:
+        if out.shape[-1] == vocab and out.numel():  # (the model's own call of the head is given no rows)
             rows.append(out.numel() // vocab)
         return out
 
@@ -89,9 +89,7 @@ def test_only_one_chunk_of_logits_exists(tmp_path, monkeypatch):
     for chunk in (16, 0):
         rows.clear(), saved.clear()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with chunked_lm_head_loss(model, labels, chunk) as head_loss:
-                out = model(**batch)
-            loss = out.logits if head_loss is not None else causal_lm_loss_sum(out.logits, labels)[0]
+            loss = CausalLMLoss(model, chunk)(labels, **batch).loss_sum
         loss.backward()
         if chunk:
             loss_tokens = total - len(LENGTHS)  # only positions with a target reach the head
@@ -109,12 +107,8 @@ def test_moe_aux_loss_still_flows_with_the_chunked_loss(tmp_path):
     coef = model.config.router_aux_loss_coef
 
     def total_loss(chunk):
-        with chunked_lm_head_loss(model, labels, chunk) as head_loss:
-            out = model(**batch)
-        if head_loss is not None:
-            loss, tokens = out.logits, head_loss["tokens"]
-        else:
-            loss, tokens = causal_lm_loss_sum(out.logits, labels)
+        result = CausalLMLoss(model, chunk)(labels, **batch)
+        loss, tokens, out = result.loss_sum, result.tokens, result.outputs
         assert out.aux_loss is not None
         loss = loss + coef * out.aux_loss * tokens
         loss.backward()
@@ -131,7 +125,8 @@ def test_moe_aux_loss_still_flows_with_the_chunked_loss(tmp_path):
 
 
 def test_chunked_loss_under_fsdp2_matches_plain(tmp_path, monkeypatch):
-    """The head runs inside the FSDP root's forward and its recompute in backward: grads equal the plain loss."""
+    """The head runs after the FSDP root's forward, which resharded the root: the root is gathered again before the
+    chunks (and resharded by its post-backward), so grads equal the plain loss, tied head included."""
     from torch.distributed.fsdp import fully_shard
 
     if dist.is_initialized():
@@ -176,7 +171,8 @@ def test_fused_head_loss_with_bias_and_ignored_targets():
     hidden = torch.randn(2, 30, 24, requires_grad=True)
     labels = torch.randint(0, 97, (2, 30))
     labels[0, 5:12] = -100
-    reference = causal_lm_loss_sum(head(hidden), labels)[0]
+    labels = shift_labels(labels)
+    reference = lm_loss_sum(head(hidden), labels)[0]
     expected = torch.autograd.grad(reference / 3, (hidden, head.weight, head.bias))
     loss, tokens = chunked_head_loss_sum(head, hidden, labels, chunk_size=11)
     got = torch.autograd.grad(loss / 3, (hidden, head.weight, head.bias))
@@ -194,7 +190,7 @@ def test_fused_head_loss_bf16_gradients_are_not_scaled_off():
 
     torch.manual_seed(0)
     weight, hidden = (torch.randn(500, 64) * 0.05).bfloat16(), torch.randn(4, 256, 64).bfloat16()
-    labels = torch.randint(0, 500, (4, 256))
+    labels = shift_labels(torch.randint(0, 500, (4, 256)))
 
     def grads(dtype, norm, loss_fn):
         head = torch.nn.Linear(64, 500, bias=False).to(dtype)
@@ -203,7 +199,7 @@ def test_fused_head_loss_bf16_gradients_are_not_scaled_off():
         return torch.autograd.grad(loss_fn(head, h) / norm, (h, head.weight))
 
     for norm in (3.0, 1021.0):
-        expected = grads(torch.float64, norm, lambda head, h: causal_lm_loss_sum(head(h), labels)[0])
+        expected = grads(torch.float64, norm, lambda head, h: lm_loss_sum(head(h), labels)[0])
         got = grads(torch.bfloat16, norm, lambda head, h: chunked_head_loss_sum(head, h, labels, 128)[0])
         for g, e in zip(got, expected):
             bias = ((g.double() * e).sum() / (e * e).sum() - 1).item()  # least-squares scale of g against e, minus 1
@@ -228,8 +224,8 @@ def test_fused_head_loss_with_a_frozen_head_keeps_no_weight_gradient():
     head = torch.nn.Linear(24, 97, bias=False)
     head.weight.requires_grad_(False)
     hidden = torch.randn(2, 30, 24, requires_grad=True)
-    labels = torch.randint(0, 97, (2, 30))
-    expected = torch.autograd.grad(causal_lm_loss_sum(head(hidden), labels)[0], hidden)[0]
+    labels = shift_labels(torch.randint(0, 97, (2, 30)))
+    expected = torch.autograd.grad(lm_loss_sum(head(hidden), labels)[0], hidden)[0]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
         loss, _ = chunked_head_loss_sum(head, hidden, labels, chunk_size=11)
@@ -238,7 +234,7 @@ def test_fused_head_loss_with_a_frozen_head_keeps_no_weight_gradient():
 
     head.weight.requires_grad_(True)
     frozen_hidden = hidden.detach()
-    expected = torch.autograd.grad(causal_lm_loss_sum(head(frozen_hidden), labels)[0], head.weight)[0]
+    expected = torch.autograd.grad(lm_loss_sum(head(frozen_hidden), labels)[0], head.weight)[0]
     loss, _ = chunked_head_loss_sum(head, frozen_hidden, labels, chunk_size=11)
     got = torch.autograd.grad(loss, head.weight)[0]  # summed over chunks: 1e-6 of the gradient's scale
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
@@ -257,3 +253,28 @@ def test_fused_head_loss_refuses_a_second_order_gradient():
         torch.autograd.grad(loss, hidden, create_graph=True)
     (grad,) = torch.autograd.grad(loss, hidden)  # first order, as training takes it
     assert grad.abs().sum() > 0
+
+
+def test_a_registered_head_loss_backend_runs_in_the_module(tmp_path):
+    """Another kernel plugs in as a backend of CausalLMLoss (the contract a GPU fused linear + cross-entropy meets):
+    it is handed the head and only the rows that have a target, and its sum is the module's loss."""
+    import torch.nn.functional as F
+
+    from veomni.ops import register_head_loss_backend
+
+    calls = []
+
+    def plain(head, hidden, targets, chunk_size):
+        calls.append((hidden.shape[0], chunk_size))
+        return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+
+    register_head_loss_backend("test_plain", plain)
+    torch.manual_seed(0)
+    model = build_foundation_model(write_model_config(str(tmp_path)), torch_dtype="float32")
+    batch, labels = _batch()
+    expected = _plain(model, batch, labels)
+    out = CausalLMLoss(model, 16, backend="test_plain")(labels, **batch)
+    assert calls == [(sum(LENGTHS) - len(LENGTHS), 16)]
+    torch.testing.assert_close(out.loss_sum, expected[0], rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="unknown head-loss backend 'nope'"):
+        CausalLMLoss(model, 16, backend="nope")

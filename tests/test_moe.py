@@ -192,6 +192,7 @@ def test_load_balancing_loss_is_per_document():
     so micro-batch grouping (1 process vs several ranks) cannot change it."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+    from veomni.ops import shift_labels
     from veomni.ops.moe import load_balancing_loss_sum
 
     g = torch.Generator().manual_seed(0)
@@ -201,13 +202,34 @@ def test_load_balancing_loss_is_per_document():
     labels = torch.randint(0, 50, (1, sum(lengths)), generator=g)
     labels[0, 2] = -100  # an ignored label counts for nothing
     labels[0, torch.tensor([0, *lengths[:-1]]).cumsum(0)[1:]] = -100  # each document's first label (the collator)
-    packed = load_balancing_loss_sum(logits, top_k, labels, position_ids)
+    packed = load_balancing_loss_sum(logits, top_k, shift_labels(labels), position_ids)  # labels as collated
     alone, start = 0.0, 0
     for n in lengths:
         part = [lg[start : start + n] for lg in logits]
         doc_labels = labels[:, start : start + n].clone()
         want = load_balancing_loss_func(tuple(part), experts, top_k) * (doc_labels[0, 1:] != -100).sum()
-        got = load_balancing_loss_sum(part, top_k, doc_labels, position_ids[:, start : start + n])
+        got = load_balancing_loss_sum(part, top_k, shift_labels(doc_labels), position_ids[:, start : start + n])
         torch.testing.assert_close(got, want.float())
         alone, start = alone + got, start + n
     torch.testing.assert_close(packed, alone)
+
+
+def test_load_balancing_loss_over_a_sequence_group_of_one_equals_the_plain_one(one_process_group):
+    """The Ulysses path (position ids gathered, statistics all-reduced over the group, the sum split over its ranks)
+    on a group of one is the plain per-document loss, value and gradient (2-rank parity: test_ulysses)."""
+    import torch.distributed as dist
+
+    from veomni.ops import shift_labels
+    from veomni.ops.moe import load_balancing_loss_sum
+
+    g = torch.Generator().manual_seed(0)
+    lengths, experts, top_k = [7, 12, 5], 8, 2
+    logits = [torch.randn(sum(lengths), experts, generator=g, requires_grad=True) for _ in range(3)]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = shift_labels(torch.randint(0, 50, (1, sum(lengths)), generator=g))
+    plain = load_balancing_loss_sum(logits, top_k, labels, position_ids)
+    grouped = load_balancing_loss_sum(logits, top_k, labels, position_ids, group=dist.group.WORLD)
+    torch.testing.assert_close(grouped, plain)
+    want = torch.autograd.grad(plain, logits)
+    for got, expected in zip(torch.autograd.grad(grouped, logits), want):
+        torch.testing.assert_close(got, expected)

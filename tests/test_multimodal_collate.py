@@ -52,7 +52,7 @@ def test_collation_packs_mixed_image_and_text_samples(mm_assets, mm_processors):
     assert torch.equal(batch["position_ids"][:, 0, at : at + lengths[2]], samples[2]["position_ids"])
     tail = batch["position_ids"][:, 0, total - lengths[3] :]
     assert torch.equal(tail, torch.arange(lengths[3]).expand(3, -1))  # plain positions for the text sample
-    assert batch["labels"][0, at] == IGNORE_INDEX and batch["cu_seq_lens_q"].tolist()[-1] == total
+    assert batch["labels"][0, at - 1] == IGNORE_INDEX and batch["cu_seq_lens_q"].tolist()[-1] == total  # (shifted)
 
     # sequence parallel (2 ranks): sequence fields sliced, masks / vision fields whole on every rank
     for rank in range(2):

@@ -5,7 +5,7 @@ import torch
 from helpers import one_by_one, write_model_config
 from veomni.data import MainCollator
 from veomni.models import build_foundation_model
-from veomni.ops import IGNORE_INDEX, causal_lm_loss_sum, count_loss_tokens
+from veomni.ops import IGNORE_INDEX, count_loss_tokens, lm_loss_sum, shift_labels
 
 
 def _docs():
@@ -22,7 +22,11 @@ def test_collator_packs_with_positions_and_masked_borders():
     assert batch["cu_seq_lens_q"].tolist() == [0, 17, 57, 62, 125] and batch["max_length_q"] == 63
     starts = [0, 17, 57, 62]
     for s in starts[1:]:
-        assert batch["labels"][0, s] == IGNORE_INDEX  # nothing predicts across a border
+        assert batch["labels"][0, s - 1] == IGNORE_INDEX  # nothing predicts across a border
+    # labels arrive shifted: each document's own next tokens, its last token predicting nothing
+    expected = [t for d in docs for t in d["input_ids"][1:] + [IGNORE_INDEX]]
+    assert batch["labels"][0].tolist() == expected
+    assert batch["shift_labels"] is batch["labels"]  # transformers' name for them: model(**batch).loss agrees
     assert count_loss_tokens(batch["labels"]) == sum(n - 1 for n in lengths)
 
 
@@ -43,7 +47,7 @@ def test_packed_equals_one_by_one_loss_and_grads(tmp_path):
 
     batch = MainCollator()(docs)
     labels = batch.pop("labels")
-    loss, n = causal_lm_loss_sum(model(**batch, use_cache=False).logits, labels)
+    loss, n = lm_loss_sum(model(**batch, use_cache=False).logits, labels)
     loss.backward()
     assert n.item() == sum(len(d["input_ids"]) - 1 for d in docs)
     assert abs(loss.item() - total) <= 1e-5 * abs(total)
@@ -63,8 +67,9 @@ def test_sequence_parallel_slices_reassemble_the_shifted_padded_row():
         total = 125 + (-125 % sp)
         assert ids.shape[-1] == total and all(p["input_ids"].shape[-1] == total // sp for p in parts)
         assert torch.equal(ids[0, :125], full["input_ids"][0])
-        # labels arrive shifted: position i holds the target of position i (HF would shift i+1 -> i)
-        assert torch.equal(labels[0, :124], full["labels"][0, 1:])
+        # labels arrive shifted (position i holds the target of position i), with and without sequence parallel:
+        # the slices reassemble the one-process row
+        assert torch.equal(labels[0, :125], full["labels"][0])
         assert (labels[0, 124:] == IGNORE_INDEX).all()
         assert parts[0]["cu_seq_lens_q"].tolist()[-1] == total  # attention metadata spans the full row
 
@@ -94,13 +99,13 @@ def test_real_text_packed_batch_equals_documents_one_by_one(tmp_path):
     total = 0.0
     for a, b in zip(starts, starts[1:]):
         ids = batch["input_ids"][:, a:b]
-        loss, _ = causal_lm_loss_sum(model(input_ids=ids).logits, ids)
+        loss, _ = lm_loss_sum(model(input_ids=ids).logits, shift_labels(ids))
         loss.backward()
         total += loss.item()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     labels = batch.pop("labels")
-    loss, _ = causal_lm_loss_sum(model(**batch, use_cache=False).logits, labels)
+    loss, _ = lm_loss_sum(model(**batch, use_cache=False).logits, labels)
     loss.backward()
     assert abs(loss.item() - total) <= 1e-5 * total
     for name, p in model.named_parameters():

@@ -80,6 +80,11 @@ def check_all_layouts() -> None:
             assert _built_groups(state) == _expected_groups(dims, rank), (world, sizes, rank)
             assert state.fsdp_size == dims.fsdp and state.fsdp_mesh.size() == dims.fsdp * dims.dp_replicate
             assert state.dp_sp_size == dims.dp_sp == world // dims.tp
+            # get_mesh: the same meshes by name (a dense dim, a tuple of them, a flattened view, an extra dim)
+            assert state.get_mesh("dp_sp").size() == dims.dp_sp and state.get_mesh("tp").size() == dims.tp
+            assert state.get_mesh(("dp_shard", "ulysses")).size() == dims.fsdp
+            assert state.get_mesh("ep").size() == dims.ep if dims.ep > 1 else "ep" not in state.extra_meshes
+            assert state.get_mesh("fsdp") is state.fsdp_mesh and state.get_mesh("world").size() == world
             dist.destroy_process_group()
     print(f"LAYOUTS_OK {len(LAYOUTS)}")
     check_collator_needs_sequence_parallel_sizes()

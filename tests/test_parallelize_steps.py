@@ -69,8 +69,9 @@ def check_ep_and_fsdp():
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
+    from veomni.arguments import FSDPConfig
     from veomni.compat.transformers import config_experts_implementation
-    from veomni.distributed.fsdp import FSDPOptions, apply_fsdp, no_split_module_names
+    from veomni.distributed.fsdp import apply_fsdp, no_split_module_names
     from veomni.distributed.parallel_plan import apply_ep
     from veomni.ops.moe import FUSED, expert_parallel_of
 
@@ -83,7 +84,7 @@ def check_ep_and_fsdp():
         ep = expert_parallel_of(module)
         assert ep is not None and (ep.size, ep.rank, ep.grad_scale) == (2, 1, 0.5)
         assert isinstance(module.gate_up_proj, DTensor) and module.gate_up_proj.to_local().shape[0] == total // 2
-    apply_fsdp(model, state, FSDPOptions(basic_modules=no_split_module_names(model)), experts)
+    apply_fsdp(model, state, FSDPConfig(), no_split_module_names(model), experts)
     layers = list(model.model.layers)
     assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in layers)
     assert all(isinstance(module, FSDPModule) for module in experts)

@@ -69,9 +69,8 @@ def _predict(name, world, rank, measured_rank):
     argv = next(run for runs in LAUNCHES.values() for n, run in runs.items() if n == name)
     args = load_args([*argv, *ONE_STEP], world)
     plan = plan_rank(args, world, rank, device_type="cpu")
-    shifted = args.train.accelerator.ulysses_size == 1  # Ulysses shards carry labels already shifted
-    micro_batches = [
-        (tokens, sum(label != -100 for label in (labels[1:] if shifted else labels)))
+    micro_batches = [  # (tokens, loss tokens): the collator's labels are shifted, each one a target or -100
+        (tokens, sum(label != -100 for label in labels))
         for tokens, labels in zip(measured_rank["tokens"], measured_rank["labels"])
     ]
     return plan, by_group(step_collectives(plan, model_shape(args), step_shape(args, micro_batches, "cpu")))

@@ -165,7 +165,7 @@ def test_launcher_gives_stopped_workers_time_to_save(monkeypatch):
 
 _REPEATED_STOP = """
 import os, signal, sys, time
-from veomni.utils import lifecycle
+from veomni.trainer import lifecycle
 lifecycle.REPEAT_WINDOW_S = 1.0
 lifecycle.install_stop_handlers()
 lifecycle.set_loop_active(True)
@@ -199,8 +199,9 @@ def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_
     import signal
     from types import SimpleNamespace
 
+    from veomni.trainer import lifecycle
     from veomni.trainer.base import BaseTrainer
-    from veomni.utils import lifecycle
+    from veomni.trainer.checkpointing import TrainState
 
     class Loader:
         closed = 0  # close(): the loader's worker processes stopped
@@ -218,10 +219,9 @@ def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_
     trainer = BaseTrainer.__new__(BaseTrainer)
     checkpoint = SimpleNamespace(save_steps=0, save_hf_weights=False)
     trainer.args = SimpleNamespace(train=SimpleNamespace(num_train_epochs=1, checkpoint=checkpoint))
-    trainer.epoch = trainer.epoch_step = trainer.global_step = trainer.consumed_tokens = 0
-    trainer.epoch_steps, trainer.total_steps, trainer._last_saved_step = [2], 2, -1
-    trainer.train_dataloader, trainer.callbacks = Loader(), []
-    trainer._step_totals = lambda micro_batches: {"loss_tokens": 1, "tokens": 1}
+    trainer.state, trainer.epoch_steps, trainer.total_steps = TrainState(), [2], 2
+    trainer.train_dataloader, trainer.callbacks, trainer.evaluator = Loader(), [], None
+    trainer._step_totals = lambda micro_batches: {"loss_tokens": 1, "tokens": 1, "stop": None}
     trainer.train_step = lambda micro_batches, totals: {}
     trainer.save_checkpoint = lambda: saved.append((trainer.global_step, trainer.train_dataloader.closed))
     trainer.checkpointer = SimpleNamespace(wait=lambda: None)

@@ -13,7 +13,7 @@ from vlm_inputs import TINY, make_sample, one_sample_batch, pack
 from veomni.distributed.sequence_parallel.multimodal import enable_multimodal_sequence_parallel
 from veomni.models import build_config, build_foundation_model
 from veomni.models.multimodal import freeze_encoders
-from veomni.ops import causal_lm_loss_sum
+from veomni.ops import lm_loss_sum, shift_labels
 
 
 def _build(name: str):
@@ -27,7 +27,7 @@ def _loss_and_grads(model, batches):
     total, tokens = 0.0, 0
     for batch in batches:
         labels = batch.pop("labels")
-        loss_sum, n = causal_lm_loss_sum(model(**batch, use_cache=False).logits, labels)
+        loss_sum, n = lm_loss_sum(model(**batch, use_cache=False).logits, labels)
         loss_sum.backward()
         total, tokens = total + loss_sum.item(), tokens + int(n)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -45,7 +45,9 @@ def test_packed_row_equals_one_by_one(name):
         make_sample(model, 7, [(4, 4)], g),
         make_sample(model, 4, [(4, 8), (8, 4)], g),
     ]
-    ref_loss, ref_grads = _loss_and_grads(model, [dict(one_sample_batch(s), labels=s["labels"][None]) for s in samples])
+    ref_loss, ref_grads = _loss_and_grads(
+        model, [dict(one_sample_batch(s), labels=shift_labels(s["labels"][None])) for s in samples]
+    )
     packed_loss, packed_grads = _loss_and_grads(model, [pack(samples)])
     assert abs(packed_loss - ref_loss) < 1e-5, (packed_loss, ref_loss)
     assert ref_grads.keys() == packed_grads.keys()

@@ -2,7 +2,7 @@
 
 torchrun itself ends a failed job with a traceback of its own and a summary block; after Ctrl-C it prints a
 `SignalException` traceback. This launcher runs the same torchrun code and only changes how it ends:
-- a worker error: the root cause (the first failure's record, written by `veomni.utils.lifecycle`) is printed
+- a worker error: the root cause (the first failure's record, written by `veomni.trainer.lifecycle`) is printed
   once, as the last line, and the exit code is 1;
 - a stop (SIGINT/SIGTERM to the launcher or to the workers): the workers have saved and said where they stopped;
   the launcher exits quietly with 130 (SIGINT) or 143 (SIGTERM).
@@ -26,7 +26,7 @@ FAILURE_GRACE_S = 30  # after a failure nothing is saved: frozen peers are kille
 
 
 def _recorded(failure) -> str:
-    """The one-line message a worker recorded (veomni.utils.lifecycle), or ''. torchrun makes up a plain-string
+    """The one-line message a worker recorded (veomni.trainer.lifecycle), or ''. torchrun makes up a plain-string
     message ("Signal 15 (SIGTERM) received by PID ...") for a rank without a record: that is not one."""
     message = failure.message
     return str(message.get("message", "")) if isinstance(message, dict) else ""

@@ -3,7 +3,7 @@
 bash train.sh tasks/deprecated_task/train_torch.py configs/text/demo.yaml
 
 It saves no checkpoints, so SIGINT/SIGTERM end it at once (exit 130/143); errors end every rank promptly with
-the message said once (exit 1). See veomni.utils.lifecycle.
+the message said once (exit 1). See veomni.trainer.lifecycle.
 """
 
 import json
@@ -20,13 +20,14 @@ from veomni.compat.transformers import no_split_modules
 from veomni.data import build_dataloader, build_dataset
 from veomni.data.data_transform import process_pretrain_example
 from veomni.distributed import clip_grad_norm
-from veomni.distributed.parallel_state import destroy_parallel_state, get_parallel_state
+from veomni.distributed.parallel_state import destroy_parallel_state, init_parallel_state_from_config
 from veomni.distributed.torch_parallelize import build_parallelize_model
 from veomni.models import build_foundation_model, build_tokenizer
-from veomni.ops import causal_lm_loss_sum, count_loss_tokens
+from veomni.ops import count_loss_tokens, lm_loss_sum
 from veomni.optim import build_lr_scheduler, build_optimizer
-from veomni.trainer.base import init_parallel_state_from_args
-from veomni.utils import get_device, get_device_type, get_logger, lifecycle
+from veomni.trainer import lifecycle
+from veomni.trainer.task import user_error_types
+from veomni.utils import get_device, get_device_type, get_logger
 
 logger = get_logger("train_torch")
 
@@ -34,8 +35,7 @@ logger = get_logger("train_torch")
 def main():
     args = parse_args(VeOmniArguments)
     torch.manual_seed(args.train.seed)
-    init_parallel_state_from_args(args.train.accelerator)
-    parallel_state = get_parallel_state()
+    parallel_state = init_parallel_state_from_config(args.train.accelerator)
     out = args.train.checkpoint.output_dir
     if parallel_state.is_main_process:
         save_args(args, out)
@@ -126,9 +126,10 @@ def main():
             total = torch.zeros((), device=device)
             for micro_batch in micro_batches:
                 micro_batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
-                labels = micro_batch.pop("labels")
+                labels = micro_batch.pop("labels")  # shifted by the collator (shift_labels holds the same)
+                micro_batch.pop("shift_labels", None)
                 logits = model(**micro_batch, use_cache=False).logits
-                loss_sum, _ = causal_lm_loss_sum(logits, labels)
+                loss_sum, _ = lm_loss_sum(logits, labels)
                 (loss_sum * parallel_state.dp_size / tokens).backward()
                 total += loss_sum.detach()
             grad_norm = clip_grad_norm(model, opt.max_grad_norm)
@@ -152,4 +153,4 @@ def main():
 
 
 if __name__ == "__main__":
-    lifecycle.run_worker(main)
+    lifecycle.run_worker(main, user_error_types)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from veomni.distributed import clip_grad_norm, destroy_parallel_state, init_parallel_state
 from veomni.distributed.torch_parallelize import build_parallelize_model
 from veomni.models import build_foundation_model
-from veomni.ops import causal_lm_loss_sum
+from veomni.ops import lm_loss_sum, shift_labels
 from veomni.optim import build_optimizer
 
 STEPS, ROWS, SEQ = 10, 4, 32
@@ -44,7 +44,7 @@ def train(model, opt, dp_rank, dp_size):
     losses, norms = [], []
     for step in range(STEPS):
         ids = batch(step).chunk(dp_size)[dp_rank]
-        loss_sum, _ = causal_lm_loss_sum(model(input_ids=ids, use_cache=False).logits, ids)
+        loss_sum, _ = lm_loss_sum(model(input_ids=ids, use_cache=False).logits, shift_labels(ids))
         total = ROWS * (SEQ - 1)  # every label counts: the global token count is known
         (loss_sum * dp_size / total).backward()
         norms.append(clip_grad_norm(model, 1.0))

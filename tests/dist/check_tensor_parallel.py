@@ -21,7 +21,7 @@ from veomni.distributed import clip_grad_norm
 from veomni.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from veomni.distributed.torch_parallelize import build_parallelize_model
 from veomni.models import build_foundation_model
-from veomni.ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
+from veomni.ops import CausalLMLoss, count_loss_tokens, shift_labels
 from veomni.optim import build_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,6 +64,7 @@ def shakespeare_steps():
             ids, pos = ids + doc, pos + list(range(len(doc)))
             labels = labels + [-100] + doc[1:]  # a document's first token is not predicted from the previous one
     rows = [{k: torch.tensor([v]) for k, v in row.items()} for row in rows]
+    rows = [dict(row, labels=shift_labels(row["labels"])) for row in rows]  # as the collator yields them
     return [rows[i * ROWS_PER_STEP : (i + 1) * ROWS_PER_STEP] for i in range(STEPS)]
 
 
@@ -77,9 +78,7 @@ def build(config_dir: str):
 
 def micro_loss(model, mb, chunk: int = CHUNK) -> torch.Tensor:
     inputs = {k: v for k, v in mb.items() if k != "labels"}
-    with chunked_lm_head_loss(model, mb["labels"], chunk) as head:
-        out = model(**inputs, use_cache=False)
-    return out.logits if head is not None else causal_lm_loss_sum(out.logits, mb["labels"])[0]
+    return CausalLMLoss(model, chunk)(mb["labels"], **inputs, use_cache=False).loss_sum
 
 
 def train(model, optimizer, steps, state, first: int, last: int, checkpointer=None):

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from veomni.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from veomni.models import build_foundation_model
-from veomni.ops import count_loss_tokens
+from veomni.ops import count_loss_tokens, shift_labels
 from veomni.optim import build_optimizer
 
 FAMILIES = ("qwen2", "llama", "qwen3")
@@ -54,7 +54,7 @@ def replay_steps(kind: str, tok):
                 {
                     "input_ids": torch.tensor([sum(row, [])]),
                     "position_ids": torch.tensor([[i for d in row for i in range(len(d))]]),
-                    "labels": torch.tensor([[x for d in row for x in [-100] + d[1:]]]),
+                    "labels": shift_labels(torch.tensor([[x for d in row for x in [-100] + d[1:]]])),
                 }
             )
             docs_per_row.append(len(row))

@@ -28,10 +28,9 @@ from vlm_inputs import make_sample, pack  # noqa: E402
 
 from veomni.data.data_collator import MainCollator  # noqa: E402
 from veomni.distributed import destroy_parallel_state, init_parallel_state, parallel_state  # noqa: E402
-from veomni.distributed.sequence_parallel import shifted_lm_loss_sum  # noqa: E402
 from veomni.distributed.torch_parallelize import build_parallelize_model, no_split_module_names  # noqa: E402
 from veomni.models import build_foundation_model  # noqa: E402
-from veomni.ops import causal_lm_loss_sum  # noqa: E402
+from veomni.ops import lm_loss_sum  # noqa: E402
 from veomni.trainer.vlm_trainer import build_data_collate_info  # noqa: E402
 
 
@@ -48,13 +47,13 @@ def global_batches(model, steps, seed):
 
 def loss_tokens(samples):
     batch = pack(samples)
-    return int((batch["labels"][..., 1:] != -100).sum())
+    return int((batch["labels"] != -100).sum())
 
 
 def step_loss(model, samples, scale):
     batch = pack(samples)
     labels = batch.pop("labels")
-    loss_sum, _ = causal_lm_loss_sum(model(**batch, use_cache=False).logits, labels)
+    loss_sum, _ = lm_loss_sum(model(**batch, use_cache=False).logits, labels)
     (loss_sum * scale).backward()
     return loss_sum.detach()
 
@@ -132,7 +131,7 @@ def train_sequence_parallel(config_dir, steps, seed):
     for step, samples in enumerate(batches):
         ref_batch = whole(samples)
         ref_labels = ref_batch.pop("labels")
-        ref_sum, n = causal_lm_loss_sum(reference(**ref_batch, use_cache=False).logits, ref_labels)
+        ref_sum, n = lm_loss_sum(reference(**ref_batch, use_cache=False).logits, ref_labels)
         n = int(n)
         (ref_sum / n).backward()
         ref_loss = ref_sum.detach() / n
@@ -141,7 +140,7 @@ def train_sequence_parallel(config_dir, steps, seed):
         ref_opt.zero_grad()
         batch = collate(samples)
         labels = batch.pop("labels")
-        loss_sum, _ = shifted_lm_loss_sum(model(**batch, use_cache=False).logits, labels)
+        loss_sum, _ = lm_loss_sum(model(**batch, use_cache=False).logits, labels)
         (loss_sum * state.sp_size / n).backward()  # FSDP averages over the dp x sp ranks
         mine = loss_sum.detach()
         dist.all_reduce(mine, group=state.sp_group)

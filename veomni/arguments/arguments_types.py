@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Literal, Optional
 
 from .fields import documented as _doc
 from .model_arguments import LoraArguments, ModelArguments, OpsImplementation  # noqa: F401  (public here too)
+from .parallel_sizes import resolve_parallel_sizes
 
 
 @dataclass
@@ -377,24 +378,14 @@ class TrainingArguments:
 
     def resolve(self, world_size: Optional[int]) -> None:
         """Fill the derived sizes; called by `parse_args` with torchrun's world size (None outside torchrun: the
-        smallest world the configured sizes fit, see `ParallelDims.resolve`)."""
-        from ..distributed.parallel_dims import ParallelDims
-
+        smallest world the configured sizes fit, see `resolve_parallel_sizes`)."""
         acc = self.accelerator
-        dims = ParallelDims.resolve(
-            world_size,
-            acc.dp_size,
-            acc.dp_replicate_size,
-            acc.dp_shard_size,
-            acc.tp_size,
-            acc.pp_size,
-            acc.cp_size,
-            acc.ulysses_size,
-            acc.extra_parallel_names,
-            acc.extra_parallel_sizes,
-            acc.extra_parallel_placement_innermost,
+        sizes = resolve_parallel_sizes(acc, world_size)
+        acc.dp_size, acc.dp_replicate_size, acc.dp_shard_size = (
+            sizes.dp_replicate * sizes.dp_shard,
+            sizes.dp_replicate,
+            sizes.dp_shard,
         )
-        acc.dp_size, acc.dp_replicate_size, acc.dp_shard_size = dims.dp, dims.dp_replicate, dims.dp_shard
         per_step = self.micro_batch_size * acc.dp_size
         if self.global_batch_size is None:
             self.global_batch_size = per_step

@@ -14,11 +14,9 @@ from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
 import yaml
 
+from .validation import ConfigError, enable_wandb_on_use, validate_args
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration mistake, worded for the person who made it."""
 
 
 # ------------------------------------------------------------------------------------------ type helpers
@@ -319,8 +317,6 @@ def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
         origins[key] = "command line"
     _model_path_wins(tree, origins)
     args = _build(root_class, tree, origins, valid)
-    from .validation import enable_wandb_on_use, validate_args  # imports ConfigError from here
-
     validate_args(args, origins)  # ranges of numeric keys, before anything is built
     enable_wandb_on_use(args, origins)
     train = getattr(args, "train", None)

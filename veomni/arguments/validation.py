@@ -11,9 +11,13 @@ import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..utils.logging import get_logger
-from .parser import ConfigError
 
 logger = get_logger(__name__)
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, worded for the person who made it."""
+
 
 Rule = Tuple[Callable[[Any], bool], str]  # (accepts the value?, what a valid value is, for the message)
 

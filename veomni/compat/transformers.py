@@ -18,6 +18,7 @@ from unittest import mock
 from torch import nn
 
 __all__ = [
+    "bind_instance_method",
     "config_attn_implementation",
     "set_config_attn_implementation",
     "config_experts_implementation",
@@ -124,6 +125,18 @@ def undecorated_forward(unit: nn.Module) -> Callable:
     while forward.__code__.co_name == CHECKPOINT_WRAPPER and hasattr(forward, "__wrapped__"):
         forward = forward.__wrapped__
     return forward
+
+
+def bind_instance_method(module: nn.Module, name: str, function: Callable) -> None:
+    """`module.<name>` is `function` for this instance only: how veomni reaches a step inside a transformers forward
+    that offers no hook (the multimodal adapter's `get_image_features` / `get_video_features` /
+    `get_audio_features`, the async Ulysses attention's and a compiled layer's `forward`). Each use relies on the
+    forward still calling that method by name: tests/test_compat.py checks every one."""
+    if not callable(getattr(module, name, None)):
+        raise AttributeError(
+            f"{type(module).__name__} has no method {name!r} (transformers {_version()}): see veomni/compat/transformers.py"
+        )
+    setattr(module, name, function)
 
 
 def no_split_modules(model) -> List[str]:

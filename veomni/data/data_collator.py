@@ -1,9 +1,11 @@
 """MainCollator: packs a micro-batch of samples into one row (no padding) with the metadata attention needs.
 
-Packing keeps HF's label convention (labels aligned to input_ids; the model shifts), and masks the label of
-each document's first token, so no position learns to predict across a document border. `position_ids` restart
-at every document, which is what block-diagonal (varlen) attention keys on; `cu_seq_lens_*` / `max_length_*`
-serve flash-attention varlen kernels.
+Labels come out shifted (`labels[t]` is the target of position t, veomni.ops.loss): each document's first label is
+masked, then the packed row shifts by one, so the last token of a document, whose next token opens another
+document, predicts nothing, and a Ulysses shard sliced afterwards holds its own targets. The same tensor is also
+given as `shift_labels`, transformers' name for pre-shifted labels, so `model(**micro_batch).loss` computes the same
+loss without shifting a second time. `position_ids` restart at every document, which is what block-diagonal
+(varlen) attention keys on; `cu_seq_lens_*` / `max_length_*` serve flash-attention varlen kernels.
 """
 
 from dataclasses import dataclass, field
@@ -11,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..ops.loss import shift_labels
 from .data_transform import IGNORE_INDEX
 
 
@@ -83,7 +86,8 @@ class MainCollator:
             batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
         if "labels" in batch and not self.seq_classification:
             starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
-            batch["labels"][..., 0, starts[1:]] = IGNORE_INDEX
+            batch["labels"][..., 0, starts[1:]] = IGNORE_INDEX  # no position predicts across a document border
+            batch["labels"] = shift_labels(batch["labels"])
         if self.pad_to_length and self.max_seq_len is not None:
             self._pad(batch, lengths)
         if self.sp_size > 1:
@@ -93,15 +97,12 @@ class MainCollator:
         batch["max_length_q"] = batch["max_length_k"] = max(lengths)
         if self.sp_size > 1:
             self._slice_for_sp(batch)
+        if "labels" in batch and not self.seq_classification:
+            batch["shift_labels"] = batch["labels"]
         return batch
 
     def _pad_for_sp(self, batch: Dict[str, torch.Tensor], lengths: List[int]) -> None:
-        """Shift labels now (each rank's slice must hold its own targets), then pad to a multiple of sp_size."""
-        if "labels" in batch and not self.seq_classification:
-            labels = batch["labels"]
-            shifted = torch.full_like(labels, IGNORE_INDEX)
-            shifted[..., :-1] = labels[..., 1:]
-            batch["labels"] = shifted
+        """Pad to a multiple of sp_size (the labels are shifted already: each rank's slice holds its own targets)."""
         total = sum(lengths)
         pad = -total % self.sp_size
         for key, info in self.collate_infos.items():

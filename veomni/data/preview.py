@@ -90,8 +90,11 @@ def documents(micro_batch: Dict[str, Any]) -> List[Tuple[int, int]]:
 
 
 def _row(micro_batch: Dict[str, Any], key: str) -> List[int]:
+    """The micro-batch's first row of `key`; its labels realigned to the input ids (the collator shifts them: the
+    label of token t is the target of position t - 1), as `loss_flags` reads a sample's labels."""
     value = micro_batch[key]
-    return value.reshape(-1, value.shape[-1])[0].tolist()
+    row = value.reshape(-1, value.shape[-1])[0].tolist()
+    return [IGNORE_INDEX] + row[:-1] if key == "labels" else row
 
 
 # ------------------------------------------------------------------------------------------------- preview
@@ -102,7 +105,7 @@ def _bare_trainer(build_trainer: Callable[[Any], Any], args):
 
     original = BaseTrainer.__init__
 
-    def shell(self, a):
+    def shell(self, a, *_, **__):  # (a task may hand its trainer callbacks too)
         self.args = a
 
     BaseTrainer.__init__ = shell
@@ -128,7 +131,7 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
     import torch.distributed as dist
 
     from ..distributed import destroy_parallel_state
-    from ..trainer.base import init_parallel_state_from_args
+    from ..distributed.parallel_state import init_parallel_state_from_config
     from ..trainer.preflight import check_first_records
     from ..trainer.step_count import close_loader
     from ..utils.device import get_device
@@ -138,7 +141,7 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
     if world == 1:
         _one_process(args)
     trainer = _bare_trainer(build_trainer, args)
-    trainer.parallel_state = init_parallel_state_from_args(args.train.accelerator)
+    trainer.parallel_state = init_parallel_state_from_config(args.train.accelerator)
     trainer.is_main = trainer.parallel_state.is_main_process
     trainer.device = get_device()
     try:

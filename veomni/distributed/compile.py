@@ -4,8 +4,9 @@ Inductor fuses what eager runs as many small memory-bound kernels: the RMS norms
 embeddings, SwiGLU, residual adds, bf16 casts. The attention and MoE-experts dispatch stay eager
 (`torch.compiler.disable` in veomni.ops): a graph break around kernels that are fused already.
 
-What is compiled is the layer's own `forward`, installed on the instance, so the module, FSDP2's hooks on it and
-the state-dict names stay as they are. transformers checkpoints activations inside `forward` (a wrapper on every
+What is compiled is the layer's own `forward`, bound to the instance (veomni.compat's `bind_instance_method`: torch's
+`Module.compile` would compile FSDP2's hooks and transformers' checkpoint wrapper with it), so the module, FSDP2's
+hooks on it and the state-dict names stay as they are. transformers checkpoints activations inside `forward` (a wrapper on every
 subclass of `GradientCheckpointingLayer`, FSDP's `FSDP<Layer>` included, of which only the outermost checkpoints):
 a compiled layer skips those wrappers, so when checkpointing is on it is applied here instead, around the compiled
 forward (non-reentrant), and transformers' own is switched off for the layer.
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..compat.transformers import undecorated_forward
+from ..compat.transformers import bind_instance_method, undecorated_forward
 from ..utils.logging import get_logger
 from .fsdp import basic_module_instances
 
@@ -46,7 +47,7 @@ def compile_basic_modules(units: List[nn.Module]) -> None:
     Units of one class share their compiled code; a sequence length that changes between micro-batches makes it
     recompile once, with dynamic shapes."""
     for unit in units:
-        unit.forward = CompiledForward(unit)
+        bind_instance_method(unit, "forward", CompiledForward(unit))
     if units:
         logger.info(f"torch.compile: the forward of {len(units)} {type(units[0]).__name__} units (cold compile ahead)")
 

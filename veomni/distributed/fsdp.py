@@ -1,7 +1,6 @@
 """The data-parallel steps of `parallelize`: FSDP2 (`apply_fsdp`, with expert modules sharded over their own mesh
 first) or DDP (`apply_ddp`); and which modules become FSDP units."""
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -18,19 +17,6 @@ from .parallel_plan import expert_shard_placement
 from .parallel_state import ParallelState
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class FSDPOptions:
-    """What `apply_fsdp` needs of the configuration (see `build_parallelize_model` for each)."""
-
-    basic_modules: Sequence[str] = ()
-    mixed_precision: Any = None
-    enable_full_shard: bool = True
-    enable_reshard_after_forward: Optional[bool] = None
-    enable_fsdp_offload: bool = False
-    enable_forward_prefetch: bool = True
-    expert_zero_comm: bool = False
 
 
 def mixed_precision_policy(mixed_precision: Any, mode: str) -> Optional[MixedPrecisionPolicy]:
@@ -68,16 +54,17 @@ def _prefetch_chains(units: List[nn.Module]) -> List[List[nn.Module]]:
     return [chain for chain in chains.values() if len(chain) > 1]
 
 
-def _fully_shard_kwargs(state: ParallelState, options: FSDPOptions) -> Dict[str, Any]:
+def _fully_shard_kwargs(state: ParallelState, fsdp) -> Dict[str, Any]:
+    """`fully_shard`'s keywords for `train.accelerator.fsdp_config` (an FSDPConfig)."""
     mesh = state.fsdp_mesh
-    reshard = options.enable_reshard_after_forward
+    reshard = fsdp.reshard_after_forward
     # None: reshard, except over a single rank, where keeping the gathered (cast) copies costs 2 bytes per
     # parameter and spares backward a second gather and cast of every unit, the bulk of FSDP's host time there
     if reshard is None:
         reshard = mesh.size() > 1
-    mp_policy = mixed_precision_policy(options.mixed_precision, state.mode) or MixedPrecisionPolicy()
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard and options.enable_full_shard, "mp_policy": mp_policy}
-    if options.enable_fsdp_offload:
+    mp_policy = mixed_precision_policy(fsdp.mixed_precision, state.mode) or MixedPrecisionPolicy()
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard and fsdp.full_shard, "mp_policy": mp_policy}
+    if fsdp.offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=get_device_type() == "cuda")
     return kwargs
 
@@ -100,16 +87,24 @@ def _shard_experts(experts: List[nn.Module], state: ParallelState, kwargs: Dict,
         fully_shard(module, **dict(kwargs, mesh=ep_fsdp), shard_placement_fn=placement)
 
 
-def apply_fsdp(model: nn.Module, state: ParallelState, options: FSDPOptions, experts: Sequence[nn.Module] = ()):
-    """FSDP2: experts over ep_fsdp, then each basic module as its own unit, then the root; forward prefetch along
-    each stack of units. `enable_full_shard=False` keeps parameters gathered between forward and backward."""
-    kwargs = _fully_shard_kwargs(state, options)
-    _shard_experts(list(experts), state, kwargs, options.expert_zero_comm)
-    units = basic_module_instances(model, options.basic_modules)
+def apply_fsdp(
+    model: nn.Module,
+    state: ParallelState,
+    fsdp,
+    basic_modules: Sequence[str],
+    experts: Sequence[nn.Module] = (),
+    expert_zero_comm: bool = False,
+):
+    """FSDP2 as `fsdp` (an FSDPConfig) asks: experts over ep_fsdp, then each basic module as its own unit, then the
+    root; forward prefetch along each stack of units. `full_shard=False` keeps parameters gathered between forward
+    and backward."""
+    kwargs = _fully_shard_kwargs(state, fsdp)
+    _shard_experts(list(experts), state, kwargs, expert_zero_comm)
+    units = basic_module_instances(model, basic_modules)
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
-    if options.enable_forward_prefetch:
+    if fsdp.forward_prefetch:
         for chain in _prefetch_chains(units):
             for current, following in zip(chain, chain[1:]):
                 current.set_modules_to_forward_prefetch([following])
@@ -120,11 +115,11 @@ def apply_fsdp(model: nn.Module, state: ParallelState, options: FSDPOptions, exp
     )
 
 
-def check_ddp_options(state: ParallelState, options: FSDPOptions) -> None:
+def check_ddp_options(state: ParallelState, fsdp) -> None:
     """What DDP cannot do, refused before anything is built."""
-    if options.enable_fsdp_offload:
+    if fsdp.offload:
         raise ValueError("fsdp_config.offload needs fsdp_mode=fsdp2, not ddp")
-    policy = mixed_precision_policy(options.mixed_precision, state.mode)
+    policy = mixed_precision_policy(fsdp.mixed_precision, state.mode)
     if policy is not None and policy.reduce_dtype not in (None, torch.float32):
         raise ValueError(
             "fsdp_config.mixed_precision.reduce_dtype bfloat16 needs fsdp_mode=fsdp2: DDP all-reduces its fp32 "

@@ -9,79 +9,40 @@ Every mesh is derived from the dense mesh, the root, through its flattened 1-D w
 and the data-parallel views are flattened from the dense mesh: `dp` (dp_replicate x dp_shard), `dp_shard_sp`
 (dp_shard x ulysses: what FSDP shards over, since sequence-parallel ranks hold the same parameters), `dp_sp`
 (every rank holding its own tokens) and `sp` (ulysses, under VeOmni's name). Since the dense mesh is the root, each
-view is also reachable by name on it (`dense["dp_sp"]`, `dense.get_group("sp")`), as VeOmni's clients expect. The arguments (`TrainingArguments.resolve`) and `init_parallel_state` both
-call `ParallelDims.resolve`, so the degrees a config means are computed by one formula.
+view is also reachable by name on it (`dense["dp_sp"]`, `dense.get_group("sp")`), as VeOmni's clients expect. The
+degrees come from the config by one formula (veomni.arguments.parallel_sizes), which `TrainingArguments.resolve`
+reads too.
 """
 
-import math
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, fields
+from typing import Dict, Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..arguments.arguments_types import AcceleratorArguments
+from ..arguments.parallel_sizes import ExtraDim, ParallelSizes, resolve_parallel_sizes
 from ..compat.torch import flatten_mesh, unflatten_mesh
+
+__all__ = ["DENSE_DIMS", "ExtraDim", "ParallelDims", "ParallelMeshes"]
 
 DENSE_DIMS = ("dp_replicate", "dp_shard", "ulysses", "tp")
 
 
 @dataclass(frozen=True)
-class ExtraDim:
-    """A parallel dimension over all ranks beside the dense ones (expert parallel: `ep`)."""
-
-    name: str
-    size: int
-    innermost: bool = True  # adjacent ranks form one group: all-to-all stays within a node
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    world_size: int
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    ulysses: int = 1
-    tp: int = 1
-    extras: Tuple[ExtraDim, ...] = ()
+class ParallelDims(ParallelSizes):
+    """The degrees of a layout (veomni.arguments.parallel_sizes), and the meshes they make."""
 
     @classmethod
-    def resolve(
-        cls,
-        world_size: Optional[int],
-        dp_size: int = -1,
-        dp_replicate_size: int = -1,
-        dp_shard_size: int = -1,
-        tp_size: int = 1,
-        pp_size: int = 1,
-        cp_size: int = 1,
-        ulysses_size: int = 1,
-        extra_parallel_names: Sequence[str] = (),
-        extra_parallel_sizes: Sequence[int] = (),
-        extra_parallel_placement_innermost: Sequence[bool] = (),
-    ) -> "ParallelDims":
-        """Fill every -1 from the world size and check that the degrees multiply to it (errors name the keys).
+    def from_config(cls, acc, world_size: Optional[int]) -> "ParallelDims":
+        """The degrees `train.accelerator` (an AcceleratorArguments) means on `world_size` ranks."""
+        sizes = resolve_parallel_sizes(acc, world_size)
+        return cls(**{f.name: getattr(sizes, f.name) for f in fields(ParallelSizes)})
 
-        `world_size=None` (a config read outside torchrun, e.g. by `--preview` or a test): the smallest world the
-        given sizes fit, every -1 taken as 1.
-        """
-        if world_size is None:
-            world_size = _smallest_world(dp_size, dp_replicate_size, dp_shard_size, tp_size * ulysses_size)
-            world_size = math.lcm(world_size, *extra_parallel_sizes)
-        for name, size in (("pp_size", pp_size), ("cp_size", cp_size)):
-            if size != 1:
-                raise NotImplementedError(f"{name}={size} is not supported yet: set it to 1")
-        for name, size in (("tp_size", tp_size), ("ulysses_size", ulysses_size)):
-            if size < 1:
-                raise ValueError(f"{name} must be at least 1, got {size}")
-        if dp_size == -1:
-            dp_size = world_size // (ulysses_size * tp_size)
-        dp_replicate, dp_shard = _split_dp(dp_size, dp_replicate_size, dp_shard_size)
-        product = dp_size * ulysses_size * tp_size
-        if product != world_size:
-            raise ValueError(
-                "parallel sizes do not multiply to the world size: dp_size * ulysses_size * tp_size * pp_size * "
-                f"cp_size = {dp_size} * {ulysses_size} * {tp_size} * 1 * 1 = {product}, but world_size = {world_size}"
-            )
-        extras = _extra_dims(world_size, extra_parallel_names, extra_parallel_sizes, extra_parallel_placement_innermost)
-        return cls(world_size, dp_replicate, dp_shard, ulysses_size, tp_size, extras)
+    @classmethod
+    def resolve(cls, world_size: Optional[int], **sizes) -> "ParallelDims":
+        """`from_config` with the accelerator's size keys as keywords (`dp_size=`, `tp_size=`, `ulysses_size=`, ...,
+        `extra_parallel_names=`), every other one at its default."""
+        return cls.from_config(AcceleratorArguments(**sizes), world_size)
 
     # ------------------------------------------------------------------ degrees
     @property
@@ -145,38 +106,3 @@ class ParallelMeshes:
     flat: Dict[str, DeviceMesh] = field(default_factory=dict)
     extra: Dict[str, DeviceMesh] = field(default_factory=dict)
     fsdp: Optional[DeviceMesh] = None
-
-
-def _smallest_world(dp_size: int, dp_replicate_size: int, dp_shard_size: int, model_parallel: int) -> int:
-    if dp_size == -1:
-        dp_size = max(dp_replicate_size, 1) * max(dp_shard_size, 1)
-    return dp_size * model_parallel
-
-
-def _split_dp(dp_size: int, dp_replicate_size: int, dp_shard_size: int) -> Tuple[int, int]:
-    if dp_replicate_size == -1 and dp_shard_size == -1:
-        return 1, dp_size
-    if dp_shard_size == -1:
-        dp_shard_size = dp_size // max(dp_replicate_size, 1)
-    elif dp_replicate_size == -1:
-        dp_replicate_size = dp_size // max(dp_shard_size, 1)
-    if dp_replicate_size < 1 or dp_shard_size < 1 or dp_replicate_size * dp_shard_size != dp_size:
-        raise ValueError(
-            f"dp_replicate_size * dp_shard_size = {dp_replicate_size} * {dp_shard_size} = "
-            f"{dp_replicate_size * dp_shard_size}, but dp_size = {dp_size}"
-        )
-    return dp_replicate_size, dp_shard_size
-
-
-def _extra_dims(
-    world_size: int, names: Sequence[str], sizes: Sequence[int], innermost: Sequence[bool]
-) -> Tuple[ExtraDim, ...]:
-    names, sizes, innermost = list(names or []), list(sizes or []), list(innermost or [])
-    if len(names) != len(sizes):
-        raise ValueError(f"extra_parallel_names {names} and extra_parallel_sizes {sizes} differ in length")
-    extras = []
-    for i, (name, size) in enumerate(zip(names, sizes)):
-        if size < 1 or world_size % size:
-            raise ValueError(f"extra parallel '{name}' size {size} does not divide world_size {world_size}")
-        extras.append(ExtraDim(name, size, innermost[i] if i < len(innermost) else True))
-    return tuple(extras)

@@ -10,13 +10,14 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..arguments.arguments_types import AcceleratorArguments, FSDPConfig
 from ..utils.device import get_device, get_device_type, get_dist_backend
-from .parallel_dims import ParallelDims, ParallelMeshes
+from .parallel_dims import DENSE_DIMS, ParallelDims, ParallelMeshes
 
 _PARALLEL_STATE: Optional["ParallelState"] = None
 
@@ -50,9 +51,19 @@ def init_distributed(timeout_minutes: float = 10) -> None:
     dist.init_process_group(**kwargs)
 
 
+def _views(name: str):
+    """The (mesh, group, this rank's index) properties of the mesh `get_mesh(name)`."""
+    return (
+        property(lambda self: self.get_mesh(name)),
+        property(lambda self: self.get_mesh(name).get_group()),
+        property(lambda self: self.get_mesh(name).get_local_rank()),
+    )
+
+
 @dataclass
 class ParallelState:
-    """The degrees (`dims`) and the meshes built from them, with the groups each feature asks for by name."""
+    """A public view of the degrees (`dims`, a ParallelDims) and the meshes built from them: `get_mesh(name)`, and
+    the seed's properties (sizes, meshes, groups and ranks by feature), each one line over those two."""
 
     dims: ParallelDims
     meshes: ParallelMeshes
@@ -63,127 +74,72 @@ class ParallelState:
     def from_dims(cls, dims: ParallelDims, mode: str = "fsdp2", async_enabled: bool = False) -> "ParallelState":
         return cls(dims, dims.build_meshes(get_device_type()), mode, async_enabled)
 
-    # ------------------------------------------------------------------ sizes
+    def get_mesh(self, names: Union[str, Tuple[str, ...]]) -> DeviceMesh:
+        """The mesh of `names`: a dense dim (dp_replicate, dp_shard, ulysses, tp) or a tuple of them, a flattened view
+        (dp, dp_shard_sp, dp_sp), `fsdp` (what FSDP2 shards over), `world`, or a dim of an extra mesh (ep, ep_fsdp)."""
+        meshes = self.meshes
+        if not isinstance(names, str):
+            return meshes.dense[tuple(names)]
+        if names in DENSE_DIMS:
+            return meshes.dense[names]
+        found = {**meshes.flat, "fsdp": meshes.fsdp, "world": meshes.world}.get(names)
+        for extra in meshes.extra.values():
+            found = extra[names] if found is None and names in (extra.mesh_dim_names or ()) else found
+        if found is None:
+            raise KeyError(f"no mesh named {names!r}; dims: {DENSE_DIMS}, views: {sorted(meshes.flat)}, extra: "
+                           f"{self.extra_parallel_names or 'none'}")  # fmt: skip
+        return found
+
+    # sizes
     world_size = property(lambda self: self.dims.world_size)
     dp_size = property(lambda self: self.dims.dp)
     dp_replicate_size = property(lambda self: self.dims.dp_replicate)
     dp_shard_size = property(lambda self: self.dims.dp_shard)
-    ulysses_size = property(lambda self: self.dims.ulysses)
+    fsdp_size = property(lambda self: self.dims.fsdp, doc="dp_shard x ulysses (HSDP replicates it over dp_replicate)")
+    ulysses_size = sp_size = property(lambda self: self.dims.ulysses)
     tp_size = property(lambda self: self.dims.tp)
+    ep_size = property(lambda self: self.dims.ep)
+    dp_sp_size = property(lambda self: self.dims.dp_sp, doc="Ranks that hold their own tokens (data x sequence).")
+    dp_enabled = property(lambda self: self.dims.dp > 1)
+    sp_enabled = property(lambda self: self.dims.ulysses > 1)
+    tp_enabled = property(lambda self: self.dims.tp > 1)
+    ep_enabled = property(lambda self: self.dims.ep > 1)
+    extra_parallel_names = property(lambda self: [extra.name for extra in self.dims.extras])
+    # meshes, groups and this rank's place in them
     device_mesh = property(lambda self: self.meshes.dense, doc="The dense mesh (dp_replicate, dp_shard, ulysses, tp).")
     flat_meshes = property(lambda self: self.meshes.flat)
     extra_meshes = property(lambda self: self.meshes.extra)
-    extra_parallel_names = property(lambda self: [extra.name for extra in self.dims.extras])
     dp_mode = property(lambda self: self.mode, doc="VeOmni's name of `mode` ('fsdp2' or 'ddp').")
+    fsdp_mesh = property(
+        lambda self: self.meshes.fsdp, doc="1-D (dp_shard x ulysses), or 2-D with dp_replicate (HSDP)."
+    )
+    dp_mesh, dp_group, dp_rank = _views("dp")
+    sp_mesh, sp_group, sp_rank = _views("ulysses")
+    tp_mesh, tp_group, tp_rank = _views("tp")
+    _, ep_group, ep_rank = _views("ep")
+    dp_sp_group = property(lambda self: self.get_mesh("dp_sp").get_group(), doc="Loss-token counts sum over it.")
+    ep_mesh = property(lambda self: self.extra_mesh("ep"))
+    global_rank = property(lambda self: dist.get_rank())
+    is_main_process = property(lambda self: dist.get_rank() == 0)
 
-    # ------------------------------------------------------------------ data parallel
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        return self.flat_meshes["dp"]
-
-    @property
-    def dp_group(self):
-        return self.dp_mesh.get_group()
-
-    @property
-    def dp_rank(self) -> int:
-        return self.dp_mesh.get_local_rank()
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp_size > 1
-
-    @property
-    def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP2 shards over: 1-D (dp_shard x ulysses), or 2-D with dp_replicate for HSDP."""
-        return self.meshes.fsdp
-
-    @property
-    def fsdp_size(self) -> int:
-        return self.dp_shard_size * self.ulysses_size
-
-    # --------------------------------------------------------------- sequence parallel
-    @property
-    def sp_mesh(self) -> DeviceMesh:
-        return self.device_mesh["ulysses"]
-
-    @property
-    def sp_group(self):
-        return self.sp_mesh.get_group()
-
-    @property
-    def sp_rank(self) -> int:
-        return self.sp_mesh.get_local_rank()
-
-    @property
-    def sp_size(self) -> int:
-        return self.ulysses_size
-
-    @property
-    def sp_enabled(self) -> bool:
-        return self.ulysses_size > 1
-
-    @property
-    def dp_sp_group(self):
-        """Every rank that holds its own tokens (data x sequence parallel): global loss-token counts sum over it."""
-        return self.flat_meshes["dp_sp"].get_group()
-
-    @property
-    def dp_sp_size(self) -> int:
-        return self.dp_size * self.ulysses_size
-
-    # ---------------------------------------------------------------- tensor parallel
-    @property
-    def tp_mesh(self) -> DeviceMesh:
-        return self.device_mesh["tp"]
-
-    @property
-    def tp_group(self):
-        return self.tp_mesh.get_group()
-
-    @property
-    def tp_rank(self) -> int:
-        return self.tp_mesh.get_local_rank()
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp_size > 1
-
-    # ------------------------------------------------------------------ extra (expert)
     def extra_mesh(self, name: str) -> DeviceMesh:
         """2-D mesh (`<name>_fsdp`, `<name>`) of an extra parallel dimension, e.g. `extra_mesh("ep")`."""
         if name not in self.extra_meshes:
             raise KeyError(f"no extra parallel dim '{name}'; configured: {self.extra_parallel_names or 'none'}")
         return self.extra_meshes[name]
 
-    @property
-    def ep_enabled(self) -> bool:
-        return "ep" in self.extra_meshes and self.extra_meshes["ep"]["ep"].size() > 1
 
-    @property
-    def ep_mesh(self) -> DeviceMesh:
-        return self.extra_mesh("ep")
-
-    @property
-    def ep_group(self):
-        return self.extra_mesh("ep")["ep"].get_group()
-
-    @property
-    def ep_rank(self) -> int:
-        return self.extra_mesh("ep")["ep"].get_local_rank()
-
-    @property
-    def ep_size(self) -> int:
-        return self.extra_mesh("ep")["ep"].size() if "ep" in self.extra_meshes else 1
-
-    # --------------------------------------------------------------------------- misc
-    @property
-    def global_rank(self) -> int:
-        return dist.get_rank()
-
-    @property
-    def is_main_process(self) -> bool:
-        return dist.get_rank() == 0
+def init_parallel_state_from_config(acc) -> ParallelState:
+    """Initialise the process group (if needed) and the device meshes of `train.accelerator` (an
+    AcceleratorArguments); `get_parallel_state()` returns them. The trainer's entry."""
+    global _PARALLEL_STATE
+    mode = acc.fsdp_config.fsdp_mode
+    if mode not in ("fsdp2", "ddp"):
+        raise ValueError(f"mode must be 'fsdp2' or 'ddp', got {mode!r}")
+    init_distributed(acc.dist_timeout_minutes)
+    dims = ParallelDims.from_config(acc, dist.get_world_size())
+    _PARALLEL_STATE = ParallelState.from_dims(dims, mode, acc.enable_async)
+    return _PARALLEL_STATE
 
 
 def init_parallel_state(
@@ -203,34 +159,32 @@ def init_parallel_state(
     dp_mode: Optional[Literal["fsdp2", "ddp"]] = None,
     ep_size: Optional[int] = None,
 ) -> ParallelState:
-    """Initialise the process group (if needed) and the device meshes; `get_parallel_state()` returns them.
+    """The seed's entry: `init_parallel_state_from_config` of the `train.accelerator` these keywords spell (each is
+    the key of the same name; `mode` is `fsdp_config.fsdp_mode`, `async_enabled` is `enable_async`).
 
     `dist_timeout_minutes`: how long any collective may wait for a peer before the job fails.
     VeOmni's spellings are accepted as well (see `veomni_keywords`): `dp_mode` for `mode`, `ep_size` for an extra
     dim named `ep`, and `extra_parallel_sizes` without names meaning `("ep",)`.
     """
-    global _PARALLEL_STATE
     mode, extra_parallel_sizes, extra_parallel_names = veomni_keywords(
         mode, dp_mode, ep_size, extra_parallel_sizes, extra_parallel_names
     )
-    if mode not in ("fsdp2", "ddp"):
-        raise ValueError(f"mode must be 'fsdp2' or 'ddp', got {mode!r}")
-    init_distributed(dist_timeout_minutes)
-    dims = ParallelDims.resolve(
-        dist.get_world_size(),
-        dp_size,
-        dp_replicate_size,
-        dp_shard_size,
-        tp_size,
-        pp_size,
-        cp_size,
-        ulysses_size,
-        extra_parallel_names or (),
-        extra_parallel_sizes or (),
-        extra_parallel_placement_innermost or (),
+    acc = AcceleratorArguments(
+        dp_size=dp_size,
+        dp_replicate_size=dp_replicate_size,
+        dp_shard_size=dp_shard_size,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        cp_size=cp_size,
+        ulysses_size=ulysses_size,
+        extra_parallel_sizes=list(extra_parallel_sizes or []),
+        extra_parallel_placement_innermost=list(extra_parallel_placement_innermost or []),
+        extra_parallel_names=list(extra_parallel_names or []),
+        enable_async=async_enabled,
+        dist_timeout_minutes=dist_timeout_minutes,
+        fsdp_config=FSDPConfig(fsdp_mode=mode),
     )
-    _PARALLEL_STATE = ParallelState.from_dims(dims, mode, async_enabled)
-    return _PARALLEL_STATE
+    return init_parallel_state_from_config(acc)
 
 
 # ------------------------------------------------------------------------------- VeOmni's keywords

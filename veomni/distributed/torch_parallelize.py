@@ -14,12 +14,13 @@
 Per-family differences live in the plans (TP_PLANS, PARALLEL_PLANS), not in branches here.
 """
 
-from dataclasses import dataclass, fields
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from ..arguments.arguments_types import VeOmniArguments
 from ..arguments.config_names import MixedPrecisionConfig
 from ..compat.transformers import config_attn_implementation
 from ..models.multimodal import model_class_for
@@ -30,7 +31,7 @@ from .clip_grad_norm import bind_clip_grad_norm
 from .compile import apply_compile
 from .compute_dtype import keep_fp32_compute, resolved_compute_dtype
 from .fp8 import apply_fp8
-from .fsdp import FSDPOptions, apply_ddp, apply_fsdp, basic_module_instances, check_ddp_options, no_split_module_names
+from .fsdp import apply_ddp, apply_fsdp, basic_module_instances, check_ddp_options, no_split_module_names
 from .parallel_plan import apply_ep
 from .parallel_state import ParallelState, get_parallel_state
 from .sequence_parallel import apply_sp
@@ -39,67 +40,60 @@ from .weight_loading import materialize_meta_model
 
 logger = get_logger(__name__)
 
-__all__ = [
-    "ParallelizeConfig",
-    "basic_module_instances",
-    "build_parallelize_model",
-    "no_split_module_names",
-    "parallelize",
-]
+__all__ = ["basic_module_instances", "build_parallelize_model", "no_split_module_names", "parallelize"]
 
 
-@dataclass
-class ParallelizeConfig(FSDPOptions):
-    """Everything `parallelize` takes besides the model and the meshes (`build_parallelize_model` documents each)."""
-
-    init_device: str = "cpu"
-    weights_path: Optional[str] = None
-    enable_gradient_checkpointing: bool = False
-    enable_reentrant: bool = False
-    broadcast_model_weights_from_rank0: bool = True
-    max_load_broadcast_size: int = 2**30
-    enable_compile: bool = False
-    fp8: str = "off"  # train.fp8: off | tensorwise | rowwise
-    materialize: bool = True  # False: leave a meta model unallocated (the planner reads its shards' shapes only)
-
-
-def parallelize(model: nn.Module, state: ParallelState, config: ParallelizeConfig) -> nn.Module:
-    """Apply each step the parallel state and the config ask for, in the order they compose; returns `model`."""
+def parallelize(
+    model: nn.Module,
+    state: ParallelState,
+    args,
+    basic_modules: Optional[Sequence[str]] = None,
+    materialize: bool = True,
+) -> nn.Module:
+    """Apply each step the parallel state and the config (`args`, a VeOmniArguments) ask for, in the order they
+    compose; returns `model`. `basic_modules` (the FSDP units and compiled units): by default the model's
+    no-split modules and `model.basic_modules`. `materialize=False` leaves a meta model unallocated (the planner
+    reads its shards' shapes only)."""
+    train, fsdp = args.train, args.train.accelerator.fsdp_config
+    if basic_modules is None:
+        basic_modules = sorted(set(no_split_module_names(model)) | set(args.model.basic_modules))
     if state.mode == "ddp":
-        check_ddp_options(state, config)  # before anything is built
+        check_ddp_options(state, fsdp)  # before anything is built
     if state.sp_enabled:
         apply_sp(model, state)
     if state.tp_enabled:  # before FSDP, which then shards the tp DTensors over dp_shard (2-D parameters)
         apply_tp(model, state.tp_mesh)
-    if config.fp8 != "off":  # before checkpointing and compile wrap the layers (torchao's order)
-        apply_fp8(model, config.fp8, state.tp_size)
-    if config.enable_gradient_checkpointing:
-        apply_ac(model, config.enable_reentrant)
-    if config.enable_compile:  # after checkpointing is set, which the compiled forward takes over
-        apply_compile(model, config.basic_modules, config.enable_gradient_checkpointing and config.enable_reentrant)
-    materialize = _materializer(model, config)
+    if train.fp8 != "off":  # before checkpointing and compile wrap the layers (torchao's order)
+        apply_fp8(model, train.fp8, state.tp_size)
+    checkpointing = train.gradient_checkpointing
+    if checkpointing.enable:
+        apply_ac(model, checkpointing.enable_reentrant)
+    if args.model.ops_implementation.compile:  # after checkpointing is set, which the compiled forward takes over
+        apply_compile(model, basic_modules, checkpointing.enable and checkpointing.enable_reentrant)
+    fill = _materializer(model, args) if materialize else lambda: None
     if state.mode == "ddp":
-        materialize()
-        apply_ddp(model, state, config.mixed_precision)
+        fill()
+        apply_ddp(model, state, fsdp.mixed_precision)
         return model
     experts = apply_ep(model, state) if state.ep_enabled else []  # split over ep before FSDP shards over ep_fsdp
-    apply_fsdp(model, state, config, experts)
-    materialize()  # after sharding: no rank ever holds the full model unless it reads the checkpoint
+    zero_comm = train.optimizer.type == "muon" and train.optimizer.muon_expert_zero_comm
+    apply_fsdp(model, state, fsdp, basic_modules, experts, zero_comm)
+    fill()  # after sharding: no rank ever holds the full model unless it reads the checkpoint
     return model
 
 
-def _materializer(model: nn.Module, config: ParallelizeConfig) -> Callable[[], None]:
+def _materializer(model: nn.Module, args) -> Callable[[], None]:
     """What allocates and fills a meta-built model once it is sharded (nothing for a model built on a device).
     Decided before any step runs, since sharding changes what the parameters look like."""
-    on_meta = config.init_device == "meta" or any(p.is_meta for p in model.parameters())
-    if not (on_meta and config.materialize):
+    if not (args.train.init_device == "meta" or any(p.is_meta for p in model.parameters())):
         return lambda: None
-    reference_init = _reference_init(model) if config.weights_path is None else None
+    weights_path = args.model.model_path
+    reference_init = _reference_init(model) if weights_path is None else None
     return lambda: materialize_meta_model(
         model,
-        config.weights_path,
-        config.broadcast_model_weights_from_rank0,
-        config.max_load_broadcast_size,
+        weights_path,
+        args.train.broadcast_model_weights_from_rank0,
+        args.train.accelerator.fsdp_config.max_load_broadcast_size,
         reference_init,
     )
 
@@ -113,6 +107,24 @@ def _reference_init(model: nn.Module) -> Callable[[], nn.Module]:
         return model_class_for(model.config).from_config(model.config, attn_implementation=attn, dtype=dtype)
 
     return build
+
+
+# build_parallelize_model's keywords -> the config keys they spell
+SEED_KEYWORDS = {
+    "init_device": "train.init_device",
+    "weights_path": "model.model_path",  # a meta model is filled from it
+    "enable_full_shard": "train.accelerator.fsdp_config.full_shard",  # False: ZeRO-2 style
+    "enable_reshard_after_forward": "train.accelerator.fsdp_config.reshard_after_forward",
+    "mixed_precision": "train.accelerator.fsdp_config.mixed_precision",  # the group, a bool, or None: none
+    "enable_fsdp_offload": "train.accelerator.fsdp_config.offload",
+    "enable_forward_prefetch": "train.accelerator.fsdp_config.forward_prefetch",
+    "max_load_broadcast_size": "train.accelerator.fsdp_config.max_load_broadcast_size",
+    "enable_gradient_checkpointing": "train.gradient_checkpointing.enable",
+    "enable_reentrant": "train.gradient_checkpointing.enable_reentrant",
+    "broadcast_model_weights_from_rank0": "train.broadcast_model_weights_from_rank0",
+    "expert_zero_comm": "train.optimizer.muon_expert_zero_comm",  # with Muon: whole experts per rank
+    "enable_compile": "model.ops_implementation.compile",
+}
 
 
 def build_parallelize_model(
@@ -134,30 +146,26 @@ def build_parallelize_model(
     enable_mixed_precision: Optional[bool] = None,
     **ignored: Any,
 ) -> nn.Module:
-    """Wrap `model` for training on the parallel state's meshes; returns the same module object.
-
-    FSDP2: each module whose class name is in `basic_modules` becomes its own shard unit, then the root.
-    `enable_full_shard=False` keeps parameters gathered between forward and backward (ZeRO-2 style).
-    A model built on `meta` is materialised after sharding, so no rank ever holds the full model unless it reads
-    the checkpoint (rank 0 with `broadcast_model_weights_from_rank0`).
-    `expert_zero_comm` (optimizer.muon_expert_zero_comm): with expert parallel, FSDP shards whole experts (dim 0)
-    over ep_fsdp instead of their hidden dim, when the local experts split evenly (else a warning, and dim 1).
-    `enable_compile`: `torch.compile` each basic module's forward (decoder layers, vision blocks; see
-    `compile_basic_modules`).
+    """The seed's entry: `parallelize` on `get_parallel_state()` with the config these keywords spell (each sets the
+    key `SEED_KEYWORDS` names); returns the same module object. `basic_modules`: the FSDP (and compiled) units,
+    exactly these class names.
 
     VeOmni's calling convention works too (see `veomni_parallelize_keywords`): `enable_mixed_precision=True/False`
     (the seed's name) is `mixed_precision=MixedPrecisionConfig(enable=...)`, and keywords VeOmni takes that mean
     nothing here (`fqn_to_index_mapping`, ...) are accepted with one warning naming them. The returned model has
     `model.clip_grad_norm_(max_norm)`, which returns the total norm as a tensor over every gradient, experts
     included; and when `mixed_precision` resolves to float32 compute, an enclosing autocast does not lower it
-    (compute_dtype.py).
-    """
+    (compute_dtype.py)."""
     mixed_precision = veomni_parallelize_keywords(mixed_precision, enable_mixed_precision, ignored)
     given = locals()
-    config = ParallelizeConfig(**{f.name: given[f.name] for f in fields(ParallelizeConfig) if f.name in given})
-    config.basic_modules = list(basic_modules or [])
+    args = VeOmniArguments()
+    for keyword, key in SEED_KEYWORDS.items():
+        *groups, leaf = key.split(".")
+        setattr(functools.reduce(getattr, groups, args), leaf, given[keyword])
+    if expert_zero_comm:  # (a Muon key: the trainer honours it with Muon only)
+        args.train.optimizer.type = "muon"
     state = get_parallel_state()
-    model = parallelize(model, state, config)
+    model = parallelize(model, state, args, basic_modules=list(basic_modules or []))
     bind_clip_grad_norm(model)
     if mixed_precision is not None and resolved_compute_dtype(mixed_precision, get_device_type(), state.mode) == (
         torch.float32

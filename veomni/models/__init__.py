@@ -3,6 +3,7 @@
 from .auto import build_config, build_foundation_model, build_tokenizer
 from .loader import iter_safetensors, load_weights
 from .model_weights import save_model_weights
+from .multimodal import get_position_id_func
 from .processor import build_processor
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "build_foundation_model",
     "build_processor",
     "build_tokenizer",
+    "get_position_id_func",
     "iter_safetensors",
     "load_weights",
     "save_model_weights",

@@ -15,7 +15,6 @@ from .loader import init_empty_weights, load_weights, num_experts_of
 from .multimodal import (
     adapt_multimodal_model,
     attn_implementation_for,
-    bind_position_id_func,
     is_multimodal,
     model_class_for,
     set_experts_implementation,
@@ -121,8 +120,8 @@ def build_foundation_model(
 ) -> PreTrainedModel:
     """Build a causal LM, or a vision/audio-language model (Qwen2.5-VL, Qwen3-VL(-MoE), Qwen2.5-Omni / Qwen3-Omni-MoE
     thinker; a full Omni config builds its thinker), from an HF config, loading `weights_path` unless the model is
-    built on `meta`. Every model gets `model.get_position_id_func()` (M-RoPE ids for multimodal models, None for
-    text); multimodal ones get the packing/FSDP adapter of veomni/models/multimodal.py.
+    built on `meta`. Multimodal ones get the packing/FSDP adapter of veomni/models/multimodal.py (and their samples'
+    M-RoPE ids from `get_position_id_func(model)`).
 
     Weights load exactly as transformers' `from_pretrained` loads them: its own key renames and conversions (hub
     layouts of VL / Omni models, per-expert MoE keys fused, a full Omni checkpoint into its thinker), checked
@@ -171,5 +170,4 @@ def build_foundation_model(
             logger.info(f"loaded weights from {weights_path}")
     if is_multimodal(config):
         adapt_multimodal_model(model)
-    bind_position_id_func(model)
     return model

@@ -1,7 +1,7 @@
 """Vision/audio + language models (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-Omni / Qwen3-Omni-MoE thinkers)
 built by transformers' own classes, with a thin training adapter bound to each instance.
 
-The adapter (`adapt_multimodal_model`) changes no modeling code; it wraps the instance's `forward` to:
+The adapter (`adapt_multimodal_model`) changes no modeling code; hooks around the instance's forward:
 
 * accept the collator's packed M-RoPE ids: MainCollator packs per-sample (3, L) ids to (1, 3, L); HF wants (3, 1, L).
   The language model then attends per document through `cu_seq_lens_*` (veomni_varlen), and HF's M-RoPE rotates
@@ -19,13 +19,13 @@ The adapter (`adapt_multimodal_model`) changes no modeling code; it wraps the in
 """
 
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..compat.transformers import set_config_experts_implementation
+from ..compat.transformers import bind_instance_method, set_config_experts_implementation
+from .position_ids import build_position_id_func
 
 # model_type -> the encoder kinds its forward can consume, in the order the adapter runs them
 _ENCODER_INPUTS = {
@@ -191,86 +191,96 @@ def _fix_position_ids(kwargs: Dict[str, Any]) -> None:
             kwargs["position_ids"] = position_ids.transpose(0, 1)
 
 
-@dataclass
-class MultimodalAdapter:
-    """What the training forward bound to a model takes from outside it.
-
-    `shard_visual_outputs(config, ran, input_ids)`, installed by Ulysses sequence parallel
-    (veomni.distributed.sequence_parallel.multimodal), replaces each encoder's outputs in `ran` by the slice whose
-    placeholders lie in this rank's sequence shard; None: every embedding is kept."""
-
-    shard_visual_outputs: Optional[Callable[[Any, Dict[str, Any], Optional[torch.Tensor]], None]] = None
-
-
 # model -> its adapter; weak, so an entry goes with its model (nothing planted on the model instance)
 _ADAPTERS: "weakref.WeakKeyDictionary[nn.Module, MultimodalAdapter]" = weakref.WeakKeyDictionary()
 
 
-def multimodal_adapter(model: nn.Module) -> Optional[MultimodalAdapter]:
+def multimodal_adapter(model: nn.Module) -> Optional["MultimodalAdapter"]:
     """The adapter `adapt_multimodal_model` bound to `model`, or None."""
     return _ADAPTERS.get(model)
 
 
 def adapt_multimodal_model(model: nn.Module) -> nn.Module:
-    """Bind the training adapter (module docstring) to a VL / Omni-thinker instance; returns the same object."""
+    """Bind the training adapter (module docstring) to a VL / Omni-thinker instance; returns the same object.
+
+    Through hooks torch gives every module: a forward pre-hook (with kwargs) runs the encoders before HF's forward
+    and a forward hook cleans up after it (both registered before any sharding: FSDP2's own pre-hook is prepended,
+    its post-hook appended, so the root's parameters are gathered first and the encoders' outputs are stripped
+    before FSDP sees them); a forward hook on the text embeddings adds the dummy encoders' zero. HF's forward then
+    takes the encoders' outputs from its own `get_*_features` methods, which transformers gives no hook for: they
+    are bound to the instance through veomni.compat (`bind_instance_method`, with its canary in test_compat.py)."""
     if model in _ADAPTERS:
         return model
-    adapter = _ADAPTERS[model] = MultimodalAdapter()
-    inner = model.model
-    kinds = encoder_kinds(model)
-    originals = {kind: getattr(inner, _GETTERS[kind]) for kind in kinds}
-    precomputed: Dict[str, Any] = {}
-    pending_zero: List[torch.Tensor] = []
+    adapter = _ADAPTERS[model] = MultimodalAdapter(model)
+    for kind in adapter.kinds:
+        bind_instance_method(model.model, _GETTERS[kind], adapter.getter(kind))
+    model.get_input_embeddings().register_forward_hook(adapter.add_pending_zero)
+    model.register_forward_pre_hook(adapter.before_forward, with_kwargs=True)
+    model.register_forward_hook(adapter.after_forward)
+    return model
 
-    def make_getter(kind: str, original: Callable) -> Callable:
-        def getter(*args, **kwargs):
-            if kind in precomputed:  # HF's forward asks for what the adapter already ran
-                return precomputed.pop(kind)
+
+class MultimodalAdapter:
+    """One forward's encoder outputs: run by `before_forward`, handed to HF's forward by the bound getters, and
+    forgotten by `after_forward`.
+
+    `shard_visual_outputs(config, ran, input_ids)`, installed by Ulysses sequence parallel
+    (veomni.distributed.sequence_parallel.multimodal), replaces each encoder's outputs in `ran` by the slice whose
+    placeholders lie in this rank's sequence shard; None: every embedding is kept."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.inner = model, model.model
+        self.kinds = encoder_kinds(model)
+        self.originals = {kind: getattr(self.inner, _GETTERS[kind]) for kind in self.kinds}
+        self.precomputed: Dict[str, Any] = {}
+        self.pending_zero: List[torch.Tensor] = []
+        self.shard_visual_outputs: Optional[Callable[[Any, Dict[str, Any], Optional[torch.Tensor]], None]] = None
+
+    def getter(self, kind: str) -> Callable:
+        original = self.originals[kind]
+
+        def get_features(*args, **kwargs):
+            if kind in self.precomputed:  # HF's forward asks for what the adapter already ran
+                return self.precomputed.pop(kind)
             for key in _LM_PACKING_KWARGS:
                 kwargs.pop(key, None)
             return original(*args, **kwargs)
 
-        return getter
+        return get_features
 
-    for kind in kinds:
-        setattr(inner, _GETTERS[kind], make_getter(kind, originals[kind]))
-
-    def add_pending_zero(module, args, output):
-        if pending_zero:
-            return output + pending_zero.pop().to(output.dtype)
+    def add_pending_zero(self, module, args, output):
+        if self.pending_zero:
+            return output + self.pending_zero.pop().to(output.dtype)
         return output
 
-    model.get_input_embeddings().register_forward_hook(add_pending_zero)
-    hf_forward = model.forward
-
-    def forward(*args, **kwargs):
+    def before_forward(self, module, args, kwargs):
         _fix_position_ids(kwargs)
-        precomputed.clear()
-        pending_zero.clear()
+        self.precomputed.clear()
+        self.pending_zero.clear()
         zero, ran = None, {}
-        towers = encoder_modules(model)
-        for kind in kinds:
+        towers = encoder_modules(self.model)
+        for kind in self.kinds:
             tower = towers["audio_tower" if kind == "audio" else "vit"]
             frozen = not any(p.requires_grad for p in tower.parameters())
             with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
-                outputs, dummy = _encoder_call(inner, kind, originals[kind], kwargs)
+                outputs, dummy = _encoder_call(self.inner, kind, self.originals[kind], kwargs)
             if dummy:
                 part = _zero_of(outputs)
                 zero = part if zero is None else zero + part
             else:
                 ran[kind] = outputs
-        if adapter.shard_visual_outputs is not None:
+        if self.shard_visual_outputs is not None:
             # a slice stays on the graph even when empty: a rank whose shard holds no visual token still gives the
             # tower a (zero) gradient, so FSDP reduces the same units on every rank
-            adapter.shard_visual_outputs(inner.config, ran, kwargs.get("input_ids"))
-        precomputed.update(ran)  # only now: Qwen3-VL's video getter calls the image getter while it runs
+            self.shard_visual_outputs(self.inner.config, ran, kwargs.get("input_ids"))
+        self.precomputed.update(ran)  # only now: Qwen3-VL's video getter calls the image getter while it runs
         if zero is not None:
-            pending_zero.append(zero)
-        try:
-            output = hf_forward(*args, **kwargs)
-        finally:
-            precomputed.clear()
-            pending_zero.clear()
+            self.pending_zero.append(zero)
+        return args, kwargs
+
+    def after_forward(self, module, args, output):
+        self.precomputed.clear()
+        self.pending_zero.clear()
         # the towers' outputs, returned beside the logits: training never reads them, and as views (one per image)
         # under FSDP2 they draw its "view tensor" warning and keep the features alive until backward. (A ModelOutput
         # keeps a key set to None in its dict, which FSDP walks: the output is rebuilt without them.)
@@ -278,20 +288,8 @@ def adapt_multimodal_model(model: nn.Module) -> nn.Module:
             output = type(output)(**{k: v for k, v in output.items() if k not in _ENCODER_OUTPUTS})
         return output
 
-    model.forward = forward
-    return model
 
-
-def bind_position_id_func(model: nn.Module) -> None:
-    """`model.get_position_id_func()`: a picklable callable giving a sample's position ids (M-RoPE (3, L) ids equal
-    to the model's own `get_rope_index`), or None for a text model (the collator numbers tokens itself)."""
-    config = model.config
-
-    def get_position_id_func():
-        if not is_multimodal(config):
-            return None
-        from .position_ids import build_position_id_func
-
-        return build_position_id_func(config)
-
-    model.get_position_id_func = get_position_id_func
+def get_position_id_func(model: nn.Module) -> Optional[Callable]:
+    """A picklable callable giving a sample's position ids (M-RoPE (3, L) ids equal to the model's own
+    `get_rope_index`), or None for a text model (the collator numbers tokens itself)."""
+    return build_position_id_func(model.config) if is_multimodal(model.config) else None

@@ -1,22 +1,29 @@
-"""Causal-LM loss as a token *sum*, so the trainer can normalise by the global number of loss tokens.
+"""The language-model loss: one label convention, one loss, one token counter.
 
-`causal_lm_loss_sum` takes full logits. `chunked_lm_head_loss` never materialises them: inside the model's
-forward it takes over the output head and runs it on `chunk_size` tokens at a time, so the (tokens x vocab) fp32
-logits of only one chunk live at once. In training this is a fused linear + cross-entropy: each chunk's gradients
-(softmax - one-hot, through the head) are computed in the forward pass, so backward neither recomputes the
-logits nor the softmax (~10% of a step of the demo model; the price is the head's weight gradient held from
-forward to backward; no second-order gradients: a create_graph backward raises). A tensor-parallel head (DTensor
-weight) checkpoints each chunk and recomputes it instead.
-The head's own forward is still called once as a module, so FSDP's hooks and tied embeddings behave as in the
-plain forward.
+Labels arrive shifted (`labels[t]` is the target of position t, as torchtitan's loader yields them): MainCollator
+shifts every packed row before anything slices it, so a Ulysses shard holds its own targets, and the last token of
+each document, whose next token opens another document, has none. `shift_labels` is that shift for HF-style labels
+(aligned to `input_ids`). The loss is a token *sum* (fp32), so the trainer can normalise by the global number of loss
+tokens; a loss token is simply a label that is not IGNORE_INDEX.
+
+`CausalLMLoss` is the training forward of a causal LM: the model's decoder, then its output head and the loss. With
+`chunk_size > 0` the head never materialises the (tokens x vocab) logits: the head's input is captured by a forward
+pre-hook and handed on as an empty slice, so the model returns no logits, and the head then runs `chunk_size` tokens
+at a time through a head-loss backend. The default backend (`chunked`) is a fused linear + cross-entropy: each
+chunk's gradients (softmax - one-hot, through the head) are computed in the forward pass, so backward neither
+recomputes the logits nor the softmax (~10% of a step of the demo model; the price is the head's weight gradient held
+from forward to backward; no second-order gradients: a create_graph backward raises). A tensor-parallel head (DTensor
+weight) checkpoints each chunk and recomputes it instead. Another kernel (a GPU fused linear + cross-entropy) plugs in
+as a backend (`register_head_loss_backend`).
 """
 
-from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -25,29 +32,30 @@ from .vocab_parallel_loss import vocab_parallel_cross_entropy_sum
 IGNORE_INDEX = -100
 
 
-def count_loss_tokens(labels: torch.Tensor) -> int:
-    """Tokens that contribute to the loss once labels are shifted (HF convention)."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
-
-
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sum of next-token cross-entropy (fp32) and the number of tokens in it."""
-    if isinstance(logits, DTensor):  # a tensor-parallel head's vocab-sharded logits: reduced without gathering
-        targets = _next_token_targets(labels.to(logits.device))
-        return vocab_parallel_cross_entropy_sum(logits, targets), (targets != IGNORE_INDEX).sum()
-    shift_logits = logits[..., :-1, :].reshape(-1, logits.size(-1)).float()
-    shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
-    loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, (shift_labels != IGNORE_INDEX).sum()
-
-
-def _next_token_targets(labels: torch.Tensor) -> torch.Tensor:
-    """targets[..., t] = labels[..., t + 1]; the last position of each row predicts nothing."""
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """HF-style labels (aligned to input_ids) -> targets: `targets[..., t] = labels[..., t + 1]`, and the last position
+    of each row predicts nothing. Packed rows need their documents' first labels masked first (MainCollator does)."""
     targets = torch.full_like(labels, IGNORE_INDEX)
     targets[..., :-1] = labels[..., 1:]
     return targets
 
 
+def count_loss_tokens(labels: torch.Tensor) -> int:
+    """Tokens that contribute to the loss: shifted labels that are not IGNORE_INDEX."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sum of cross-entropy (fp32) of `logits[..., t, :]` against the shifted `labels[..., t]`, and its token count."""
+    flat_labels = labels.reshape(-1).to(logits.device)
+    if isinstance(logits, DTensor):  # a tensor-parallel head's vocab-sharded logits: reduced without gathering
+        return vocab_parallel_cross_entropy_sum(logits, flat_labels), (flat_labels != IGNORE_INDEX).sum()
+    flat_logits = logits.reshape(-1, logits.size(-1)).float()
+    loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, (flat_labels != IGNORE_INDEX).sum()
+
+
+# --------------------------------------------------------------------------------------- head-loss backends
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()
     if isinstance(logits, DTensor):  # tensor parallel: this chunk's logits sharded on the vocabulary
@@ -127,31 +135,46 @@ def _scaled_in_fp32(grad: torch.Tensor, scale: torch.Tensor, rows: int = 4096) -
     return out
 
 
-def chunked_head_loss_sum(
-    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int, labels_shifted: bool = False
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`causal_lm_loss_sum(head(hidden), labels)` with the logits of at most `chunk_size` tokens alive at once.
+def chunked_backend(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Summed cross-entropy of `head(hidden)` ([N, H] rows, [N] targets), `chunk_size` rows of logits at a time:
+    the fused linear + cross-entropy in training, a checkpointed chunk loop for a tensor-parallel head or without
+    gradients."""
+    if torch.is_grad_enabled() and isinstance(head, nn.Linear) and not isinstance(head.weight, DTensor):
+        return _LinearCrossEntropySum.apply(hidden, head.weight, head.bias, targets, chunk_size)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_size):
+        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss, head, h, t, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(head, h, t)
+    return total
 
-    `labels_shifted`: labels[t] is already the target of position t (sequence parallel shards, see MainCollator)."""
-    labels = labels.to(hidden.device)
-    targets = (labels if labels_shifted else _next_token_targets(labels)).reshape(-1)
+
+HeadLossBackend = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]
+_HEAD_LOSS_BACKENDS: Dict[str, HeadLossBackend] = {"chunked": chunked_backend}
+
+
+def register_head_loss_backend(name: str, backend: HeadLossBackend) -> None:
+    """Add a head-loss kernel: `backend(head, hidden [N, H], targets [N], chunk_size) -> summed fp32 loss`, called
+    with only the rows that have a target, the head's parameters gathered (FSDP) and its module hooks intact."""
+    _HEAD_LOSS_BACKENDS[name] = backend
+
+
+def chunked_head_loss_sum(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int, backend: str = "chunked"
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`lm_loss_sum(head(hidden), labels)` with the logits of at most `chunk_size` tokens alive at once."""
+    if backend not in _HEAD_LOSS_BACKENDS:
+        raise ValueError(f"unknown head-loss backend {backend!r}; registered: {sorted(_HEAD_LOSS_BACKENDS)}")
+    targets = labels.to(hidden.device).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     # only positions with a target reach the head: masked ones add exactly 0 to the sum and its gradient, and in SFT
     # (prompts, image tokens) they are most of the row
     # (index_select, not a boolean mask: its backward is an index_add, where a mask's would wait for the GPU again)
     keep = torch.nonzero(targets != IGNORE_INDEX).squeeze(1)
     flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
-    if torch.is_grad_enabled() and isinstance(head, nn.Linear) and not isinstance(head.weight, DTensor):
-        total = _LinearCrossEntropySum.apply(flat, head.weight, head.bias, targets, chunk_size)
-        return total, (targets != IGNORE_INDEX).sum()
-    total = flat.new_zeros((), dtype=torch.float32)
-    for start in range(0, flat.shape[0], chunk_size):
-        h, t = flat[start : start + chunk_size], targets[start : start + chunk_size]
-        if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss, head, h, t, use_reentrant=False)
-        else:
-            total = total + _chunk_loss(head, h, t)
-    return total, (targets != IGNORE_INDEX).sum()
+    return _HEAD_LOSS_BACKENDS[backend](head, flat, targets, chunk_size), (targets != IGNORE_INDEX).sum()
 
 
 def supports_chunked_loss(model: nn.Module) -> bool:
@@ -165,38 +188,57 @@ def supports_chunked_loss(model: nn.Module) -> bool:
     return isinstance(getattr(model, "get_output_embeddings", lambda: None)(), nn.Linear)
 
 
-@contextmanager
-def chunked_lm_head_loss(
-    model: nn.Module, labels: torch.Tensor, chunk_size: int, labels_shifted: bool = False
-) -> Iterator[Optional[Dict[str, Any]]]:
-    """Within the block, `model(...)` computes the loss chunk by chunk at its output head instead of full logits.
+# ------------------------------------------------------------------------------------------------ the module
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor  # summed token loss (fp32, 0-dim)
+    tokens: torch.Tensor  # its loss tokens (0-dim)
+    outputs: Any  # the model's own output (router logits, ...); its logits are empty when the head was chunked
 
-    The summed loss comes back *as* `outputs.logits` (a 0-dim tensor): taking it from the model's own output lets
-    FSDP see the backward reach the model and unshard the root's parameters before the chunks are recomputed.
-    Yields a dict that holds `tokens` (loss tokens) once the forward has run, or None when the model cannot be
-    chunked (`chunk_size <= 0`, soft-capped logits, ...): then `outputs.logits` are the plain logits.
+
+class CausalLMLoss(nn.Module):
+    """`model` -> (summed loss, loss tokens) of a micro-batch with shifted labels: the training forward.
+
+    `chunk_size <= 0`, or a model whose logits are not its head's plain output (soft-capping, scaling, a LoRA-wrapped
+    head): the model's own logits and `lm_loss_sum`. Otherwise the head runs through `backend` on the hidden states
+    the head was given, at most `chunk_size` tokens of logits at a time. The head is then called outside the model's
+    forward: an FSDP2 root that resharded after its forward is gathered again first (`unshard`; its post-backward
+    reshards it), so the head's weight and its gradient are the gathered ones, tied embeddings included.
     """
-    if chunk_size <= 0 or not supports_chunked_loss(model):
-        yield None
-        return
-    head = model.get_output_embeddings()
-    result: Dict[str, Any] = {}
-    inside = [False]
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        if inside[0]:  # a chunk calling the head through its module (hooks included): the real projection
-            return type(head).forward(head, hidden)
-        if isinstance(hidden, DTensor):  # a tensor-parallel head's input hook made it a replicated DTensor
-            hidden = hidden.to_local()  # each chunk's call of the head wraps its slice again
-        inside[0] = True
+    def __init__(self, model: nn.Module, chunk_size: int = 0, backend: str = "chunked"):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size if chunk_size > 0 and supports_chunked_loss(model) else 0
+        if backend not in _HEAD_LOSS_BACKENDS:
+            raise ValueError(f"unknown head-loss backend {backend!r}; registered: {sorted(_HEAD_LOSS_BACKENDS)}")
+        self.backend = backend
+
+    def forward(self, labels: torch.Tensor, **inputs) -> LossOutput:
+        if not self.chunk_size:
+            outputs = self.model(**inputs)
+            loss_sum, tokens = lm_loss_sum(outputs.logits, labels)
+            return LossOutput(loss_sum, tokens, outputs)
+        head = self.model.get_output_embeddings()
+        captured = []
+        handle = head.register_forward_pre_hook(_capture_head_input(captured), prepend=True)
         try:
-            loss_sum, result["tokens"] = chunked_head_loss_sum(head, hidden, labels, chunk_size, labels_shifted)
+            outputs = self.model(**inputs)
         finally:
-            inside[0] = False
-        return loss_sum
+            handle.remove()
+        if isinstance(self.model, FSDPModule):  # an FSDP2 root: its parameters (the head's) gathered for the chunks
+            self.model.unshard()
+        loss_sum, tokens = chunked_head_loss_sum(head, captured[0], labels, self.chunk_size, self.backend)
+        return LossOutput(loss_sum, tokens, outputs)
 
-    head.forward = forward
-    try:
-        yield result
-    finally:
-        del head.forward
+
+def _capture_head_input(captured: list):
+    """A forward pre-hook for the head: keeps its input (the final hidden states) and gives it an empty slice of
+    them, so the model's own forward computes no logits."""
+
+    def hook(module: nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
+        hidden = args[0]
+        captured.append(hidden)
+        return (hidden[..., :0, :].detach(), *args[1:])  # (detached: the empty call keeps nothing for backward)
+
+    return hook

@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.nn.functional import all_reduce as all_reduce_autograd
 from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ExpertsInterface
 
@@ -157,39 +158,61 @@ def load_balancing_loss_sum(
     top_k: int,
     labels: torch.Tensor,
     position_ids: Optional[torch.Tensor] = None,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Summed router load-balancing loss of a micro-batch: each document's own Switch-Transformer loss
     (transformers' `load_balancing_loss_func`: experts * sum_e f_e * P_e, f and P pooled over layers) times the
-    document's loss tokens.
+    document's loss tokens (its shifted labels that are not IGNORE_INDEX).
 
     Why per document: the balance statistics are a product of two means, so computed over a whole micro-batch
     (as transformers does) they depend on which documents share it, and the micro-batches of one process are
     not those of two or four ranks: the loss and gradients moved with the parallel layout (MoE demo, step 1,
     1 process vs 2 ranks: loss 1.4e-5 relative). Per document they do not; a one-document micro-batch gets
     exactly transformers' value. Documents are told apart by `position_ids` restarting at 0 (rows otherwise).
+
+    `group`: the row is a sequence shard of a Ulysses group. A document's statistics (expert picks, router
+    probabilities, tokens, loss tokens) are sums over its tokens, which may sit on several ranks: each rank sums its
+    own, one autograd all-reduce adds them up, and every rank then holds the whole value and returns 1/sp of it (the
+    gradient of the all-reduce sums the ranks' parts), so the sum over the group equals the unsharded value.
     """
-    batch = labels.reshape(-1, labels.shape[-1])
-    starts = torch.zeros_like(batch, dtype=torch.bool)
+    sp, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    rows, local = labels.reshape(-1, labels.shape[-1]).shape
+    starts = torch.zeros(rows, sp * local, dtype=torch.bool, device=labels.device)
     if position_ids is not None:
-        starts = position_ids.reshape(batch.shape).to(batch.device) == 0
+        starts = _gathered(position_ids.reshape(rows, local).to(labels.device), group) == 0
     starts[:, 0] = True
-    document = starts.reshape(-1).cumsum(0) - 1
-    documents = int(document[-1]) + 1
-    counted = torch.zeros_like(starts)
-    counted[:, 1:] = batch[:, 1:] != IGNORE_INDEX  # the tokens the cross-entropy counts (shifted labels)
-    loss_tokens = torch.zeros(documents, device=batch.device).index_add_(0, document, counted.reshape(-1).float())
-    rows = torch.zeros(documents, device=batch.device).index_add_(0, document, torch.ones_like(document).float())
+    document = (starts.reshape(-1).cumsum(0) - 1).view(rows, sp * local)[:, rank * local : (rank + 1) * local]
+    document = document.reshape(-1)
+    documents = int(starts.sum())
+    counted = (labels.reshape(-1) != IGNORE_INDEX).float()
     num_experts = router_logits[0].shape[-1]
-    chosen = torch.zeros(documents, num_experts, device=batch.device)
-    probs = torch.zeros(documents, num_experts, device=batch.device)
+    chosen = torch.zeros(documents, num_experts, device=labels.device)
+    probs = torch.zeros(documents, num_experts, device=labels.device)
     for logits in router_logits:
-        p = torch.softmax(logits.float(), dim=-1).to(batch.device)
+        p = torch.softmax(logits.float(), dim=-1).to(labels.device)
         picks = torch.nn.functional.one_hot(p.topk(top_k, dim=-1).indices, num_experts).sum(1).float()
         chosen = chosen.index_add(0, document, picks)
         probs = probs.index_add(0, document, p)
-    pooled = rows[:, None] * len(router_logits)
+    tokens = torch.zeros(documents, device=labels.device).index_add_(0, document, torch.ones_like(counted))
+    loss_tokens = torch.zeros(documents, device=labels.device).index_add_(0, document, counted)
+    if group is not None:
+        stats = all_reduce_autograd(
+            torch.cat([chosen, probs, tokens[:, None], loss_tokens[:, None]], dim=1), group=group
+        )
+        chosen, probs = stats[:, :num_experts], stats[:, num_experts : 2 * num_experts]
+        tokens, loss_tokens = stats[:, -2], stats[:, -1]
+    pooled = tokens[:, None] * len(router_logits)
     per_document = num_experts * ((chosen / pooled) * (probs / pooled)).sum(-1)
-    return (per_document * loss_tokens).sum()
+    return (per_document * loss_tokens).sum() / sp
+
+
+def _gathered(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Every rank's sequence shard of `x` (no gradient) side by side on the last dim; `x` itself without a group."""
+    if group is None:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 def experts_implementation(moe_implementation: Optional[str]) -> Optional[str]:

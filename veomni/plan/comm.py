@@ -21,7 +21,7 @@ T: this rank's tokens of a micro-batch, n: its loss tokens, h: hidden size; ever
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from ..utils.lifecycle import STOP_EXIT_CODES
+from ..trainer.lifecycle import STOP_EXIT_CODES
 from .collectives import group_key
 from .model_shape import F32, ModelShape
 from .shards import RankPlan, Ranks

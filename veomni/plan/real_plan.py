@@ -2,14 +2,15 @@
 then sharded by `build_parallelize_model` (Ulysses, TP, EP, FSDP2/HSDP) for rank r of W, and read back.
 """
 
+import copy
 import os
 from typing import List, Optional
 
 from ..arguments import VeOmniArguments, parse_args
 from ..distributed.mixed_precision import resolve_precision
+from ..distributed.parallel_state import init_parallel_state_from_config
 from ..distributed.torch_parallelize import parallelize
-from ..models import build_foundation_model
-from ..trainer.base import init_parallel_state_from_args, parallelize_config_from_args
+from ..trainer.base import build_model_from_args
 from .fake_cluster import fake_world
 from .model_shape import ModelShape
 from .shards import RankPlan, read_rank_plan
@@ -32,18 +33,8 @@ def load_args(argv: List[str], world_size: Optional[int]) -> VeOmniArguments:
 
 
 def build_meta_model(args, device_type: str):
-    """The model as BaseTrainer.build_model builds it, on meta, in the dtype its parameters will have."""
-    fsdp = args.train.accelerator.fsdp_config
-    precision = resolve_precision(fsdp.mixed_precision, device_type, fsdp.fsdp_mode)
-    ops = args.model.ops_implementation
-    return build_foundation_model(
-        config_path=args.model.config_path,
-        init_device="meta",
-        torch_dtype=precision.param_dtype,
-        attn_implementation=ops.attn_implementation,
-        moe_implementation=ops.moe_implementation,
-        trust_remote_code=args.model.trust_remote_code,
-    )
+    """The model as the trainer builds it, on meta, in the dtype its parameters will have on `device_type`."""
+    return build_model_from_args(args, device_type, "meta")
 
 
 def reshard_after_forward(args, fsdp_size: int) -> bool:
@@ -57,11 +48,12 @@ def sharded_meta_model(args, device_type: str):
     """Inside a (fake) world with its parallel state: the meta model, sharded; returns (model, state)."""
     if args.train.accelerator.fsdp_config.fsdp_mode != "fsdp2":
         raise ValueError("the planner plans fsdp_mode=fsdp2 runs (DDP keeps a full replica: param bytes x world)")
-    state = init_parallel_state_from_args(args.train.accelerator)
+    state = init_parallel_state_from_config(args.train.accelerator)
     model = build_meta_model(args, device_type)
-    config = parallelize_config_from_args(args, model, materialize=False)  # the shards' shapes are all it reads
-    config.init_device, config.enable_compile, config.enable_fsdp_offload = "meta", False, False
-    return parallelize(model, state, config), state
+    planned = copy.deepcopy(args)  # the shards' shapes are all it reads: no compile, no offload, nothing allocated
+    planned.train.init_device, planned.model.ops_implementation.compile = "meta", False
+    planned.train.accelerator.fsdp_config.offload = False
+    return parallelize(model, state, planned, materialize=False), state
 
 
 def plan_rank(args, world_size: int, rank: int = 0, device_type: str = "cuda") -> RankPlan:
@@ -131,8 +123,6 @@ def moe_metric_values(args) -> int:
 
 def args_for_layout(args, layout):
     """A copy of `args` set to `layout`'s parallel sizes and checkpointing (batch sizes left as they are)."""
-    import copy
-
     args = copy.deepcopy(args)
     acc = args.train.accelerator
     acc.dp_size, acc.dp_replicate_size, acc.dp_shard_size = layout.dp, layout.dp_replicate, layout.dp_shard

@@ -39,11 +39,13 @@ def _tensor_bytes(trainer) -> int:
 
 
 class PlanCheckCallback(Callback):
-    def __init__(self, enabled: bool):
-        self.enabled, self.predicted, self.steps = enabled, None, 0
+    """Handed to the trainer by the task (tasks/train_text.py): the planner is not part of the training loop."""
+
+    def __init__(self):
+        self.predicted, self.steps = None, 0
 
     def on_train_begin(self, trainer):
-        if not self.enabled:
+        if not trainer.is_main:
             return
         try:
             self.predicted = predict_for_trainer(trainer)

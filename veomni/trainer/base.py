@@ -6,34 +6,45 @@ One optimizer step:
     for mb in micro_batches: (sum CE(mb) * dp*sp / N).backward()   # FSDP/DDP average over dp*sp: net sum / N
     clip (DTensor-aware) -> optimizer.step -> scheduler.step -> zero_grad
 so every token weighs the same whatever the packing, the micro-batch split or the number of ranks.
+
+The trainer is a set of named components, each built once and handed what it reads:
+
+    run_dir            the output folder, locked; the checkpoint this run resumes from   (checkpointing.RunDir)
+    train_dataloader   the data, batched for this rank                                   (build_dataloader)
+    step plan          steps per epoch and in total                                      (compute_train_steps)
+    model, loss_module the parallelised model and its loss (CausalLMLoss)                (build_model)
+    optimizer, lr_scheduler                                                              (build_optimizer)
+    checkpointer       saves and restores the run                             (checkpointing.TrainCheckpointer)
+    evaluator          the held-out loss, or None                                        (evaluation.Evaluator)
+    callbacks          metrics.jsonl, progress, plots, wandb/TensorBoard, and the task's own
+    state              where the loop is (step, epoch, tokens)                           (checkpointing.TrainState)
 """
 
 import dataclasses
 import math
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..arguments import save_args
-from ..checkpoint import Checkpointer, save_hf_model, save_lora_model
+from ..checkpoint import save_hf_model, save_lora_model
 from ..data.chat_template import export_chat_template
-from ..distributed import clip_grad_norm, init_parallel_state
+from ..distributed import clip_grad_norm
 from ..distributed.mixed_precision import resolve_precision, set_tf32
-from ..distributed.sequence_parallel import count_loss_tokens_shifted, shifted_lm_loss_sum, sp_load_balancing_loss_sum
-from ..distributed.torch_parallelize import ParallelizeConfig, no_split_module_names, parallelize
+from ..distributed.parallel_state import init_parallel_state_from_config
+from ..distributed.torch_parallelize import parallelize
 from ..models import build_foundation_model
 from ..models.lora import attach_lora, base_checkpoint_names, place_adapters
-from ..ops import causal_lm_loss_sum, chunked_lm_head_loss, count_loss_tokens
+from ..ops import CausalLMLoss, LossOutput, count_loss_tokens
 from ..ops.kernels import bind_kernels
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
-from ..plan.runlog import PlanCheckCallback
-from ..utils import lifecycle
 from ..utils.device import get_device, get_device_type, synchronize
 from ..utils.logging import get_logger
+from . import lifecycle
 from .callbacks import (
     Callback,
     LossPlotCallback,
@@ -42,69 +53,44 @@ from .callbacks import (
     TensorBoardCallback,
     WandbCallback,
 )
-from .checkpointing import CheckpointingMixin
-from .evaluation import EvaluationMixin
+from .checkpointing import RunDir, TrainCheckpointer, TrainState
+from .evaluation import Evaluator, build_eval_loader
 from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
 from .step_count import StepCountMixin, close_loader, set_epoch
 
 logger = get_logger(__name__)
 
-# Micro-batch keys the trainer consumes itself (the loss); everything else goes to the model as is.
-_NOT_MODEL_INPUTS = ("labels",)
-
-
-def parallelize_config_from_args(args, model, materialize: bool = True) -> ParallelizeConfig:
-    """How `args` asks for `model` to be parallelised (also what `python -m veomni.plan` plans, unmaterialised)."""
-    fsdp = args.train.accelerator.fsdp_config
-    return ParallelizeConfig(
-        init_device=args.train.init_device,
-        weights_path=args.model.model_path,
-        enable_full_shard=fsdp.full_shard,
-        enable_reshard_after_forward=fsdp.reshard_after_forward,
-        mixed_precision=fsdp.mixed_precision,
-        enable_gradient_checkpointing=args.train.gradient_checkpointing.enable,
-        enable_fsdp_offload=fsdp.offload,
-        basic_modules=sorted(set(no_split_module_names(model)) | set(args.model.basic_modules)),
-        enable_reentrant=args.train.gradient_checkpointing.enable_reentrant,
-        enable_forward_prefetch=fsdp.forward_prefetch,
-        enable_compile=args.model.ops_implementation.compile,
-        fp8=args.train.fp8,
-        broadcast_model_weights_from_rank0=args.train.broadcast_model_weights_from_rank0,
-        max_load_broadcast_size=fsdp.max_load_broadcast_size,
-        expert_zero_comm=args.train.optimizer.type == "muon" and args.train.optimizer.muon_expert_zero_comm,
-        materialize=materialize,
-    )
-
-
-def init_parallel_state_from_args(acc):
-    """The parallel state (device mesh and process groups) that `args.train.accelerator` describes; also called by
-    tasks/deprecated_task/train_torch.py, so both build the same mesh."""
-    return init_parallel_state(
-        dp_size=acc.dp_size,
-        dp_replicate_size=acc.dp_replicate_size,
-        dp_shard_size=acc.dp_shard_size,
-        tp_size=acc.tp_size,
-        pp_size=acc.pp_size,
-        cp_size=acc.cp_size,
-        ulysses_size=acc.ulysses_size,
-        extra_parallel_sizes=acc.extra_parallel_sizes,
-        extra_parallel_placement_innermost=acc.extra_parallel_placement_innermost,
-        extra_parallel_names=acc.extra_parallel_names,
-        mode=acc.fsdp_config.fsdp_mode,
-        async_enabled=acc.enable_async,
-        dist_timeout_minutes=acc.dist_timeout_minutes,
-    )
-
 
 class NonFiniteError(RuntimeError):
     pass
 
 
-class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
-    """Builds everything from `args` and runs `fit()`. Subclasses choose the data (`build_dataset`)."""
+def build_model_from_args(args, device_type: str, init_device: str):
+    """The model `args` describe, before LoRA and sharding, in the dtype its parameters train in on `device_type`:
+    fp32 master weights by default (bf16 compute on CUDA through the FSDP2 policy), pure bf16 only when asked. The
+    planner builds its meta model with it too (veomni.plan.real_plan)."""
+    fsdp, ops = args.train.accelerator.fsdp_config, args.model.ops_implementation
+    precision = resolve_precision(fsdp.mixed_precision, device_type, fsdp.fsdp_mode)
+    return build_foundation_model(
+        config_path=args.model.config_path,
+        weights_path=args.model.model_path,
+        init_device=init_device,
+        torch_dtype=precision.param_dtype,
+        attn_implementation=ops.attn_implementation,
+        moe_implementation=ops.moe_implementation,
+        trust_remote_code=args.model.trust_remote_code,
+    )
 
-    def __init__(self, args):
+
+class BaseTrainer(StepCountMixin):
+    """Builds everything from `args` and runs `fit()`. Subclasses choose the data (`build_dataset`,
+    `build_dataloader`); `callbacks` are the task's own (e.g. the planner's check, veomni.plan.runlog)."""
+
+    # micro-batch keys that are not model inputs (the loss takes the labels itself)
+    non_model_keys: Sequence[str] = ("labels", "shift_labels")
+
+    def __init__(self, args, callbacks: Sequence[Callback] = ()):
         self.args = args
         train = args.train
         torch.manual_seed(train.seed)
@@ -112,62 +98,56 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
             torch.use_deterministic_algorithms(True)
-        self.parallel_state = init_parallel_state_from_args(train.accelerator)
+        self.parallel_state = init_parallel_state_from_config(train.accelerator)
         self.is_main = self.parallel_state.is_main_process
         self.device = get_device()
-        self.output_dir = train.checkpoint.output_dir
         # Everything a user can get wrong is checked before the model is built, so a mistake costs seconds.
-        self.resume_path = self.prepare_output_dir()
+        self.run_dir = RunDir(train.checkpoint)
+        self.output_dir = self.run_dir.output_dir
         check_paths(args)
+        self.tokenizer = self.training_chat_template = None  # set by the data's transform (TextTrainer)
         self.train_dataset = self.build_dataset()
         self.check_data()
         self.train_dataloader = self.build_dataloader()
         self.compute_train_steps()
-        self.refuse_completed_run()
-        self.eval_dataloader = self.build_eval_dataloader()
+        self.run_dir.refuse_completed(self.total_steps)
+        eval_data = self.build_eval_data()  # before the model too: a held-out file that fails, fails in seconds
         if self.is_main:
             save_args(args, self.output_dir)
-        self.global_step = 0
+        self.state = TrainState()
+        self.data_ran_out = False  # an epoch ended where its data did (not at a step count)
         self.build_model()
         self.build_optimizer()
-        self.epoch = self.epoch_step = self.consumed_tokens = 0
-        self._last_saved_step = -1
-        ckpt = train.checkpoint
-        self.checkpointer = Checkpointer(self.output_dir, ckpt.save_total_limit, ckpt.async_save)
-        self.maybe_resume()
-        self.callbacks: List[Callback] = self.build_callbacks()
+        self.checkpointer = TrainCheckpointer(
+            args, self.run_dir, self.parallel_state, self.model, self.optimizer, self.lr_scheduler,
+            self.train_dataloader, self.state,
+        )  # fmt: skip
+        self.checkpointer.resume(self.is_main)
+        self.evaluator = self.build_evaluator(*eval_data) if eval_data else None
+        self.callbacks: List[Callback] = self.build_callbacks() + list(callbacks)
+
+    # the loop's position, as callbacks and subclasses read it
+    global_step = property(lambda self: self.state.global_step)
+    epoch = property(lambda self: self.state.epoch)
 
     # ------------------------------------------------------------------------------------------ building
     def build_model(self) -> None:
         args = self.args
-        fsdp = args.train.accelerator.fsdp_config
-        # fp32 master weights by default (bf16 compute on CUDA via the FSDP2 policy); pure bf16 only when asked
-        precision = resolve_precision(fsdp.mixed_precision, get_device_type(), fsdp.fsdp_mode)
         set_tf32(args.train.tf32, get_device_type())
-        model = build_foundation_model(
-            config_path=args.model.config_path,
-            weights_path=args.model.model_path,
-            init_device=args.train.init_device,
-            torch_dtype=precision.param_dtype,
-            attn_implementation=args.model.ops_implementation.attn_implementation,
-            moe_implementation=args.model.ops_implementation.moe_implementation,
-            trust_remote_code=args.model.trust_remote_code,
-        )
+        model = build_model_from_args(args, get_device_type(), args.train.init_device)
         # fused kernels on this instance only, before adapters, sharding and compile wrap its modules
         bind_kernels(model, args.model.ops_implementation.kernels, get_device_type(), args.train.accelerator.tp_size)
         model = self.prepare_model(model)
         # LoRA adapters go in before sharding, so FSDP2/DDP wrap them with their layers; {} without LoRA
         adapters = attach_lora(model, args.model.lora, args.train.seed, args.model.model_path)
         with base_checkpoint_names(model, adapters):  # a meta model then loads the base checkpoint unchanged
-            self.model = self._parallelize(model)
+            self.model = parallelize(model, self.parallel_state, args)
         place_adapters(self.model, adapters)
         self.model.train()
+        self.loss_module = CausalLMLoss(self.model, args.model.ops_implementation.loss_chunk_size)
         self.moe_metrics = MoEMetrics(self.model, self.device)  # routing counts hooked on the experts modules
         self.num_params = sum(p.numel() for p in self.model.parameters())
         logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.1f}M parameters ({self.num_params:,})")
-
-    def _parallelize(self, model):
-        return parallelize(model, self.parallel_state, parallelize_config_from_args(self.args, model))
 
     def prepare_model(self, model):
         """Hook between building the model and sharding it (e.g. freezing a vision tower); returns the model."""
@@ -180,10 +160,31 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
         """The transform on the first records, and the tokenizer against the model's vocabulary: a configuration that
         fits no record fails here, in seconds."""
         check_first_records(self.train_dataset, self.args.data)
-        check_vocab(getattr(self, "tokenizer", None), self.args.model)
+        check_vocab(self.tokenizer, self.args.model)
 
     def build_dataloader(self):
         raise NotImplementedError
+
+    def build_transform(self):
+        """The record -> sample transform (the held-out data is read with it too)."""
+        raise NotImplementedError
+
+    def collate_fn_kwargs(self) -> Dict[str, Any]:
+        """MainCollator's keyword arguments for this rank."""
+        state = self.parallel_state
+        return {"sp_size": state.sp_size, "sp_rank": state.sp_rank}
+
+    def build_eval_data(self):
+        """(dataset, loader, collator) of `data.eval_path`, or None without it."""
+        if not self.args.data.eval_path:
+            return None
+        return build_eval_loader(self.args, self.build_transform(), self.collate_fn_kwargs())
+
+    def build_evaluator(self, dataset, loader, collate) -> Evaluator:
+        """The held-out loss, through this trainer's LM loss (no auxiliary losses)."""
+        loss_sum = lambda mb: self.lm_loss(self._to_device(mb)).loss_sum  # noqa: E731
+        eval_steps = self.args.train.eval_steps
+        return Evaluator(dataset, loader, collate, loss_sum, self.model, self.parallel_state, self.device, eval_steps)
 
     def build_optimizer(self) -> None:
         opt = self.args.train.optimizer
@@ -213,20 +214,15 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
     def build_callbacks(self) -> List[Callback]:
         train, main, out = self.args.train, self.is_main, self.output_dir
         metrics = MetricsFileCallback(main, os.path.join(out, "metrics.jsonl"))
+        wandb = train.wandb
         return [
             metrics,
             ProgressCallback(main, train.log_steps),
             LossPlotCallback(main, metrics, os.path.join(out, "loss.png")),
             WandbCallback(
-                main and train.wandb.enable,
-                train.wandb.project,
-                train.wandb.name,
-                train.wandb.mode,
-                _plain_config(self.args),
-                out,
+                main and wandb.enable, wandb.project, wandb.name, wandb.mode, dataclasses.asdict(self.args), out
             ),
             TensorBoardCallback(main and train.use_tensorboard, os.path.join(out, "tensorboard")),
-            PlanCheckCallback(main),  # the planner's memory prediction against this run's measurement
         ]
 
     # -------------------------------------------------------------------------------------------- step
@@ -236,49 +232,39 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
         return {
             k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) if torch.is_tensor(v) else v
             for k, v in micro_batch.items()
+            if k != "shift_labels"  # (transformers' name for the labels: the trainer reads `labels`)
         }
 
-    def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
-        """Summed token loss of one micro-batch; override for custom losses."""
-        labels = micro_batch["labels"]
-        inputs = {k: v for k, v in micro_batch.items() if k not in _NOT_MODEL_INPUTS}
-        chunk = self.args.model.ops_implementation.loss_chunk_size
-        sp = self.parallel_state.sp_enabled  # sequence shards carry labels the collator already shifted
-        with chunked_lm_head_loss(self.model, labels, chunk, labels_shifted=sp) as head_loss:  # no full fp32 logits
-            outputs = self.model(**inputs, use_cache=False)
-        if head_loss is not None:  # the head returned the summed loss in place of the logits
-            loss_sum = outputs.logits
-        elif sp:
-            loss_sum, _ = shifted_lm_loss_sum(outputs.logits, labels)
-        else:
-            loss_sum, _ = causal_lm_loss_sum(outputs.logits, labels)
-        router_logits = getattr(outputs, "router_logits", None)
-        if (
-            router_logits and not self.evaluating
-        ):  # MoE load balancing (output_router_logits): per document, so no layout moves it
-            config, position_ids = self.model.config, inputs.get("position_ids")
-            if sp:  # a document's router statistics are summed over the ranks that hold its tokens
-                group = self.parallel_state.sp_group
-                aux_sum = sp_load_balancing_loss_sum(
-                    router_logits, config.num_experts_per_tok, labels, position_ids, group
-                )
-            else:
-                aux_sum = load_balancing_loss_sum(router_logits, config.num_experts_per_tok, labels, position_ids)
-            self.moe_metrics.add_aux(aux_sum)  # logged as aux_loss, beside the LM loss
-            loss_sum = loss_sum + config.router_aux_loss_coef * aux_sum
-        return loss_sum
+    def lm_loss(self, micro_batch: Dict[str, Any]) -> LossOutput:
+        """The language-model loss of one micro-batch (on the device): its token sum, loss tokens, model outputs."""
+        inputs = {k: v for k, v in micro_batch.items() if k not in self.non_model_keys}
+        return self.loss_module(micro_batch["labels"], **inputs, use_cache=False)
 
-    def _step_totals(self, micro_batches: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str, int]]:
-        """Global loss tokens and input tokens of this step; None when any rank has run out of data.
+    def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
+        """Summed training loss of one micro-batch: the LM loss, plus the MoE load-balancing loss of a model that
+        returns router logits (per document, so no layout moves it). Override for custom losses."""
+        out = self.lm_loss(micro_batch)
+        router_logits = getattr(out.outputs, "router_logits", None)
+        if not router_logits:
+            return out.loss_sum
+        config, state = self.model.config, self.parallel_state
+        group = state.sp_group if state.sp_enabled else None  # a document's statistics summed over its shards
+        labels, position_ids = micro_batch["labels"], micro_batch.get("position_ids")
+        aux_sum = load_balancing_loss_sum(router_logits, config.num_experts_per_tok, labels, position_ids, group)
+        self.moe_metrics.add_aux(aux_sum)  # logged as aux_loss, beside the LM loss
+        return out.loss_sum + config.router_aux_loss_coef * aux_sum
+
+    def _step_totals(self, micro_batches: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+        """Global loss tokens and input tokens of this step, and the stop signal any rank got (None: none); None
+        when any rank has run out of data.
 
         The same all-reduce carries the stop requests (SIGINT/SIGTERM/SIGHUP) of every rank, so all ranks agree, at no
-        extra cost, to make this step their last; `self.stop_signal` holds the outcome.
+        extra cost, to make this step their last.
         """
         # a short last batch (streamed data without drop_last) counts as out of data: each micro-batch's backward
         # issues its own FSDP reduce-scatters, so every rank must run the same number of them
         have = micro_batches is not None and len(micro_batches) == self.args.train.dataloader_batch_size
-        count = count_loss_tokens_shifted if self.parallel_state.sp_enabled else count_loss_tokens
-        loss_tokens = sum(count(mb["labels"]) for mb in micro_batches) if have else 0
+        loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches) if have else 0
         tokens = sum(mb["input_ids"].numel() for mb in micro_batches) if have else 0
         asked = lifecycle.stop_requested()
         stops = [int(asked == sig) for sig in lifecycle.STOP_EXIT_CODES]  # which stop signal this rank got
@@ -289,13 +275,11 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
         lifecycle.set_progress(self.global_step + 1, "forward/backward and optimizer step")
         # every rank reaches the same verdict from the same sums: the first signal by precedence that any rank got
         seen = [sig for sig, count in zip(lifecycle.STOP_EXIT_CODES, stats[3:].tolist()) if count > 0]
-        if seen:
-            self.stop_signal = seen[0]
         if int(stats[2]) < self.parallel_state.dp_sp_size:
             return None
-        return {"loss_tokens": int(stats[0]), "tokens": int(stats[1])}
+        return {"loss_tokens": int(stats[0]), "tokens": int(stats[1]), "stop": seen[0] if seen else None}
 
-    def train_step(self, micro_batches: List[Dict[str, Any]], totals: Dict[str, int]) -> Dict[str, Any]:
+    def train_step(self, micro_batches: List[Dict[str, Any]], totals: Dict[str, Any]) -> Dict[str, Any]:
         state = self.parallel_state
         # FSDP/DDP average gradients over the dp x sp ranks; each rank's summed loss over the global token count
         scale = state.dp_sp_size / max(totals["loss_tokens"], 1)
@@ -331,6 +315,12 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
         moe = self.moe_metrics.step_metrics(loss, totals["loss_tokens"])
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped, **group_lrs, **moe}
 
+    def evaluate(self) -> Dict[str, Any]:
+        return self.evaluator.evaluate(self.global_step)
+
+    def save_checkpoint(self) -> None:
+        self.checkpointer.save()
+
     # --------------------------------------------------------------------------------------------- loop
     def _fire(self, event: str, *extra) -> None:
         for callback in self.callbacks:
@@ -346,73 +336,86 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             close_loader(self.train_dataloader)  # a stop or an error leaves the epoch's iterator mid-way
 
     def _fit(self) -> None:
-        train = self.args.train
-        self.stop_signal = None
-        self.data_ran_out = False  # an epoch ended where its data did (not at a step count)
         self._fire("on_train_begin")
-        for epoch in range(self.epoch, train.num_train_epochs):
-            self.epoch = epoch
-            set_epoch(self.train_dataloader, epoch, self.global_step - self.epoch_step)
+        for micro_batches, totals in self._steps():
+            metrics = self._timed_step(micro_batches, totals)
+            if self.evaluator is not None and self.evaluator.due(self.global_step, self.total_steps):
+                metrics.update(self.evaluate())
+            self._fire("on_step_end", metrics)
+            save_steps = self.args.train.checkpoint.save_steps
+            if save_steps > 0 and self.global_step % save_steps == 0:
+                self.save_checkpoint()
+            if totals["stop"] is not None and self.global_step < self.total_steps:  # at the end: just finish
+                self._stop_after_step(totals["stop"])
+        self._finish()
+
+    def _steps(self):
+        """(micro-batches, totals) of every step left to run, epoch after epoch; an epoch ends at its planned steps
+        or where its data does (the same step on every rank)."""
+        state = self.state
+        for epoch in range(state.epoch, self.args.train.num_train_epochs):
+            state.epoch = epoch
+            set_epoch(self.train_dataloader, epoch, state.global_step - state.epoch_step)
             rng = torch.get_rng_state()  # a new loader iterator draws its worker seed from the global generator:
             data_iterator = iter(self.train_dataloader)  # continues mid-epoch after a resume
             torch.set_rng_state(rng)  # keep that draw out of the training stream, so a resume replays dropout exactly
-            while self.epoch_step < self.epoch_steps[epoch] and self.global_step < self.total_steps:
-                tic = time.perf_counter()
-                lifecycle.set_progress(self.global_step + 1, "loading the next batch")
+            while state.epoch_step < self.epoch_steps[epoch] and state.global_step < self.total_steps:
+                lifecycle.set_progress(state.global_step + 1, "loading the next batch")
                 micro_batches = next(data_iterator, None)
                 totals = self._step_totals(micro_batches)
                 if totals is None:
-                    logger.info(f"epoch {epoch} ran out of data at step {self.global_step}")
+                    logger.info(f"epoch {epoch} ran out of data at step {state.global_step}")
                     self.data_ran_out = True
                     break
-                metrics = self.train_step(micro_batches, totals)
-                synchronize()
-                elapsed = time.perf_counter() - tic
-                self.global_step += 1
-                self.epoch_step += 1
-                self.consumed_tokens += totals["tokens"]
-                metrics.update(
-                    step=self.global_step,
-                    epoch=epoch,
-                    tokens=totals["tokens"],
-                    loss_tokens=totals["loss_tokens"],
-                    consumed_tokens=self.consumed_tokens,
-                    step_time=elapsed,
-                    tokens_per_sec=totals["tokens"] / elapsed,
-                )
-                if self.should_evaluate():  # every eval_steps and after the last step, on every rank alike
-                    metrics.update(self.evaluate())
-                self._fire("on_step_end", metrics)
-                save_steps = train.checkpoint.save_steps
-                if save_steps > 0 and self.global_step % save_steps == 0:
-                    self.save_checkpoint()
-                if self.stop_signal is not None and self.global_step < self.total_steps:  # at the end: just finish
-                    self._stop_after_step()
-            if self.global_step >= self.total_steps:
-                break
-            self.epoch_step = 0
+                yield micro_batches, totals
+            if state.global_step >= self.total_steps:
+                return
+            state.epoch_step = 0
+
+    def _timed_step(self, micro_batches, totals) -> Dict[str, Any]:
+        tic = time.perf_counter()
+        metrics = self.train_step(micro_batches, totals)
+        synchronize()
+        elapsed = time.perf_counter() - tic
+        state = self.state
+        state.global_step += 1
+        state.epoch_step += 1
+        state.consumed_tokens += totals["tokens"]
+        metrics.update(
+            step=state.global_step,
+            epoch=state.epoch,
+            tokens=totals["tokens"],
+            loss_tokens=totals["loss_tokens"],
+            consumed_tokens=state.consumed_tokens,
+            step_time=elapsed,
+            tokens_per_sec=totals["tokens"] / elapsed,
+        )
+        return metrics
+
+    def _finish(self) -> None:
+        """After the last step: the final checkpoint, the HF export, the callbacks' end (every rank alike)."""
         close_loader(self.train_dataloader)  # its workers are done; the final save still reads its position
         lifecycle.set_training_done()  # a stop from here on lets the final save and export finish
         if self.global_step == 0:  # the same on every rank: all raise together, and nothing is saved
             raise RuntimeError(
                 f"no training step ran: data.train_path={self.args.data.train_path} did not fill one optimizer step "
-                f"of train.global_batch_size={train.global_batch_size}; use more data or smaller batches"
+                f"of train.global_batch_size={self.args.train.global_batch_size}; use more data or smaller batches"
             )
-        if self._last_saved_step != self.global_step:
+        if self.state.last_saved_step != self.global_step:
             self.save_checkpoint()
         self.checkpointer.wait()
-        if train.checkpoint.save_hf_weights:
+        if self.args.train.checkpoint.save_hf_weights:
             self.export_hf(os.path.join(self.output_dir, "hf"))
             if self.is_main:  # the export is served with the template the model was trained on
-                export_chat_template(os.path.join(self.output_dir, "hf"), getattr(self, "training_chat_template", None))
+                export_chat_template(os.path.join(self.output_dir, "hf"), self.training_chat_template)
         self.on_train_end()
         self._fire("on_train_end")
         dist.barrier()
 
-    def _stop_after_step(self) -> None:
+    def _stop_after_step(self, signal) -> None:
         """Every rank saw the same stop verdict in this step's all-reduce: save together and leave."""
         lifecycle.set_progress(self.global_step, "saving the checkpoint on stop")
-        if self._last_saved_step != self.global_step:
+        if self.state.last_saved_step != self.global_step:
             self.save_checkpoint()
         self.checkpointer.wait()
         self._fire("on_train_end")
@@ -424,7 +427,7 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
             if load_path == "auto"
             else "resume with the same command plus --train.checkpoint.load_path auto"
         )
-        raise lifecycle.TrainingStopped(self.stop_signal, self.global_step, saved, hint)
+        raise lifecycle.TrainingStopped(signal, self.global_step, saved, hint)
 
     def export_hf(self, out_dir: str) -> None:
         """The end-of-training HF folder: the whole model, or with LoRA the merged weights or the adapter."""
@@ -436,7 +439,3 @@ class BaseTrainer(StepCountMixin, CheckpointingMixin, EvaluationMixin):
 
     def on_train_end(self) -> None:
         """Hook for subclasses, called on every rank before the callbacks' on_train_end."""
-
-
-def _plain_config(args) -> Dict[str, Any]:
-    return dataclasses.asdict(args)

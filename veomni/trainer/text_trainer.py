@@ -46,7 +46,7 @@ class TextTrainer(BaseTrainer):
         )
         self.training_chat_template = chat_template.get_jinja_template() or None
         info, warning = training_template_note(chat_template, data.chat_template, own)
-        if getattr(self, "is_main", True):
+        if self.is_main:
             logger.info(info)
             if warning:
                 logger.warning(warning)
@@ -92,14 +92,13 @@ class TextTrainer(BaseTrainer):
 
     def collate_fn_kwargs(self):
         """MainCollator's keyword arguments (VLMTrainer adds its per-key collate infos)."""
-        state = self.parallel_state
-        return {"pad_token_id": self.tokenizer.pad_token_id or 0, "sp_size": state.sp_size, "sp_rank": state.sp_rank}
+        return dict(super().collate_fn_kwargs(), pad_token_id=self.tokenizer.pad_token_id or 0)
 
     def on_train_end(self) -> None:
         """One account of the data over all ranks, on rank 0: bad records skipped always; what the last epoch left
         out (empty records, blank lines, a tail too small for a step, streamed records not reached) only when the
         epoch ran to the end of its data, not when train.max_steps stopped it. Collective (every rank alike)."""
-        ended = self.data_ran_out or getattr(self, "whole_epochs", False)
+        ended = self.data_ran_out or self.whole_epochs
         report = data_report(self.train_dataloader, count_unread=ended)
         names = ("skipped", "empty", "blank", "dropped", "unread", "samples")
         # a whole-dataset count is the same on every rank: averaged, not summed (samples are always this rank's)

@@ -70,6 +70,8 @@ class _ModalityRates(Callback):
 
 
 class VLMTrainer(TextTrainer):
+    non_model_keys = (*TextTrainer.non_model_keys, *_TOKEN_MASKS)  # the masks are counted, never given to the model
+
     def build_data_transform(self):
         args = self.args
         self.processor = build_processor(args.model.tokenizer_path, trust_remote_code=args.model.trust_remote_code)
@@ -81,7 +83,7 @@ class VLMTrainer(TextTrainer):
         transform, template = TRANSFORMS[config.model_type]
         name = args.data.chat_template if args.data.chat_template not in ("default", "auto") else template
         chat_template = build_multimodal_chat_template(name, self.tokenizer)
-        # the same function model.get_position_id_func() returns; built from the config, as the data comes first
+        # the same function get_position_id_func(model) returns; built from the config, as the data comes first
         position_id_func = build_position_id_func(config)
         mm_configs = dict(args.data.mm_configs or {})
         mm_configs.setdefault("max_seq_len", args.data.max_seq_len)
@@ -134,9 +136,6 @@ class VLMTrainer(TextTrainer):
         return [_ModalityRates()] + super().build_callbacks()
 
     # ---------------------------------------------------------------------------------------------- step
-    def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
-        return super().forward_loss_sum({k: v for k, v in micro_batch.items() if k not in _TOKEN_MASKS})
-
     def train_step(self, micro_batches, totals):
         counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # visual, audio tokens on this rank
         for mb in micro_batches:

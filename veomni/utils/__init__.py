@@ -1,4 +1,4 @@
-"""Utilities: device and backend selection, rank-aware logging, process lifecycle.
+"""Utilities: device and backend selection, rank-aware logging, collectives helpers, the demos' asset cache.
 
 Names are imported lazily so that light modules (the lifecycle wrapper that every task runs under) do not pull in
 torch before the arguments are parsed: `--help` and config mistakes answer at once.

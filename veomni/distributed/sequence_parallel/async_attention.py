@@ -20,7 +20,7 @@ from typing import Set, Tuple
 
 import torch
 
-from ...compat.transformers import config_attn_implementation, modeling_global
+from ...compat.transformers import bind_instance_method, config_attn_implementation, modeling_global
 from .comm import kv_replication, launch_seq_to_heads, repeat_kv_heads
 from .ulysses import PREFIX, attend_heads, sp_group
 
@@ -68,7 +68,7 @@ def patch_async_attention(model: torch.nn.Module) -> Tuple[int, Set[str]]:
     for module in model.modules():
         name = type(module).__name__
         if name in SUPPORTED:
-            module.forward = types.MethodType(async_ulysses_forward, module)
+            bind_instance_method(module, "forward", types.MethodType(async_ulysses_forward, module))
             patched += 1
         elif name.endswith("Attention") and hasattr(module, "q_proj"):
             skipped.add(name)

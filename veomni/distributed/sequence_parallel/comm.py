@@ -9,7 +9,6 @@ back as [B, S_global, H_local, D].
 """
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -81,10 +80,3 @@ def gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torc
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
-
-
-def sp_all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Sum over the group, with a gradient (the backward sums the gradients over the group too)."""
-    from torch.distributed.nn.functional import all_reduce
-
-    return all_reduce(x, group=group)

@@ -25,10 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...compat.transformers import config_attn_implementation, modeling_global, set_config_attn_implementation
 from ...ops.attention import VARLEN, _cu_seqlens_from_position_ids
-from ...utils.logging import get_logger
 from .comm import PendingHeads, gather_seq, heads_to_seq, kv_replication, launch_seq_to_heads, repeat_kv_heads
-
-logger = get_logger(__name__)
 
 PREFIX = "veomni_ulysses:"
 # kernels that take packed-document boundaries from cu_seq_lens / position_ids kwargs (no mask needed)
@@ -169,27 +166,14 @@ def ulysses_name(inner: Optional[str]) -> str:
     return name
 
 
-def apply_ulysses(model: torch.nn.Module, async_enabled: bool = False) -> str:
+def apply_ulysses(model: torch.nn.Module) -> str:
     """Make `model`'s language-model attention Ulysses sequence-parallel over the parallel state's sp group.
 
-    Wraps whatever attention implementation the (text) config names; with `async_enabled`, also swaps the forward
-    of each supported attention module for the overlapped one (see async_attention.py). Returns the new name.
-    No mask function is registered for it: transformers then builds no mask, and the wrapper attends by the
-    global document boundaries instead.
+    Wraps whatever attention implementation the (text) config names; returns the new name. No mask function is
+    registered for it: transformers then builds no mask, and the wrapper attends by the global document boundaries
+    instead. (The overlapped attention of `enable_async` is apply_sp's next step: async_attention.py.)
     """
     config = model.config.get_text_config()
-    inner = config_attn_implementation(config)
-    name = ulysses_name(inner)
+    name = ulysses_name(config_attn_implementation(config))
     set_config_attn_implementation(config, name)
-    if async_enabled:
-        from .async_attention import patch_async_attention
-
-        patched, skipped = patch_async_attention(model)
-        if skipped:
-            logger.warning(
-                f"enable_async: no overlapped adapter for {sorted(skipped)}; those layers run synchronous Ulysses"
-            )
-        logger.info(f"Ulysses sequence parallel ({name}), async on {patched} attention modules")
-    else:
-        logger.info(f"Ulysses sequence parallel ({name})")
     return name

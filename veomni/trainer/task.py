@@ -43,7 +43,7 @@ def run_task(build_trainer: Callable[[Any], Any]) -> None:
         trainer.fit()
         destroy_parallel_state()
 
-    run_worker(main)
+    run_worker(main, user_error_types)
 
 
 def take_preview_flag(argv: List[str]) -> Optional[int]:
@@ -58,3 +58,19 @@ def take_preview_flag(argv: List[str]) -> Optional[int]:
                 raise ConfigError(f"command line: --preview takes a number of samples >= 1, got {value!r}")
             return int(value)
     return None
+
+
+def user_error_types():
+    """The errors that mean a mistake in the config, the data or the files it names: said in one line."""
+    from ..arguments.parser import ConfigError
+    from ..checkpoint.checkpointer import CheckpointError
+    from ..checkpoint.run_dir import RunDirError
+    from ..data.chat_template import ChatTemplateError
+    from ..data.data_transform import DataFormatError
+    from ..models.auto import CustomCodeError
+    from ..models.loader import WeightsMismatchError
+
+    return (
+        ConfigError, DataFormatError, ChatTemplateError, WeightsMismatchError, CustomCodeError, CheckpointError,
+        RunDirError,
+    )  # fmt: skip

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from ..compat.torch_runtime import default_store
 
@@ -217,32 +217,14 @@ def _stalled_peers() -> str:
 
 
 # ----------------------------------------------------------------------------------------------- errors
+# a user's mistake, said in one line without a traceback: the builtin file errors, and what the task adds
+# (`run_worker(main, user_errors)`: config, data, template, weights and checkpoint errors; veomni.trainer.task)
+_FILE_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+_user_errors: Callable[[], Sequence[type]] = tuple
+
+
 def _user_error_types():
-    from ..arguments.parser import ConfigError
-    from ..data.chat_template import ChatTemplateError
-    from ..data.data_transform import DataFormatError
-    from ..models.auto import CustomCodeError
-    from ..models.loader import WeightsMismatchError
-
-    types = [
-        ConfigError,
-        DataFormatError,
-        ChatTemplateError,
-        WeightsMismatchError,
-        CustomCodeError,
-        FileNotFoundError,
-        NotADirectoryError,
-        IsADirectoryError,
-        PermissionError,
-    ]
-    try:
-        from ..checkpoint.checkpointer import CheckpointError
-        from ..checkpoint.run_dir import RunDirError
-
-        types += [CheckpointError, RunDirError]
-    except ImportError:
-        pass
-    return tuple(types)
+    return (*_FILE_ERRORS, *_user_errors())
 
 
 def _is_collective_failure(err: BaseException) -> bool:
@@ -335,8 +317,12 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def run_worker(main: Callable[[], object]) -> None:
-    """Run a task's `main` on this rank with the launcher-death, stop-signal and error handling above."""
+def run_worker(main: Callable[[], object], user_errors: Callable[[], Sequence[type]] = tuple) -> None:
+    """Run a task's `main` on this rank with the launcher-death, stop-signal and error handling above;
+    `user_errors()` (called only when something fails: it may import what it names) are the error types reported
+    in one line, as a mistake in the inputs rather than a bug in the code."""
+    global _user_errors
+    _user_errors = user_errors
     watch_parent()
     install_stop_handlers()
     beat_stop = threading.Event()
