@@ -364,28 +364,26 @@ def stage_profile(args):
 
 
 def stage_loss(args):
-    """chunked_head_loss_sum vs liger_head_loss_sum on the model's head shape, bf16: fwd+bwd time, peak memory."""
+    """The head-loss backends "chunked" vs "liger" on the model's head shape, bf16: fwd+bwd time, peak memory."""
     _, model_name, tokens = args.stage.split(":")
     torch, gpu_mfu, folder, batch, lengths, flops, steps, warmup = stage_setup(args, model_name)
+    import veomni.ops.kernels  # noqa: F401  (registers the "liger" backend)
     from veomni.ops import chunked_head_loss_sum
-    from veomni.ops.kernels.liger_loss import liger_head_loss_sum
 
     config = gpu_mfu.model_config(model_name, moe_layers=4)
     dtype = torch.bfloat16 if gpu_mfu.DEVICE == "cuda" else torch.float32
     head = torch.nn.Linear(config["hidden_size"], config["vocab_size"], bias=False, device=gpu_mfu.DEVICE, dtype=dtype)
     hidden = torch.randn(1, int(tokens), config["hidden_size"], device=gpu_mfu.DEVICE, dtype=dtype)
     labels = batch["labels"].to(gpu_mfu.DEVICE)
-    losses = {"chunked": chunked_head_loss_sum}
-    if gpu_mfu.DEVICE == "cuda":  # liger's Triton kernels need a GPU
-        losses["liger"] = liger_head_loss_sum
-    for name, loss_fn in losses.items():
+    backends = ["chunked"] + (["liger"] if gpu_mfu.DEVICE == "cuda" else [])  # liger's Triton kernels need a GPU
+    for name in backends:
         times = []
         gpu_mfu.reset_peak_memory()
         for _ in range(steps):
             leaf = hidden.detach().clone().requires_grad_()
             gpu_mfu.synchronize()
             tic = time.perf_counter()
-            loss, _ = loss_fn(head, leaf, labels, 1024)
+            loss, _ = chunked_head_loss_sum(head, leaf, labels, 1024, backend=name)
             loss.backward()
             gpu_mfu.synchronize()
             times.append(time.perf_counter() - tic)

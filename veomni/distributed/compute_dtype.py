@@ -10,13 +10,11 @@ for its device; when it is a 16-bit dtype, FSDP2's MixedPrecisionPolicy already 
 the same dtype changes nothing.
 """
 
-import functools
-
 import torch
 from torch import nn
 
 from ..utils.logging import get_logger
-from .mixed_precision import resolve_precision
+from .mixed_precision import autocast_module, resolve_precision
 
 logger = get_logger(__name__)
 
@@ -27,15 +25,6 @@ def resolved_compute_dtype(mixed_precision, device_type: str, mode: str) -> torc
 
 
 def keep_fp32_compute(model: nn.Module, device_type: str) -> None:
-    """Run `model.forward` with `device_type` autocast disabled (an enclosing autocast no longer lowers it)."""
-    forward = model.forward
-
-    @functools.wraps(forward)
-    def forward_in_fp32(*args, **kwargs):
-        if not torch.is_autocast_enabled(device_type):
-            return forward(*args, **kwargs)
-        with torch.autocast(device_type, enabled=False):
-            return forward(*args, **kwargs)
-
-    model.forward = forward_in_fp32
+    """Run `model`'s forward with `device_type` autocast disabled (an enclosing autocast no longer lowers it)."""
+    autocast_module(model, device_type, enabled=False)
     logger.info(f"mixed precision resolves to float32 compute: an enclosing {device_type} autocast is turned off")

@@ -12,7 +12,7 @@ from ..compat.torch import replicate
 from ..compat.transformers import no_split_modules
 from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
-from .mixed_precision import autocast_forward, resolve_precision
+from .mixed_precision import autocast_module, resolve_precision
 from .parallel_plan import expert_shard_placement
 from .parallel_state import ParallelState
 
@@ -140,5 +140,5 @@ def apply_ddp(model: nn.Module, state: ParallelState, mixed_precision: Any = Non
     policy = mixed_precision_policy(mixed_precision, state.mode)
     compute = policy.param_dtype if policy is not None else None
     if compute not in (None, torch.float32):
-        model.forward = autocast_forward(model.forward, get_device_type(), compute)
+        autocast_module(model, get_device_type(), compute)
     logger.info(f"DDP over {state.dp_size} ranks, compute dtype {str(compute or torch.float32).replace('torch.', '')}")

@@ -5,7 +5,7 @@ at lr 5e-5, 47% of the weights of a model were unchanged after 10 steps on an H1
 master weights and optimizer state, and computes in bf16 on CUDA (`MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`), in fp32 on CPU (where bf16 matmuls are slow and only lose accuracy). DDP gets the same
 choice: fp32 parameters and gradients (all-reduced in fp32), the forward under `torch.autocast` in the compute dtype
-(`autocast_forward`; DDP has no casting policy of its own that runs on every device). Pure low precision happens
+(`autocast_module`; DDP has no casting policy of its own that runs on every device). Pure low precision happens
 only when asked for (`mixed_precision.enable false` with a 16-bit `param_dtype`), and says so.
 
 TF32 (`train.tf32`, on by default): on CUDA, the fp32 matmuls and convolutions that remain (fp32 runs, fp32 parts of
@@ -15,9 +15,10 @@ a bf16 step) use TensorFloat-32 tensor cores (`set_tf32`).
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..models.auto import to_dtype
@@ -66,16 +67,24 @@ def resolve_precision(mixed_precision: Any, device_type: str, mode: str = "fsdp2
     return Precision(torch.float32, MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce))
 
 
-def autocast_forward(forward: Callable, device_type: str, dtype: torch.dtype) -> Callable:
-    """`forward` run under `torch.autocast(device_type, dtype)`: DDP's bf16 compute over fp32 parameters (matmuls in
-    `dtype`, reductions and norms in fp32 as autocast decides; gradients and the all-reduce stay fp32)."""
+def autocast_module(module: nn.Module, device_type: str, dtype: Optional[torch.dtype] = None, enabled: bool = True):
+    """Every forward of `module` runs inside `torch.autocast(device_type, dtype, enabled)`, entered by a forward
+    pre-hook and left by a forward hook that runs even when the forward raises (torch's hooks, not a replaced
+    `forward`). Used for DDP's bf16 compute over fp32 parameters (matmuls in `dtype`, reductions and norms in fp32 as
+    autocast decides; gradients and the all-reduce stay fp32), and with `enabled=False` to keep float32 compute
+    inside a caller's autocast (compute_dtype.py)."""
+    entered = []  # a stack: a module may be re-entered (nested calls) before it returns
 
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        with torch.autocast(device_type, dtype=dtype):
-            return forward(*args, **kwargs)
+    def enter(_module, _args):
+        context = torch.autocast(device_type, dtype=dtype, enabled=enabled)
+        context.__enter__()
+        entered.append(context)
 
-    return run
+    def leave(_module, _args, _output):
+        entered.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def set_tf32(enabled: bool, device_type: str) -> None:

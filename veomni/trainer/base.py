@@ -39,7 +39,7 @@ from ..distributed.torch_parallelize import parallelize
 from ..models import build_foundation_model
 from ..models.lora import attach_lora, base_checkpoint_names, place_adapters
 from ..ops import CausalLMLoss, LossOutput, count_loss_tokens
-from ..ops.kernels import bind_kernels
+from ..ops.kernels import bind_kernels, resolve_loss_implementation
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
 from ..utils.device import get_device, get_device_type, synchronize
@@ -144,7 +144,9 @@ class BaseTrainer(StepCountMixin):
             self.model = parallelize(model, self.parallel_state, args)
         place_adapters(self.model, adapters)
         self.model.train()
-        self.loss_module = CausalLMLoss(self.model, args.model.ops_implementation.loss_chunk_size)
+        ops = args.model.ops_implementation
+        backend = resolve_loss_implementation(ops.loss_implementation, get_device_type(), self.parallel_state.tp_size)
+        self.loss_module = CausalLMLoss(self.model, ops.loss_chunk_size, backend)
         self.moe_metrics = MoEMetrics(self.model, self.device)  # routing counts hooked on the experts modules
         self.num_params = sum(p.numel() for p in self.model.parameters())
         logger.info(f"model: {type(model).__name__}, {self.num_params / 1e6:.1f}M parameters ({self.num_params:,})")

@@ -6,7 +6,9 @@
 
 The decision is said once in the log. Binding touches only the given model (see `liger.bind_liger`): another
 model built in the same process, bound or not, runs its own modules. The fused linear cross-entropy is a loss,
-not a module of the model: `liger_head_loss_sum` (liger_loss.py), with `chunked_head_loss_sum`'s contract.
+not a module of the model: `model.ops_implementation.loss_implementation: liger` runs CausalLMLoss's head through
+liger_loss.py, registered here as the head-loss backend "liger" (the default stays "chunked" until the GPU script,
+benchmarks/gpu_speed.py, measures which is faster at equal memory).
 """
 
 import functools
@@ -17,13 +19,18 @@ from typing import Dict
 from torch import nn
 
 from ...utils.logging import get_logger
+from ..loss import register_head_loss_backend
+from .liger_loss import liger_linear_cross_entropy_sum
 
 logger = get_logger(__name__)
 
 CHOICES = ("auto", "liger", "eager")
 KEY = "model.ops_implementation.kernels"
+LOSS_KEY = "model.ops_implementation.loss_implementation"
 
-__all__ = ["CHOICES", "bind_kernels", "liger_available", "resolve_kernels"]
+__all__ = ["CHOICES", "bind_kernels", "liger_available", "resolve_kernels", "resolve_loss_implementation"]
+
+register_head_loss_backend("liger", liger_linear_cross_entropy_sum)  # (liger itself is imported when it runs)
 
 
 def liger_available() -> bool:
@@ -55,14 +62,28 @@ def resolve_kernels(choice: str, device_type: str, tp_size: int = 1) -> str:
             return "liger"
         _said(choice, "eager", reason)
         return "eager"
-    if not liger_available():
-        raise ValueError(f"{KEY}=liger needs liger-kernel and triton: pip install veomni[kernels]")
-    if not runs_here:
-        raise ValueError(f"{KEY}=liger needs a CUDA GPU (Triton kernels); this run is on {device_type}")
-    if tp_size > 1:
-        raise ValueError(f"{KEY}=liger with tensor parallel (tp_size={tp_size}): liger's kernels take no DTensors")
+    _check_liger_runs(KEY, device_type, tp_size)
     _said(choice, "liger", "asked for")
     return "liger"
+
+
+def _check_liger_runs(key: str, device_type: str, tp_size: int) -> None:
+    if not liger_available():
+        raise ValueError(f"{key}=liger needs liger-kernel and triton: pip install veomni[kernels]")
+    if not (device_type == "cuda" or _triton_interpreter()):
+        raise ValueError(f"{key}=liger needs a CUDA GPU (Triton kernels); this run is on {device_type}")
+    if tp_size > 1:
+        raise ValueError(f"{key}=liger with tensor parallel (tp_size={tp_size}): liger's kernels take no DTensors")
+
+
+def resolve_loss_implementation(choice: str, device_type: str, tp_size: int = 1) -> str:
+    """The head-loss backend of CausalLMLoss for `model.ops_implementation.loss_implementation`: `chunked`, or
+    `liger` where it can run (else a ValueError naming the key)."""
+    if choice not in ("chunked", "liger"):
+        raise ValueError(f"{LOSS_KEY}={choice!r}: choose chunked or liger")
+    if choice == "liger":
+        _check_liger_runs(LOSS_KEY, device_type, tp_size)
+    return choice
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,7 +6,8 @@ every model of that family built or run later in the process runs liger too. Her
     RMSNorm  each norm module of the model is replaced (in its parent) by a `LigerRMSNorm` holding the same
              Parameter, so state-dict names, FSDP units and checkpoints are unchanged;
     SwiGLU   each gated MLP instance gets a forward whose silu(gate) * up is one kernel (its own Linear layers,
-             LoRA and all, still run);
+             LoRA and all, still run; bound through veomni.compat's `bind_instance_method`, the parity test of
+             tests/test_kernels.py is its canary: the transformers MLP must still be down(act(gate(x)) * up(x)));
     RoPE     each attention instance gets its class's forward with the modeling-file function
              `apply_rotary_pos_emb` (`_vision` in vision towers) meaning liger's
              (veomni.compat.transformers.bind_forward_with_global).
@@ -24,7 +25,7 @@ from typing import Callable, Dict
 import torch
 from torch import nn
 
-from ...compat.transformers import bind_forward_with_global, forward_calls_global
+from ...compat.transformers import bind_forward_with_global, bind_instance_method, forward_calls_global
 
 # modeling files whose RMSNorm / gated MLP / RoPE match liger's kernels (parity-tested in tests/test_kernels.py)
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl")
@@ -81,7 +82,7 @@ def bind_liger(model: nn.Module) -> Dict[str, int]:
     ropes = _liger_ropes()
     for module in model.modules():
         if is_swiglu_mlp(module):
-            module.forward = swiglu_mlp_forward.__get__(module)
+            bind_instance_method(module, "forward", swiglu_mlp_forward.__get__(module))
             counts["swiglu"] += 1
         elif _in_family(module) and type(module).__name__.endswith("Attention"):
             for global_name, kernel in ropes.items():

@@ -1,23 +1,22 @@
-"""liger-kernel's fused linear cross-entropy with the contract of `veomni.ops.loss.chunked_head_loss_sum`.
+"""liger-kernel's fused linear cross-entropy as a head-loss backend of `veomni.ops.loss.CausalLMLoss`
+(`model.ops_implementation.loss_implementation: liger`, registered as "liger" by veomni.ops.kernels).
 
-    liger_head_loss_sum(head, hidden, labels, chunk_size, labels_shifted=False) -> (summed loss, loss tokens)
+    liger_linear_cross_entropy_sum(head, hidden [N, H], targets [N], chunk_size) -> summed fp32 loss
 
-Same inputs, same outputs, same IGNORE_INDEX (-100) and shift rule, so the loss module can take either backend.
-Like the chunked loss, the head's gradients are computed in forward chunk by chunk and the full logits never
-exist; liger's Triton kernel fuses softmax, loss and logits gradient in place of the chunk's logits. Its chunk is
-chosen by liger's memory rule (transient logits <= C x tokens x hidden); `chunk_size` bounds it from above (C is
-derived from it). Gradients accumulate in fp32 (`accum_dtype`), as the chunked loss does.
+It gets what every head-loss backend gets (`chunked_head_loss_sum`): only the rows that have a target, the head's
+parameters gathered. Like the chunked loss, the head's gradients are computed in forward chunk by chunk and the full
+logits never exist; liger's Triton kernel fuses softmax, loss and logits gradient in place of the chunk's logits. Its
+chunk is chosen by liger's memory rule (transient logits <= C x tokens x hidden); `chunk_size` bounds it from above
+(C is derived from it). Gradients accumulate in fp32 (`accum_dtype`), as the chunked loss does.
 Not for a tensor-parallel head (a DTensor weight) or a head that is not a plain nn.Linear: ValueError.
 On CUDA liger reads the number of loss tokens on the host (one sync per call, inside liger).
 """
-
-from typing import Tuple
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..loss import IGNORE_INDEX, _next_token_targets
+from ..loss import IGNORE_INDEX
 
 
 def _chunk_mem_const(tokens: int, hidden: int, vocab: int, chunk_size: int) -> int:
@@ -26,10 +25,10 @@ def _chunk_mem_const(tokens: int, hidden: int, vocab: int, chunk_size: int) -> i
     return max(1, (vocab * max(chunk_size, 1)) // max(hidden * tokens, 1))
 
 
-def liger_head_loss_sum(
-    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int, labels_shifted: bool = False
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`causal_lm_loss_sum(head(hidden), labels)` through liger's fused linear cross-entropy (summed, fp32)."""
+def liger_linear_cross_entropy_sum(
+    head: nn.Module, flat: torch.Tensor, targets: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """sum_i CE(head(hidden_i), targets_i) through liger's fused linear cross-entropy (fp32)."""
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     if not isinstance(head, nn.Linear) or isinstance(head.weight, DTensor):
@@ -37,16 +36,8 @@ def liger_head_loss_sum(
             f"liger's fused linear cross-entropy takes a plain nn.Linear head, not {type(head).__name__}"
             f"{' with a DTensor weight (tensor parallel)' if isinstance(head, nn.Linear) else ''}: use the chunked loss"
         )
-    labels = labels.to(hidden.device)
-    targets = (labels if labels_shifted else _next_token_targets(labels)).reshape(-1)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    # only positions with a target reach the head (as in chunked_head_loss_sum: prompts and image tokens of SFT
-    # are most of a row, and their rows would add exactly 0)
-    keep = torch.nonzero(targets != IGNORE_INDEX).squeeze(1)
-    flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
-    tokens = (targets != IGNORE_INDEX).sum()
     if flat.shape[0] == 0:  # nothing to predict here: a zero that still reaches the head's parameters
-        return (flat.sum() + head.weight.sum() * 0).float(), tokens
+        return (flat.sum() + head.weight.sum() * 0).float()
     weight, bias = head.weight, head.bias
     device_type = flat.device.type
     if torch.is_autocast_enabled(device_type):  # the head runs in the compute dtype, as F.linear would under autocast
@@ -76,4 +67,4 @@ def liger_head_loss_sum(
     )
     if isinstance(loss, tuple):  # liger returns (loss, z_loss, accuracy, predicted tokens)
         loss = loss[0]
-    return loss.float(), tokens
+    return loss.float()
