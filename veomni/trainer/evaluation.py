@@ -44,7 +44,7 @@ class EvaluationMixin:
         skip = ("dataloader", "mm_configs", "train_path", "datasets_type")
         data = {k: v for k, v in vars(args.data).items() if k not in skip}
         self.eval_dataset = build_dataset(
-            dataset_name="mapping", train_path=args.data.eval_path, transform=self.build_transform(),
+            dataset_name="mapping", train_path=args.data.eval_path, transform=self.build_data_transform(),
             seed=args.train.seed, **data,
         )  # fmt: skip
         self._eval_collate = MainCollator(max_seq_len=args.data.max_seq_len, **self.collate_fn_kwargs())
