@@ -13,10 +13,14 @@ from helpers import REPO, document_starts, token_loader, torchrun, write_token_d
 from veomni.data import build_dataset
 from veomni.data.data_transform import process_pretrain_example
 from veomni.data.dataset import MappingDataset
-from veomni.data.readers import read_all_records
 
 MAX_LEN = 48
 CALLS = []  # records each counting transform saw (module level: a test's transform keeps one fingerprint)
+
+
+def read_all_records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def counting_transform(example, max_seq_len):
@@ -49,8 +53,8 @@ def test_second_run_maps_the_cache_and_batches_equal_the_in_memory_dataset(data)
     again = _dataset(path, cache)
     assert _batches(again) == first and CALLS == []  # the second run only maps the cache
     assert again.cache.token_mode and len(again) == 150
-    records, locations = read_all_records([path])
-    memory = MappingDataset(records, locations, partial(counting_transform, max_seq_len=MAX_LEN), seed=5)
+    records = read_all_records(path)  # the same records as a user's map-style dataset (its cache serves this run)
+    memory = MappingDataset(records, partial(counting_transform, max_seq_len=MAX_LEN), seed=5, cache_dir=cache)
     for dyn in (True, False):
         assert _batches(_dataset(path, cache), dyn) == _batches(memory, dyn), dyn
     stored = sorted(os.listdir(again.cache.folder))
@@ -146,7 +150,7 @@ def test_start_of_each_document_survives_the_round_trip(data):
     dataset = _dataset(path, cache, max_seq_len=16)
     n = len(dataset)
     pieces = [dataset[r] for r in range(n)]
-    records, _ = read_all_records([path])
+    records = read_all_records(path)
     for record, samples in zip(records, pieces):
         joined = [t for s in samples for t in s["input_ids"].tolist()]
         assert joined[: len(record["input_ids"])] == record["input_ids"][: len(joined)]

@@ -63,7 +63,7 @@ def _transform(config, *cli):
 
     trainer = TextTrainer.__new__(TextTrainer)
     trainer.args, trainer.is_main = parse_args(VeOmniArguments, [config, *cli]), True
-    return trainer, trainer.build_transform()
+    return trainer, trainer.build_data_transform()
 
 
 class _Captured(logging.Handler):
@@ -109,7 +109,7 @@ def test_conversations_default_to_the_tokenizers_own_template_real_qwen3(tmp_pat
 def test_preview_marks_exactly_the_assistant_tokens_of_real_qwen3(tmp_path, qwen3, think_loss):
     """Trap 6: what carries loss is shown: the marked text is exactly each assistant turn as Qwen3 renders it with
     its end-of-turn token, its <think> block (also the empty one) marked or not as data.think_loss says."""
-    from veomni.data.preview import loss_flags, marked_spans, render_sample
+    from veomni.trainer.preview import loss_flags, marked_spans, render_sample
 
     config = _config(str(tmp_path), qwen3, [{"messages": NO_REASONING}])
     trainer, transform = _transform(config, "--data.think_loss", think_loss)
@@ -148,7 +148,7 @@ def test_preview_command_shows_samples_packing_and_steps_without_a_model(tmp_pat
 def test_alpaca_records_train_the_output_only(tmp_path, qwen3):
     """Trap 9: an Alpaca record is one user turn (instruction, input; system prompt kept) and the output is all
     that carries loss; data.last_turn_only and data.over_length are config keys."""
-    from veomni.data.preview import marked_spans, render_sample
+    from veomni.trainer.preview import marked_spans, render_sample
 
     record = {"system": "Be exact.", "instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}
     config = _config(str(tmp_path), qwen3, [record])
@@ -183,16 +183,16 @@ def test_missing_alpaca_field_names_the_record_and_the_fields(tmp_path, qwen3):
 
 
 def test_first_sample_is_logged_marked_at_the_start_of_a_run(tmp_path, qwen3):
-    from veomni.data.preview import log_first_sample
+    from veomni.trainer.preview import log_first_sample
 
     config = _config(str(tmp_path), qwen3, [{"messages": NO_REASONING}])
     trainer, _ = _transform(config, "--data.cache_dir", str(tmp_path / "cache"))
     trainer.train_dataset = trainer.build_dataset()
-    log = _captured("veomni.data.preview")
+    log = _captured("veomni.trainer.preview")
     try:
         log_first_sample(trainer)
     finally:
-        logging.getLogger("veomni.data.preview").removeHandler(log)
+        logging.getLogger("veomni.trainer.preview").removeHandler(log)
     [(level, message)] = log.lines
     assert "first sample (" in message and "data.jsonl:1" in message
     assert "[[<think>\n\n</think>\n\nParis.<|im_end|>]]" in message

@@ -2,7 +2,7 @@
 
 A jsonl location used to be counted from the file's start for every record a reader yielded mid-file (a unit of
 another reader, a shuffled unit, a resume): 5x the records made each token 4x dearer. Here the whole loader path
-(StreamingDataset -> SlotStream -> micro-batches) reads 500 and then 5,000 records, on 1 rank and on 2 ranks, and
+(IterativeDataset -> SlotStream -> micro-batches) reads 500 and then 5,000 records, on 1 rank and on 2 ranks, and
 counts, per record yielded, the work done: bytes pulled from the data file (every `open` of it, whoever opens it),
 records parsed, and function calls (Python and C, as sys.setprofile sees them). Each must stay flat from the small
 data to the 10x larger one. Made to fail on purpose (readers.py, then restored): the line number counted from the

@@ -13,6 +13,7 @@ same_batches   every world size trains on one process's global batches (rank r t
                `same_batches:fsdp2,ddp` trains once per mode in this launch, into <output_dir>/<mode>
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -141,17 +142,17 @@ class SameGlobalBatches(TextTrainer):
     alone (how the real loader deals data out over ranks is tested in test_data_loader.py)."""
 
     def build_dataloader(self):
-        real, dp = text_trainer_module.build_dataloader, self.parallel_state.dp_size
+        real, dp = text_trainer_module.build_loader, self.parallel_state.dp_size
 
-        def one_process_loader(**kwargs):
-            kwargs.update(dataloader_batch_size=kwargs["dataloader_batch_size"] * dp, dp_rank=0, dp_size=1)
-            return real(**kwargs)
+        def one_process_loader(dataset, collate_fn, batching, dp_rank, dp_size, **kwargs):
+            batching = dataclasses.replace(batching, dataloader_batch_size=batching.dataloader_batch_size * dp)
+            return real(dataset, collate_fn, batching, 0, 1, **kwargs)
 
-        text_trainer_module.build_dataloader = one_process_loader
+        text_trainer_module.build_loader = one_process_loader
         try:
             return RankShare(super().build_dataloader(), self.parallel_state.dp_rank, dp)
         finally:
-            text_trainer_module.build_dataloader = real
+            text_trainer_module.build_loader = real
 
 
 def crash_in_the_middle_of_step_20():

@@ -1,22 +1,21 @@
-"""`build_dataloader`: sharded, shuffled, packed micro-batches; `next()` returns one optimizer step's worth.
+"""The loader: sharded, shuffled, packed micro-batches; `next()` returns one optimizer step's worth.
 
-The pipeline per data-parallel rank (and per worker):
-    record order (seeded per epoch) -> rank/worker shard -> transform -> micro-batcher -> MainCollator
-The micro-batcher fills each micro-batch either with `micro_batch_size` samples or, with dyn_bsz, with as many
-samples as fit in a token budget of `micro_batch_size * max_seq_len` (chosen first-fit from a buffer, so
-micro-batches come out nearly full). Its state is a handful of integers plus the buffered sample ids, so a
-resumed run reproduces exactly the batches the uninterrupted run would have seen.
+One path per kind of data:
+- sized (MappingDataset, InterleavedMappingDataset, and any user map-style dataset, which becomes a MappingDataset
+  over the same memory-mapped sample cache): GlobalBatchStream (global_batches.py);
+- streamed (IterativeDataset, InterleavedIterableDataset, and any user iterable): SlotStream (streamed_batches.py).
+Either way the global batches do not depend on the world size, and the loader state resumes exactly.
+
+`build_loader` takes what it needs explicitly (the trainer calls it); `build_dataloader` is the seed's call, one
+adapter over it that derives those from the seed's arguments and the parallel state.
 """
 
 import copy
-import itertools
-import logging
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
 
 from ..compat.torchdata import (
     IteratorSlotLoader,
@@ -24,154 +23,107 @@ from ..compat.torchdata import (
     keep_unstarted_iterator_state,
     shutdown_iterator_workers,
 )
-from ..utils.logging import get_logger
-from .cached_dataset import CachedSampleIndex, cached_sources
 from .data_collator import MainCollator
-from .dataset import samples_many, shuffled_shard_keys
-from .global_batches import BatchingStream, GlobalBatchStream, SampleIndex, first_fit
-from .streamed_batches import SlotStream, is_end_marker, reshard_slot_states, supports_slots
+from .global_batches import Batching, GlobalBatchStream
+from .mapping import MappingDataset
+from .streamed_batches import SlotStream, is_end_marker, reshard_slot_states
 
-logger = get_logger(__name__)
 # torchdata's loader calls a torch API that torch has deprecated, on every iter(): nothing a user can act on
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
-class _MapStyle:
-    """A user's map-style dataset seen through the resumable protocol (keys are indices)."""
-
-    def __init__(self, dataset, seed: int, shuffle: bool):
-        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
-
-    def iter_keys(self, epoch, shard, num_shards, state):
-        return shuffled_shard_keys(len(self.dataset), self.seed, epoch, self.shuffle, shard, num_shards, state)
-
-    def samples(self, key):
-        return _as_list(self.dataset[key[0]])
-
-
-class _PlainIterable:
-    """A user's iterable dataset without keys or state: shard by position. A resume re-iterates the dataset from
-    its start and skips what was consumed (so it must be re-iterable and yield the same items in order)."""
-
-    def __init__(self, dataset):
-        self.dataset, self._items, self._expected = dataset, {}, set()
-
-    def expect(self, keys) -> None:
-        """Keys of a resumed buffer: keep their items while skipping ahead."""
-        self._expected |= set(keys)
-
-    def iter_keys(self, epoch, shard, num_shards, state):
-        state.setdefault("count", 0)
-        resume_at, i = state["count"], -1
-        for i, item in enumerate(self.dataset):
-            if i < resume_at:
-                if (i,) in self._expected:
-                    self._items[(i,)] = item
-                continue
-            state["count"] = i + 1
-            if i % num_shards == shard:
-                self._items[(i,)] = item
-                yield (i,)
-        if i + 1 < resume_at:
-            raise RuntimeError(
-                f"cannot resume {type(self.dataset).__name__}: it yielded {i + 1} items, fewer than the {resume_at} "
-                "already consumed. A plain IterableDataset is resumed by iterating it again from the start and "
-                "skipping; make it re-iterable in the same order, or give it iter_keys/samples (see dataset.py)"
-            )
-
-    def samples(self, key):
-        return _as_list(self._items.pop(tuple(key)))
+def build_loader(
+    dataset,
+    collate_fn: Callable,
+    batching: Batching,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: Optional[int] = None,
+    seed: int = 42,
+    shuffle: bool = True,
+) -> "MicroBatchLoader":
+    """A stateful loader of `dataset` for data-parallel rank `dp_rank` of `dp_size`; `next()` is a list of
+    `batching.dataloader_batch_size` collated micro-batches. `seed` and `shuffle` apply to a user's map-style
+    dataset (ours carry their own). Collective for sized data (its sample cache is opened or built here)."""
+    if is_user_map_style(dataset):
+        dataset = MappingDataset(dataset, seed=seed, shuffle=shuffle, name=type(dataset).__name__)
+    if hasattr(dataset, "epoch_order"):  # sized: global batches from the sample cache
+        dataset.prepare()
+        stream = GlobalBatchStream(dataset, collate_fn, batching, dp_rank, dp_size)
+    else:  # streamed: one sub-stream per micro-batch slot of a step
+        stream = SlotStream(dataset, collate_fn, batching, dp_rank, dp_size, num_workers)
+    extra = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor else {}
+    return MicroBatchLoader(
+        stream,
+        batch_size=batching.dataloader_batch_size,
+        collate_fn=_list_of_micro_batches,
+        num_workers=num_workers,
+        drop_last=batching.drop_last,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        **extra,
+    )
 
 
-def as_resumable(dataset, seed: int = 42, shuffle: bool = True):
-    if hasattr(dataset, "iter_keys") and hasattr(dataset, "samples"):
-        return dataset
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        return _MapStyle(dataset, seed, shuffle)
-    return _PlainIterable(dataset)
+def is_user_map_style(dataset) -> bool:
+    """A map-style dataset of the user's (`len` and `[i]`, not one of ours, not an IterableDataset)."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, IterableDataset) or hasattr(dataset, "epoch_order"):
+        return False
+    return hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
 
 
-class MicroBatchStream(BatchingStream):
-    """Yields collated micro-batches for one shard (data-parallel rank x worker) of a dataset."""
-
-    def __init__(self, dataset, collate_fn: Callable, seed: int, shuffle: bool = True, **batching):
-        super().__init__(collate_fn, **batching)
-        self.source = as_resumable(dataset, seed, shuffle)
-        self.read_ahead = 64
-
-    # ---------------------------------------------------------------------------------------- iteration
-    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
-        info = get_worker_info()
-        worker_id, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        return self._micro_batches(worker_id, num_workers, self.collate_fn)
-
-    def _micro_batches(self, worker_id: int, num_workers: int, collate_fn: Callable) -> Iterator[Any]:
-        """The batching plan of one worker; `count_loader_steps` runs it with a collate that only counts."""
-        shard, num_shards = worker_id * self.dp_size + self.dp_rank, num_workers * self.dp_size
-        state = {"epoch": self.epoch, "source": {}, "buffer": [], "produced": 0, "skipped": 0, "empty": 0}
-        state.update(samples=0, group=0, dropped=0)
-        if self._resume is not None and self._resume.get("epoch") == self.epoch:
-            state.update(self._resume)
-        self._resume = None
-        self._state = state
-        source = self.source
-        # the source's counters run over its lifetime: the state holds this epoch's share
-        base = {c: getattr(source, c, 0) - state[c] for c in ("skipped", "empty")}
-        buffer = state["buffer"]  # entries: [*key, piece index, length]
-        if buffer and hasattr(source, "expect"):
-            source.expect({tuple(e[:-2]) for e in buffer})  # a resumed buffer: its records must be read again
-        keys = source.iter_keys(self.epoch, shard, num_shards, state["source"])
-        cache: Dict[Tuple[int, ...], List[Dict[str, Any]]] = {}
-
-        def pieces(key):
-            if key not in cache:
-                cache[key] = source.samples(key)
-            return cache[key]
-
-        while True:
-            exhausted = False
-            while len(buffer) < self.buffer_size and not exhausted:
-                chunk = list(itertools.islice(keys, self.read_ahead))  # many records per (batched) transform
-                exhausted = len(chunk) < self.read_ahead
-                for key, samples in zip(chunk, samples_many(source, chunk)):
-                    cache[key] = samples
-                    buffer.extend([*key, k, len(p["input_ids"])] for k, p in enumerate(samples))
-            for c in base:
-                state[c] = getattr(source, c, 0) - base[c]
-            short = exhausted and self.drop_last and not self.dyn_bsz and len(buffer) < self.micro_batch_size
-            if not buffer or short:
-                # what drop_last leaves out: a short micro-batch, and the micro-batches of an incomplete step
-                # (the DataLoader drops those): counted in the state, reported by `data_report`
-                state["dropped"] = (len(buffer) + state["group"]) if self.drop_last else 0
-                state["samples"] -= state["group"] if self.drop_last else 0  # never handed out
-                buffer.clear()
-                state["group"] = 0
-                if state["dropped"]:
-                    logger.warning(f"drop_last: {state['dropped']} samples of the epoch's last batch left out")
-                return
-            step = self.first_step + (state["produced"] // self.dataloader_batch_size) * num_workers + worker_id
-            chosen = self._choose(buffer, self._token_budget(step))
-            picked = [buffer[i] for i in chosen]
-            for i in reversed(chosen):
-                del buffer[i]
-            samples = [pieces(tuple(e[:-2]))[e[-2]] for e in picked]
-            live = {tuple(e[:-2]) for e in buffer}
-            for key in [k for k in cache if k not in live]:
-                del cache[key]
-            state["produced"] += 1
-            state["samples"] += len(samples)
-            full_step = state["produced"] % self.dataloader_batch_size == 0
-            state["group"] = 0 if full_step else state["group"] + len(samples)
-            yield collate_fn(samples)
-
-    def _choose(self, buffer: List[List[int]], budget: int) -> List[int]:
-        if not self.dyn_bsz:
-            return list(range(min(self.micro_batch_size, len(buffer))))
-        return first_fit((entry[-1] for entry in buffer), budget)  # entries end with the sample's length
-
-
-def _as_list(item) -> List[Dict[str, Any]]:
-    return item if isinstance(item, list) else [item]
+def build_dataloader(
+    dataloader_type: str = "native",
+    dataset=None,
+    micro_batch_size: int = 1,
+    global_batch_size: Optional[int] = None,
+    dataloader_batch_size: int = 1,
+    max_seq_len: int = 2048,
+    train_steps: int = 0,
+    dyn_bsz: bool = True,
+    bsz_warmup_ratio: float = 0.0,
+    bsz_warmup_init_mbtoken: int = 200,
+    dyn_bsz_buffer_size: int = 200,
+    num_workers: int = 0,
+    drop_last: bool = True,
+    pin_memory: bool = False,
+    prefetch_factor: Optional[int] = None,
+    seed: int = 42,
+    build_collate_fn: bool = True,
+    collate_fn_kwargs: Optional[Dict[str, Any]] = None,
+    collate_fn: Optional[Callable] = None,
+    dp_rank: Optional[int] = None,
+    dp_size: Optional[int] = None,
+    shuffle: bool = True,
+) -> "MicroBatchLoader":
+    """The seed's call (its argument names), over `build_loader`: this rank's data-parallel place from the parallel
+    state unless given, `global_batch_size` -> micro-batches per rank, the warmup's length from `train_steps *
+    bsz_warmup_ratio`, and MainCollator(`collate_fn_kwargs`, the parallel state's Ulysses group) unless a
+    `collate_fn` is given."""
+    if dataloader_type != "native":
+        raise ValueError(f"unknown dataloader type {dataloader_type!r}; only 'native' exists")
+    if dp_rank is None or dp_size is None:  # the seed's call gives neither: this rank's place in the parallel state
+        dp_rank, dp_size = _data_parallel_place()
+    if collate_fn is None:
+        if not build_collate_fn:
+            raise ValueError("build_collate_fn=False needs an explicit collate_fn")
+        collate_fn = MainCollator(max_seq_len=max_seq_len, **_with_sequence_parallel(collate_fn_kwargs or {}))
+    batching = Batching(
+        micro_batch_size=micro_batch_size,
+        max_seq_len=max_seq_len,
+        dataloader_batch_size=_slots_per_rank(global_batch_size, micro_batch_size, dataloader_batch_size, dp_size),
+        dyn_bsz=dyn_bsz,
+        buffer_size=dyn_bsz_buffer_size,
+        warmup_steps=int(train_steps * bsz_warmup_ratio),
+        warmup_init_tokens=bsz_warmup_init_mbtoken,
+        drop_last=drop_last,
+    )
+    return build_loader(
+        dataset, collate_fn, batching, dp_rank, dp_size, num_workers, pin_memory, prefetch_factor, seed, shuffle
+    )
 
 
 def _list_of_micro_batches(micro_batches):
@@ -179,79 +131,14 @@ def _list_of_micro_batches(micro_batches):
 
 
 def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: int, produced: int) -> Dict[str, Any]:
-    """Loader states saved by the ranks of another data-parallel size -> the state for `dp_rank` of `dp_size`.
-
-    Exact for map-style data without workers: records are dealt out strided, so what all old ranks consumed is
-    a prefix of the epoch's order, which the new ranks continue from (buffered, unconsumed records are re-read).
-    """
-    if _has_global_position(states[0]):  # a global position is the same on every rank: valid for any world size
+    """Loader states saved by the ranks of another data-parallel size -> the state for `dp_rank` of `dp_size`:
+    a global position (sized data) is the same on every rank; streamed slots each go to their slot's new rank.
+    (`produced`, the micro-batches this rank's epoch has yielded, is kept for callers of the earlier signature.)"""
+    if _has_key(states[0], "global_position"):
         return copy.deepcopy(states[0])
-    if _has_key(states[0], "slot_streams"):  # streamed slots: each sub-stream goes to its slot's new rank
+    if _has_key(states[0], "slot_streams"):
         return reshard_slot_states(states, dp_rank, dp_size)
-    datasets = [s.get("dataset_state") for s in states]
-    if any(not d or "cursor" not in d.get("source", {}) for d in datasets):
-        raise NotImplementedError("the data position can only be resharded for map-style data without workers")
-    consumed = min(d["source"]["cursor"] - len({tuple(e[:-2]) for e in d["buffer"]}) for d in datasets)
-    prefix = consumed * len(states)
-    if prefix % dp_size:
-        logger.warning(f"{prefix} consumed records do not split evenly over {dp_size} ranks: a few repeat")
-    new = copy.deepcopy(states[0])
-    new["dataset_state"] = {
-        "epoch": datasets[0]["epoch"],
-        "source": {"cursor": prefix // dp_size},
-        "buffer": [],
-        "produced": produced,
-        "skipped": 0,
-    }
-    return new
-
-
-def count_loader_steps(loader, limit: Optional[int] = None) -> Optional[int]:
-    """Batches (optimizer steps) this rank's loader yields in the current epoch; None when it cannot tell.
-
-    A dry run of the loader's own plan, so the count is exact whatever the packing: every record of this rank's
-    share is read and transformed, micro-batches are chosen exactly as in training, nothing is collated. Only for
-    sized (map-style) data; streamed data would have to be read to its end. Leaves the loader's state untouched.
-    With `limit`, stops once that many steps are certain (and returns `limit`).
-    """
-    stream = getattr(loader, "dataset", None)
-    if not isinstance(stream, MicroBatchStream):
-        return None
-    try:
-        len(stream.source.dataset if isinstance(stream.source, _MapStyle) else stream.source)
-    except TypeError:
-        return None
-    saved = stream._state, stream._resume
-    # bad samples are counted (and warned about) once, in training: silence and rewind the dry run's counting
-    counters = [vars(d) for d in (stream.source, *getattr(stream.source, "sources", ()))]
-    skipped = [c.get("skipped") for c in counters]
-    quiet = logging.getLogger("veomni.data.dataset")
-    level = quiet.level
-    workers, per_batch = max(loader.num_workers, 1), stream.dataloader_batch_size
-    steps = 0
-    try:
-        stream._resume = None
-        quiet.setLevel(logging.ERROR)
-        for worker in range(workers):  # each worker batches its own micro-batches, as the DataLoader does
-            n = 0
-            for _ in stream._micro_batches(worker, workers, len):
-                n += 1
-                if limit and steps + n // per_batch >= limit:
-                    return limit
-            steps += n // per_batch if loader.drop_last else -(-n // per_batch)
-    finally:
-        quiet.setLevel(level)
-        stream._state, stream._resume = saved
-        for counter, value in zip(counters, skipped):
-            if value is None:
-                counter.pop("skipped", None)
-            else:
-                counter["skipped"] = value
-    return steps
-
-
-def _has_global_position(node) -> bool:
-    return _has_key(node, "global_position")
+    raise NotImplementedError("this data position cannot be resharded (a loader state of an earlier version)")
 
 
 def _has_key(node, key: str) -> bool:
@@ -297,6 +184,10 @@ class MicroBatchLoader(IteratorSlotLoader):
         self.epoch_ended = False
         return _UntilEndMarker(iterator, self) if isinstance(self.stream, SlotStream) else iterator
 
+    def set_warmup_steps(self, steps: int) -> None:
+        """The token-budget warmup's length in steps (known once the run's steps are counted)."""
+        self.stream.warmup_steps = steps
+
     def close(self) -> None:
         """Stop the current iterator's worker processes now. `state_dict()` still gives the position reached; a
         later `iter()` starts the next epoch (or resumes a loaded state) with new workers."""
@@ -307,9 +198,12 @@ class MicroBatchLoader(IteratorSlotLoader):
         self.stream.set_epoch(epoch, first_step)
 
     def num_batches(self, limit: Optional[int] = None) -> Optional[int]:
-        """Optimizer steps in an epoch (the same on every rank): the global plan's length for sized data, a dry run
-        of the micro-batch plan otherwise (None for streamed data, whose length is unknown)."""
-        return _num_batches(self, self.stream, limit)
+        """Optimizer steps in the epoch set by `set_epoch` (the same on every rank): the global plan's length for
+        sized data, None for streamed data (whose length is unknown until it is read); at most `limit`."""
+        if not isinstance(self.stream, GlobalBatchStream):
+            return None
+        steps = self.stream.num_steps()
+        return min(steps, limit) if limit else steps
 
 
 class _UntilEndMarker:
@@ -380,91 +274,3 @@ def _with_sequence_parallel(collate_fn_kwargs: Dict[str, Any]) -> Dict[str, Any]
     if state is None:
         return collate_fn_kwargs
     return dict(collate_fn_kwargs, sp_size=state.sp_size, sp_rank=state.sp_rank)
-
-
-def build_dataloader(
-    dataloader_type: str = "native",
-    dataset=None,
-    micro_batch_size: int = 1,
-    global_batch_size: Optional[int] = None,
-    dataloader_batch_size: int = 1,
-    max_seq_len: int = 2048,
-    train_steps: int = 0,
-    dyn_bsz: bool = True,
-    bsz_warmup_ratio: float = 0.0,
-    bsz_warmup_init_mbtoken: int = 200,
-    dyn_bsz_buffer_size: int = 200,
-    num_workers: int = 0,
-    drop_last: bool = True,
-    pin_memory: bool = False,
-    prefetch_factor: Optional[int] = None,
-    seed: int = 42,
-    build_collate_fn: bool = True,
-    collate_fn_kwargs: Optional[Dict[str, Any]] = None,
-    collate_fn: Optional[Callable] = None,
-    dp_rank: Optional[int] = None,
-    dp_size: Optional[int] = None,
-    shuffle: bool = True,
-) -> MicroBatchLoader:
-    """A stateful loader whose `next()` is a list of `dataloader_batch_size` collated micro-batches."""
-    if dataloader_type != "native":
-        raise ValueError(f"unknown dataloader type {dataloader_type!r}; only 'native' exists")
-    if dp_rank is None or dp_size is None:  # the seed's call gives neither: this rank's place in the parallel state
-        dp_rank, dp_size = _data_parallel_place()
-    dataloader_batch_size = _slots_per_rank(global_batch_size, micro_batch_size, dataloader_batch_size, dp_size)
-    if collate_fn is None:
-        if not build_collate_fn:
-            raise ValueError("build_collate_fn=False needs an explicit collate_fn")
-        collate_fn = MainCollator(max_seq_len=max_seq_len, **_with_sequence_parallel(collate_fn_kwargs or {}))
-    batching = dict(  # the same plan for both streams
-        micro_batch_size=micro_batch_size,
-        max_seq_len=max_seq_len,
-        dataloader_batch_size=dataloader_batch_size,
-        dyn_bsz=dyn_bsz,
-        buffer_size=dyn_bsz_buffer_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        warmup_steps=int(train_steps * bsz_warmup_ratio),
-        warmup_init_tokens=bsz_warmup_init_mbtoken,
-        drop_last=drop_last,
-    )
-    if is_sized(dataset):  # global batches independent of the world size (see global_batches.py)
-        sources = cached_sources(dataset)
-        if sources is not None:  # samples in an on-disk cache every rank maps (built here on first use)
-            index = CachedSampleIndex(dataset, sources)
-        else:  # a user's own map-style data: transformed once, here, so that loader workers inherit the samples
-            index = SampleIndex(as_resumable(dataset, seed, shuffle))
-        index.order(0)
-        stream = GlobalBatchStream(index, collate_fn, **batching)
-    elif supports_slots(dataset):  # streamed files: global batches independent of the world size too
-        stream = SlotStream(dataset, collate_fn, num_workers, **batching)
-    else:  # a user's plain iterable: read in turn by the ranks and workers
-        stream = MicroBatchStream(dataset, collate_fn, seed=seed, shuffle=shuffle, **batching)
-    extra = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor else {}
-    return MicroBatchLoader(
-        stream,
-        batch_size=dataloader_batch_size,
-        collate_fn=_list_of_micro_batches,
-        num_workers=num_workers,
-        drop_last=drop_last,
-        pin_memory=pin_memory and torch.cuda.is_available(),
-        **extra,
-    )
-
-
-def is_sized(dataset) -> bool:
-    """Map-style, pre-tokenised and interleaved-mapping data: records that can all be indexed up front."""
-    if isinstance(dataset, IterableDataset) and not hasattr(dataset, "iter_keys"):
-        return False  # a user's plain iterable dataset
-    try:
-        len(dataset)
-    except TypeError:  # streamed sources have no length
-        return False
-    return hasattr(dataset, "__getitem__") or hasattr(dataset, "iter_keys")
-
-
-def _num_batches(loader, stream, limit: Optional[int] = None) -> Optional[int]:
-    if hasattr(stream, "num_steps"):
-        steps = stream.num_steps()
-        return min(steps, limit) if limit else steps
-    return count_loader_steps(loader, limit)

@@ -2,15 +2,15 @@
 are a function of the data, the seed and the batch shape only -- not of the world size or the number of workers.
 
 Design, and why:
-1. Split records into samples first, once: every record in the epoch's seeded record order (one global order, as
-   one process sees it) is transformed, and a long document becomes its consecutive pieces. This is the *global
-   sample order*; it does not depend on who reads it. (Sharding records before the transform, as streaming does,
-   makes a rank's share depend on how many pieces its records split into: 1 and 2 processes then train on
-   different global batches.) Samples are kept compactly (int32 arrays), so each record is transformed once.
+1. Split records into samples first, once: every record is transformed into the dataset's sample cache (mapping.py),
+   and a long document becomes its consecutive pieces. The epoch's seeded record order (one global order, as one
+   process sees it) with each record's pieces in place is the *global sample order*; it does not depend on who
+   reads it. (Sharding records before the transform, as streaming does, makes a rank's share depend on how many
+   pieces its records split into: 1 and 2 processes then train on different global batches.)
 2. Cut the global order into micro-batches with a rule every rank computes identically: `micro_batch_size`
    samples each, or with dyn_bsz first-fit into a token budget of `micro_batch_size * max_seq_len` (from a buffer
    of `dyn_bsz_buffer_size` samples; lengths are known from step 1, so this is cheap). Samples reach the collate
-   function with int64 numpy arrays where the transform gave lists of ints.
+   function as the cache holds them (int64 numpy arrays for token fields).
 3. A global step is the next `global_batch_size / micro_batch_size` micro-batches (= dp_size * dataloader_batch_size);
    rank r takes micro-batches [r * a, (r+1) * a) of it, a = dataloader_batch_size. Loader worker w produces the
    global steps w, w + W, ...; the DataLoader's round robin over workers returns them in order.
@@ -25,64 +25,29 @@ drop_last, they are dropped and counted (`dropped_samples(loader)`).
 """
 
 import copy
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .dataset import samples_many
 
-Key = Tuple[int, ...]
+@dataclass
+class Batching:
+    """How micro-batches are cut, the same for both streams. A global step is `dp_size * dataloader_batch_size`
+    micro-batches of `micro_batch_size` samples, or with `dyn_bsz` of up to `micro_batch_size * max_seq_len` tokens
+    (first-fit from a buffer of `buffer_size` samples; over the first `warmup_steps` steps the budget rises from
+    `warmup_init_tokens`)."""
 
-
-def _compact(sample: Dict[str, Any]) -> Dict[str, Any]:
-    out = {}
-    for k, v in sample.items():
-        if isinstance(v, list) and v and all(isinstance(x, int) for x in v[:4]):
-            v = np.asarray(v, dtype=np.int32)  # token ids fit; a quarter of a Python list's memory
-        out[k] = v
-    return out
-
-
-def _expand(sample: Dict[str, Any]) -> Dict[str, Any]:
-    """Token lists come back as int64 numpy arrays: the collator turns them into tensors without a copy per
-    element (lists cost more than the tokenizer's share of the time on raw text)."""
-    return {k: v.astype(np.int64) if isinstance(v, np.ndarray) else v for k, v in sample.items()}
-
-
-class SampleIndex:
-    """The transformed samples of every record of a resumable source, and each epoch's global sample order."""
-
-    def __init__(self, source, chunk: int = 512):
-        self.source, self.chunk = source, chunk
-        self._samples: Dict[Key, List[Dict[str, Any]]] = {}
-        self._order: Dict[int, Tuple[List[Tuple[Key, int]], List[int]]] = {}
-
-    def order(self, epoch: int) -> Tuple[List[Tuple[Key, int]], List[int]]:
-        """`(entries, lengths)`: (record key, piece) of every sample of the epoch in global order, and lengths."""
-        if epoch not in self._order:
-            keys = list(self.source.iter_keys(epoch, 0, 1, {}))
-            missing = [k for k in keys if k not in self._samples]
-            for i in range(0, len(missing), self.chunk):  # batched transform (one tokenizer call per chunk)
-                part = missing[i : i + self.chunk]
-                for key, samples in zip(part, samples_many(self.source, part)):
-                    self._samples[key] = [_compact(s) for s in samples]
-            entries = [(k, j) for k in keys for j in range(len(self._samples[k]))]
-            lengths = [len(self._samples[k][j]["input_ids"]) for k, j in entries]
-            self._order = {epoch: (entries, lengths)}  # one epoch at a time
-        return self._order[epoch]
-
-    def sample(self, entry: Tuple[Key, int]) -> Dict[str, Any]:
-        return _expand(self._samples[entry[0]][entry[1]])
-
-    @property
-    def skipped(self) -> int:
-        return getattr(self.source, "skipped", 0)
-
-    @property
-    def empty(self) -> int:
-        return getattr(self.source, "empty", 0)
+    micro_batch_size: int
+    max_seq_len: int
+    dataloader_batch_size: int = 1
+    dyn_bsz: bool = True
+    buffer_size: int = 200
+    warmup_steps: int = 0
+    warmup_init_tokens: int = 0
+    drop_last: bool = False
 
 
 def warmup_token_budget(step: int, full: int, warmup_steps: int, warmup_init_tokens: int) -> int:
@@ -152,33 +117,31 @@ def plan_micro_batches(
 
 
 class BatchingStream(IterableDataset):
-    """What both micro-batch streams share: the batching settings, the epoch, the warmup token budget and the
-    resumable position (GlobalBatchStream for sized data, data_loader.MicroBatchStream for streamed data)."""
+    """What both micro-batch streams share: the batching, the epoch, the warmup token budget and the resumable
+    position (GlobalBatchStream for sized data, streamed_batches.SlotStream for streamed data)."""
 
-    def __init__(
-        self,
-        collate_fn: Callable,
-        micro_batch_size: int,
-        max_seq_len: int,
-        dataloader_batch_size: int,
-        dyn_bsz: bool,
-        buffer_size: int,
-        dp_rank: int,
-        dp_size: int,
-        warmup_steps: int = 0,
-        warmup_init_tokens: int = 0,
-        drop_last: bool = False,
-    ):
-        self.collate_fn = collate_fn
-        self.micro_batch_size, self.max_seq_len = micro_batch_size, max_seq_len
-        self.dataloader_batch_size = dataloader_batch_size
-        self.dyn_bsz, self.buffer_size = dyn_bsz, max(buffer_size, micro_batch_size)
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.warmup_steps, self.warmup_init_tokens = warmup_steps, warmup_init_tokens
-        self.drop_last = drop_last
+    def __init__(self, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
+        self.collate_fn, self.dp_rank, self.dp_size = collate_fn, dp_rank, dp_size
+        self.batching = dataclasses.replace(batching)  # its own: the warmup length is set per loader
+        self.micro_batch_size, self.dyn_bsz, self.drop_last = (
+            batching.micro_batch_size,
+            batching.dyn_bsz,
+            batching.drop_last,
+        )
+        self.dataloader_batch_size = batching.dataloader_batch_size
+        self.buffer_size = max(batching.buffer_size, batching.micro_batch_size)
         self.epoch, self.first_step = 0, 0
         self._resume: Optional[Dict[str, Any]] = None
         self._state: Dict[str, Any] = {}
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.batching.warmup_steps
+
+    @warmup_steps.setter
+    def warmup_steps(self, steps: int) -> None:
+        """The token-budget warmup's length (the trainer sets it once it knows the run's steps)."""
+        self.batching.warmup_steps = steps
 
     def set_epoch(self, epoch: int, first_step: int = 0) -> None:
         """`first_step`: optimizer steps of the run before this epoch; the token-budget warmup follows the run's
@@ -187,8 +150,8 @@ class BatchingStream(IterableDataset):
 
     def _token_budget(self, step: int) -> int:
         """The micro-batch token budget of global step `step` (counted over the whole run)."""
-        full = self.micro_batch_size * self.max_seq_len
-        return warmup_token_budget(step, full, self.warmup_steps, self.warmup_init_tokens)
+        b = self.batching
+        return warmup_token_budget(step, b.micro_batch_size * b.max_seq_len, b.warmup_steps, b.warmup_init_tokens)
 
     def state_dict(self) -> Dict[str, Any]:
         # a loaded position not yet reached by iteration (state taken right after a resume) is still the position
@@ -201,24 +164,33 @@ class BatchingStream(IterableDataset):
 class GlobalBatchStream(BatchingStream):
     """Yields this rank's collated micro-batches of each global step (see the module doc)."""
 
-    def __init__(self, index: SampleIndex, collate_fn: Callable, **batching):
-        super().__init__(collate_fn, **batching)
-        self.index = index
+    def __init__(self, dataset, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
+        super().__init__(collate_fn, batching, dp_rank, dp_size)
+        self.dataset = dataset  # the sized protocol: prepare / epoch_order / sample / counts (mapping.py)
         self.accum = self.dataloader_batch_size
-        self._plans: Dict[Tuple[int, int], Tuple[List[List[List[int]]], int]] = {}
+        self._plans: Dict[Tuple[int, int, int], Tuple[List[List[List[int]]], int]] = {}
+        self._order: Dict[int, Any] = {}
+
+    def order(self, epoch: int):
+        """`(sample ids, lengths)` of the epoch in global order (one epoch kept)."""
+        if epoch not in self._order:
+            ids, lengths = self.dataset.epoch_order(epoch)
+            self._order = {epoch: (ids, lengths.tolist())}
+        return self._order[epoch]
 
     def plan(self, epoch: int) -> Tuple[List[List[List[int]]], int]:
         """The epoch's global steps (each: dp_size * dataloader_batch_size micro-batches) and dropped samples."""
         first = min(self.first_step, self.warmup_steps)  # past the warmup, where the epoch starts changes nothing
-        if (epoch, first) not in self._plans:
-            _, lengths = self.index.order(epoch)
+        key = (epoch, first, self.warmup_steps)
+        if key not in self._plans:
+            _, lengths = self.order(epoch)
             per_step = self.dp_size * self.accum
             plan = plan_micro_batches(
                 lengths, per_step, self.micro_batch_size, self.dyn_bsz, lambda s: self._token_budget(first + s),
                 self.buffer_size, self.drop_last,
             )  # fmt: skip
-            self._plans = {(epoch, first): plan}
-        return self._plans[(epoch, first)]
+            self._plans = {key: plan}
+        return self._plans[key]
 
     def num_steps(self) -> int:
         """Steps of the epoch set by `set_epoch` (starting at its `first_step`)."""
@@ -228,15 +200,14 @@ class GlobalBatchStream(BatchingStream):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         steps, dropped = self.plan(self.epoch)
-        entries, _ = self.index.order(self.epoch)
+        ids, _ = self.order(self.epoch)
         # a global position, the same on every rank: any rank's state resumes any world size
         state = {"global_position": True, "epoch": self.epoch, "step": worker, "micro": 0, "produced": 0}
         if self._resume is not None and self._resume.get("epoch") == self.epoch:
             state.update({k: self._resume[k] for k in ("step", "micro", "produced", "samples") if k in self._resume})
         self._resume = None
         state.setdefault("samples", 0)
-        state.update(skipped=self.index.skipped, empty=self.index.empty, dropped=dropped)
-        state["blank"] = getattr(self.index, "blank", 0)
+        state.update(self.dataset.counts(), dropped=dropped)
         self._state = state
         mine = slice(self.dp_rank * self.accum, (self.dp_rank + 1) * self.accum)
         while state["step"] < len(steps):
@@ -248,4 +219,4 @@ class GlobalBatchStream(BatchingStream):
                 state["step"], state["micro"] = state["step"] + workers, 0
             state["produced"] += 1
             state["samples"] += len(batch)
-            yield self.collate_fn([self.index.sample(entries[p]) for p in batch])
+            yield self.collate_fn([self.dataset.sample(ids[p]) for p in batch])

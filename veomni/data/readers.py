@@ -13,7 +13,7 @@ import glob
 import json
 import os
 from functools import lru_cache
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..utils.logging import EVERY_RANK, get_logger
 from .data_transform import DataFormatError
@@ -60,6 +60,18 @@ def _parse_json_line(line: bytes, where: str) -> Dict[str, Any]:
     return record
 
 
+def _parse_record(line: bytes, where) -> Any:
+    """The record of a jsonl line, or its DataFormatError (so callers may skip it)."""
+    if len(line) > BIG_RECORD_BYTES:  # minutes of tokenising with nothing else to show for it
+        logger.warning(
+            f"{where}: a record of {len(line) / 2**20:.0f} MB; transforming it takes a while", extra=EVERY_RANK
+        )
+    try:
+        return _parse_json_line(line, where)
+    except DataFormatError as err:
+        return err
+
+
 @lru_cache(maxsize=4)
 def _json_items(path: str) -> List[Any]:
     with open(path, encoding="utf-8") as f:
@@ -104,23 +116,11 @@ class RecordFiles:
         self._tables: Dict[int, Any] = {}
 
     # ---------------------------------------------------------------------------------------- iteration
-    def iter_from(self, file_index: int = 0, position: int = 0) -> Iterator[Tuple[Key, Dict[str, Any], str, Key]]:
-        """Yield `(key, record, location, next_key)`; `next_key` is where to restart after this record.
-
-        A malformed record yields a DataFormatError in place of the record, so callers may skip it.
-        """
-        for fi in range(file_index, len(self.files)):
-            start = position if fi == file_index else 0
-            path = self.files[fi]
-            if path.endswith(".jsonl"):
-                yield from self._iter_jsonl(fi, path, start)
-            else:
-                rows = self._rows(fi)
-                for row in range(start, len(rows)):
-                    yield (fi, row), rows[row], f"{path}:row {row}", (fi, row + 1)
-
-    def iter_unit(self, unit: Unit, position: Optional[int] = None):
-        """The records that start inside `unit` (from `position`, a record start, when resuming), as `iter_from`."""
+    def iter_unit(self, unit: Unit, position: Optional[int] = None, parse: bool = True):
+        """Yield `(key, record, location, next_key)` for the records that start inside `unit` (from `position`, a
+        record start, when resuming); `next_key` is where to restart after this record. A malformed record yields
+        a DataFormatError in place of the record, so callers may skip it; a blank line yields BLANK. With
+        `parse=False` a jsonl record is its raw line (counting)."""
         fi, start, end = unit
         path = self.files[fi]
         if not path.endswith(".jsonl"):
@@ -128,20 +128,33 @@ class RecordFiles:
             for row in range(start if position is None else position, end):
                 yield (fi, row), rows[row], f"{path}:row {row}", (fi, row + 1)
             return
-        if position is None:
-            position = start
-            if start > 0:  # the line that straddles `start` belongs to the previous unit
-                with open(path, "rb") as f:
-                    f.seek(start - 1)
-                    position = start - 1 + len(f.readline())
-        yield from self._iter_jsonl(fi, path, position, end)
+        with open(path, "rb") as f:
+            if position is None:  # the line that straddles `start` belongs to the previous unit
+                f.seek(max(start - 1, 0))
+                position = start - 1 + len(f.readline()) if start > 0 else 0
+            f.seek(position)
+            lineno = None if position else 0  # line numbers are known when reading from the start
+            while position < end:  # the line starting at `end` is the next unit's: not even parsed
+                line = f.readline()
+                if not line:
+                    return
+                here, position = position, position + len(line)
+                lineno = None if lineno is None else lineno + 1
+                if not line.strip():
+                    yield (fi, here), BLANK, "", (fi, position)
+                elif not parse:
+                    yield (fi, here), line, "", (fi, position)
+                else:  # mid-file (a unit of another reader, a resume) the line number is counted only if a message
+                    # needs it: counting it per record would re-read the file from its start for every record
+                    where = f"{path}:{lineno}" if lineno is not None else LineOf(path, here)
+                    yield (fi, here), _parse_record(line, where), where, (fi, position)
 
     def count_unit(self, unit: Unit, position: Optional[int] = None) -> int:
         """Records left in a unit from `position` (blank lines not counted), without parsing them."""
         fi, start, end = unit
         if not self.files[fi].endswith(".jsonl"):
             return end - (start if position is None else position)
-        return sum(1 for key, record, _, _ in self._iter_lines(unit, position) if record is not BLANK)
+        return sum(1 for _, record, _, _ in self.iter_unit(unit, position, parse=False) if record is not BLANK)
 
     def units(self, unit_bytes: Optional[int] = None, unit_rows: int = 50_000) -> List[Unit]:
         """The files cut into units of work (in file order). `unit_bytes` defaults to 1/256 of the jsonl data,
@@ -161,50 +174,22 @@ class RecordFiles:
                 units += [(fi, a, min(a + unit_rows, n)) for a in range(0, n, unit_rows)]
         return units
 
-    def _iter_lines(self, unit: Unit, position: Optional[int]):
-        fi, start, end = unit
-        with open(self.files[fi], "rb") as f:
-            if position is None:
-                position = start
-                if start > 0:
-                    f.seek(start - 1)
-                    position = start - 1 + len(f.readline())
-            f.seek(position)
-            while position < end:
-                line = f.readline()
-                if not line:
-                    return
-                yield (fi, position), (BLANK if not line.strip() else line), "", (fi, position + len(line))
-                position += len(line)
+    def iter_from(self):
+        """Every record of the files, in order, as `iter_unit` yields them."""
+        for fi, path in enumerate(self.files):
+            yield from self.iter_unit(
+                (fi, 0, os.path.getsize(path) if path.endswith(".jsonl") else len(self._rows(fi)))
+            )
 
-    def _iter_jsonl(self, fi: int, path: str, offset: int, end: Optional[int] = None):
-        """The records of lines starting at `offset` up to (not including) a line starting at `end` or later."""
-        with open(path, "rb") as f:
-            f.seek(offset)
-            lineno = None if offset else 0  # line numbers are known when reading from the start
-            while end is None or offset < end:  # the line starting at `end` is the next unit's: not even parsed
-                line = f.readline()
-                if not line:
-                    return
-                here, offset = offset, offset + len(line)
-                if lineno is not None:
-                    lineno += 1
-                if not line.strip():
-                    yield (fi, here), BLANK, "", (fi, offset)
-                    continue
-                # mid-file (a unit of another reader, a resume) the line number is counted only if a message needs it:
-                # counting it per record would re-read the file from its start for every record
-                where = f"{path}:{lineno}" if lineno is not None else LineOf(path, here)
-                if len(line) > BIG_RECORD_BYTES:  # minutes of tokenising with nothing else to show for it
-                    logger.warning(
-                        f"{where}: a record of {len(line) / 2**20:.0f} MB; transforming it takes a while",
-                        extra=EVERY_RANK,
-                    )
-                try:
-                    record = _parse_json_line(line, where)
-                except DataFormatError as err:
-                    record = err
-                yield (fi, here), record, where, (fi, offset)
+    def first(self, n: int) -> List[Tuple[Any, Any]]:
+        """The first `n` records (blank lines left out) with their locations, read from the files' start."""
+        out: List[Tuple[Any, Any]] = []
+        for _, record, where, _ in self.iter_from():
+            if record is not BLANK:
+                out.append((record, where))
+                if len(out) == n:
+                    break
+        return out
 
     def _rows(self, fi: int):
         if fi not in self._tables:
@@ -236,6 +221,33 @@ class RecordFiles:
                 f.seek(position)
                 return _parse_json_line(f.readline(), self.location(key))
         return self._rows(fi)[position]
+
+
+class RecordList:
+    """A user's map-style dataset (`len` and `[i]`) read as RecordFiles reads files: key `(0, i)` is `dataset[i]`,
+    units are runs of indices (so ranks share a cache build the same way)."""
+
+    files: List[str] = []  # nothing on disk to fingerprint: its cache serves one run
+
+    def __init__(self, dataset, unit_rows: int = 4096):
+        self.dataset, self.unit_rows = dataset, unit_rows
+
+    def units(self, unit_bytes: Optional[int] = None) -> List[Unit]:
+        n = len(self.dataset)
+        return [(0, a, min(a + self.unit_rows, n)) for a in range(0, n, self.unit_rows)]
+
+    def iter_unit(self, unit: Unit, position: Optional[int] = None):
+        for i in range(unit[1] if position is None else position, unit[2]):
+            yield (0, i), self.dataset[i], self.location((0, i)), (0, i + 1)
+
+    def first(self, n: int) -> List[Tuple[Any, Any]]:
+        return [(self.dataset[i], self.location((0, i))) for i in range(min(n, len(self.dataset)))]
+
+    def location(self, key: Key) -> str:
+        return f"{type(self.dataset).__name__}[{key[1]}]"
+
+    def fetch(self, key: Key) -> Any:
+        return self.dataset[key[1]]
 
 
 class _ArrowRows:
@@ -270,20 +282,6 @@ class _ParquetRows:
         if group != self._group:
             self._group, self._rows = group, self.file.read_row_group(group).to_pylist()
         return self._rows[row - self.starts[group]]
-
-
-def read_all_records(files: List[str], skip_bad: bool = False) -> Tuple[List[Any], List[str]]:
-    """Every record with its location (map-style datasets). A malformed record is an immediate error, or with
-    `skip_bad` is kept as its DataFormatError, to be skipped and counted when accessed."""
-    records, locations = [], []
-    for _, record, where, _ in RecordFiles(files).iter_from():
-        if record is BLANK:
-            continue
-        if isinstance(record, DataFormatError) and not skip_bad:
-            raise DataFormatError(f"{record} (set data.skip_bad_samples to skip such samples)")
-        records.append(record)
-        locations.append(where)
-    return records, locations
 
 
 def _line_at(path: str, offset: int) -> int:

@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from ..utils.collectives import host_group, on_every_rank, on_rank0
 from ..utils.logging import get_logger
 from .data_transform import DataFormatError
 from .fingerprint import Unfingerprintable, files_fingerprint, fingerprint
-from .readers import BLANK, RecordFiles
+from .readers import BLANK
 
 logger = get_logger(__name__)
 FORMAT = 1
@@ -186,10 +186,10 @@ def _shares(units: Sequence[Tuple[int, int, int]], world: int) -> List[List[Tupl
 def _build_part(dataset, folder: str, part: int, units, show: bool) -> Dict[str, Any]:
     from tqdm import tqdm
 
-    reader, writer = RecordFiles(dataset.files), _PartWriter(folder, part)
+    reader, writer = dataset.reader, _PartWriter(folder, part)
     skipped, empty = dataset.skipped, dataset.empty
     bar = tqdm(
-        total=sum(e - s for _, s, e in units), unit="B" if dataset.files[0].endswith(".jsonl") else " rows",
+        total=sum(e - s for _, s, e in units), unit="B" if dataset.files and dataset.files[0].endswith(".jsonl") else " rows",
         unit_scale=True, desc="building the data cache", disable=not show, mininterval=2.0,
     )  # fmt: skip
     chunk: List[Tuple[Tuple[int, int], Any, str]] = []
@@ -289,9 +289,7 @@ class SampleCache:
 
     def epoch_samples(self, record_order: np.ndarray) -> np.ndarray:
         """The sample ids of records in `record_order`, each record's pieces in order."""
-        starts, counts = self.record_offsets[:-1][record_order], np.diff(self.record_offsets)[record_order]
-        firsts = np.repeat(starts - np.cumsum(counts) + counts, counts)
-        return (firsts + np.arange(int(counts.sum()), dtype=np.int64)).astype(np.int64)
+        return expand_runs(self.record_offsets[:-1][record_order], np.diff(self.record_offsets)[record_order])
 
     def describe(self) -> str:
         m = self.manifest
@@ -301,6 +299,12 @@ class SampleCache:
             f"{self.folder}: {m['records']:,} records, {m['samples']:,} samples, {m['tokens']:,} tokens; "
             f"{kind}, {size:.1f} MiB"
         )
+
+
+def expand_runs(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """`firsts[0], firsts[0] + 1, ... (counts[0] of them), firsts[1], ...` as one int64 array."""
+    starts = np.repeat(firsts - np.cumsum(counts) + counts, counts)
+    return (starts + np.arange(int(counts.sum()), dtype=np.int64)).astype(np.int64)
 
 
 def _problem(folder: str, share: Tuple[int, int]) -> Optional[str]:
@@ -339,10 +343,13 @@ def open_or_build(dataset, cache_dir: Optional[str], name: str = "data") -> Samp
 def _open_or_build(dataset, cache_dir: Optional[str], name: str, group) -> SampleCache:
     rank, world = _world()
     try:
+        if not dataset.files:
+            raise Unfingerprintable(f"a {type(dataset.reader.dataset).__name__} in memory")
         key = fingerprint(FORMAT, files_fingerprint(dataset.files), dataset.transform, dataset.skip_bad_samples)
     except Unfingerprintable as err:
         key = _from_rank0(f"unshared-{uuid.uuid4().hex[:12]}", group)
-        logger.warning(f"the data transform cannot be fingerprinted ({err}): its cache serves this run only")
+        if dataset.files:
+            logger.warning(f"the data transform cannot be fingerprinted ({err}): its cache serves this run only")
         if rank == 0:
             atexit.register(shutil.rmtree, os.path.join(cache_dir or default_cache_dir(), f"{name}-{key}"), True)
     folder = os.path.join(cache_dir or default_cache_dir(), f"{name}-{key}")
@@ -370,7 +377,7 @@ def _open_or_build(dataset, cache_dir: Optional[str], name: str, group) -> Sampl
 def _build(dataset, folder: str, rank: int, world: int, group) -> None:
     tmp = _from_rank0(f"{folder}.building-{uuid.uuid4().hex[:8]}", group)
     on_rank0(lambda: os.makedirs(tmp), group)
-    units = RecordFiles(dataset.files).units()
+    units = dataset.reader.units()
     start, cpu = time.perf_counter(), time.process_time()
 
     def build_share() -> Dict[str, Any]:
@@ -447,15 +454,3 @@ def _publish(tmp: str, folder: str, world: int) -> Optional[str]:
     except OSError:  # another job published the same cache at this moment: theirs is as good as ours
         shutil.rmtree(tmp, ignore_errors=True)
     return None
-
-
-def iter_records(files: List[str], limit: int) -> Iterator[Tuple[Any, str]]:
-    """The first `limit` records of the files, with their locations (for the pre-flight check)."""
-    count = 0
-    for _, record, where, _ in RecordFiles(files).iter_from():
-        if record is BLANK:
-            continue
-        yield record, where
-        count += 1
-        if count >= limit:
-            return

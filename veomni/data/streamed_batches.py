@@ -21,8 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 from torch.utils.data import get_worker_info
 
 from ..compat.torchdata import worker_snapshots
-from .dataset import samples_many
-from .global_batches import BatchingStream, first_fit
+from .global_batches import Batching, BatchingStream, first_fit
 
 END_OF_EPOCH = "veomni_end_of_epoch"
 _UNITS_PER_SUB_STREAM = 16
@@ -33,9 +32,44 @@ def is_end_marker(item: Any) -> bool:
     return isinstance(item, dict) and item.get(END_OF_EPOCH, False)
 
 
-def supports_slots(dataset) -> bool:
-    """Unsized sources with keys and access by key (streamed files, interleaves of them), not a plain iterable."""
-    return hasattr(dataset, "iter_keys") and hasattr(dataset, "samples")
+class PlainIterable:
+    """A user's iterable dataset without keys or state, seen through the streamed protocol: each shard keeps the
+    items at its stride. A resume re-iterates the dataset from its start and skips what was consumed (so it must be
+    re-iterable and yield the same items in order)."""
+
+    def __init__(self, dataset):
+        self.dataset, self._items, self._expected = dataset, {}, set()
+
+    def expect(self, keys) -> None:
+        """Keys of a resumed buffer: keep their items while skipping ahead."""
+        self._expected |= set(keys)
+
+    def iter_keys(self, epoch, shard, num_shards, state):
+        state.setdefault("count", 0)
+        resume_at, i = state["count"], -1
+        for i, item in enumerate(self.dataset):
+            if i % num_shards != shard:
+                continue
+            if i < resume_at:
+                if (i,) in self._expected:
+                    self._items[(i,)] = item
+                continue
+            state["count"] = i + 1
+            self._items[(i,)] = item
+            yield (i,)
+        if i + 1 < resume_at:
+            raise RuntimeError(
+                f"cannot resume {type(self.dataset).__name__}: it yielded {i + 1} items, fewer than the {resume_at} "
+                "already consumed. A plain IterableDataset is resumed by iterating it again from the start and "
+                "skipping; make it re-iterable in the same order, or give it iter_keys/samples_many (streaming.py)"
+            )
+
+    def samples_many(self, keys):
+        return [_as_list(self._items.pop(tuple(key))) for key in keys]
+
+
+def _as_list(item) -> List[Dict[str, Any]]:
+    return item if isinstance(item, list) else [item]
 
 
 class _SubStream:
@@ -43,6 +77,8 @@ class _SubStream:
 
     def __init__(self, owner: "SlotStream", shard: int, num_shards: int, state: Dict[str, Any]):
         self.owner, self.state = owner, state
+        if state["buffer"] and hasattr(owner.source, "expect"):  # a resumed buffer: its records are read again
+            owner.source.expect({tuple(e[:-2]) for e in state["buffer"]})
         self.keys = owner.source.iter_keys(owner.epoch, shard, num_shards, state["source"])
         self.cache: Dict[tuple, List[Dict[str, Any]]] = {}
         self.exhausted = False
@@ -53,7 +89,7 @@ class _SubStream:
             chunk = list(itertools.islice(self.keys, owner.read_ahead))  # many records per (batched) transform
             self.exhausted = len(chunk) < owner.read_ahead
             before = {c: getattr(source, c, 0) for c in ("skipped", "empty")}
-            for key, samples in zip(chunk, samples_many(source, chunk)):
+            for key, samples in zip(chunk, source.samples_many(chunk) if chunk else []):
                 self.cache[key] = samples
                 buffer.extend([*key, k, len(p["input_ids"])] for k, p in enumerate(samples))
             for c, value in before.items():  # sub-streams run one at a time: the change is this one's
@@ -83,7 +119,7 @@ class _SubStream:
 
     def _pieces(self, key: tuple) -> List[Dict[str, Any]]:
         if key not in self.cache:  # a buffer restored by a resume: its records are read again by key
-            self.cache[key] = self.owner.source.samples(key)
+            self.cache[key] = self.owner.source.samples_many([key])[0]
         return self.cache[key]
 
 
@@ -94,9 +130,9 @@ def _fresh() -> Dict[str, Any]:
 class SlotStream(BatchingStream):
     """Yields this rank's collated micro-batches of each global step (see the module doc)."""
 
-    def __init__(self, source, collate_fn: Callable, num_workers: int, **batching):
-        super().__init__(collate_fn, **batching)
-        self.source = source
+    def __init__(self, source, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int, num_workers: int):
+        super().__init__(collate_fn, batching, dp_rank, dp_size)
+        self.source = source if hasattr(source, "iter_keys") else PlainIterable(source)
         self.workers = max(num_workers, 1)
         self.slots = self.dp_size * self.dataloader_batch_size  # P: micro-batches in a global step
         self.read_ahead = 64
@@ -146,18 +182,14 @@ class SlotStream(BatchingStream):
 
     def unread(self, states: Dict[int, Dict[str, Any]]) -> int:
         """Records of this rank's sub-streams not reached when the epoch stopped (their buffers included)."""
-        source, num_shards = self.source, self.slots * self.workers
-        left = 0
+        left, num_shards = 0, self.slots * self.workers
         for worker in range(self.workers):
             streams = states.get(worker, {}).get("streams", {})
             for v in self.sub_stream_ids(worker):
                 sub = streams.get(str(v), _fresh())
-                src = sub["source"]
-                units = source.shard_units(self.epoch, v, num_shards) if hasattr(source, "shard_units") else []
-                at, position = src.get("unit", 0), src.get("position")
-                left += sum(source.reader.count_unit(u) for u in units[at + 1 :])
-                left += source.reader.count_unit(units[at], position) if at < len(units) else 0
-                left += len(src.get("buffer", [])) + len({tuple(e[:-2]) for e in sub["buffer"]})
+                if hasattr(self.source, "unread"):
+                    left += self.source.unread(self.epoch, v, num_shards, sub["source"])
+                left += len({tuple(e[:-2]) for e in sub["buffer"]})
         return left
 
 

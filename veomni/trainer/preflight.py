@@ -6,16 +6,12 @@
 - `check_vocab`: a tokenizer with more tokens than the model's embedding has rows, before the model is built.
 """
 
-import itertools
 import os
 from collections import Counter
 from typing import Any, List, Optional, Tuple
 
 from ..arguments import ConfigError
-from ..data.cached_dataset import FileMappingDataset
 from ..data.data_transform import DataFormatError
-from ..data.dataset import InterleavedDataset, MappingDataset, StreamingDataset
-from ..data.sample_cache import iter_records
 
 _DEMO_HINT = " (the demo's assets are built by `python -m veomni.utils.demo_assets`; train.sh does it)"
 
@@ -48,42 +44,22 @@ def _looks_like_hub_id(path: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- first records
-def _first_records(dataset, n: int) -> List[List[Tuple[Any, str]]]:
-    """Up to n raw records (with locations) of each source of a dataset we know how to peek into."""
-    if isinstance(dataset, InterleavedDataset):
-        return [group for source in dataset.sources for group in _first_records(source, n)]
-    if isinstance(dataset, MappingDataset):
-        return [list(zip(dataset.records[:n], dataset.locations[:n]))]
-    if isinstance(dataset, FileMappingDataset):  # read from the files: the cache is not built yet
-        return [list(iter_records(dataset.files, n))]
-    if isinstance(dataset, StreamingDataset):
-        return [[(record, where) for _, record, where, _ in itertools.islice(dataset.reader.iter_from(), n)]]
-    return []  # a user's own dataset: nothing to peek into
-
-
 def check_first_records(dataset, data_args, n: int = 16) -> None:
-    """Run the transform on the first `n` records of each source; raise when every one of them fails.
+    """Run the transform on the first `n` records of each source (`peek`: a user's dataset without it is not
+    checked); raise when every one of them fails.
 
     Some failures among successes are left to the training policy (`data.skip_bad_samples`); all failing means
     the configuration does not fit the data, and no skipping would help: the run would train nothing.
     """
-    transform = getattr(dataset, "transform", None)
-    for source in [dataset, *getattr(dataset, "sources", [])]:
-        transform = transform or getattr(source, "transform", None)
-    if transform is None:
-        return
-    for records in _first_records(dataset, n):
+    for source in getattr(dataset, "sources", None) or [dataset]:
+        if not hasattr(source, "peek"):
+            continue
         errors = []
-        for record, where in records:
-            try:
-                if isinstance(record, DataFormatError):
-                    raise record
-                if not transform(record):
-                    raise DataFormatError(f"{where}: the record gives no sample (too short?)")
-            except DataFormatError as err:
-                errors.append((str(err), where, record))
-                continue
-            break  # one record that works is enough: the configuration fits the data
+        for where, record, outcome in source.peek(n):
+            if not isinstance(outcome, DataFormatError) and outcome:
+                break  # one record that works is enough: the configuration fits the data
+            error = outcome or DataFormatError(f"{where}: the record gives no sample (too short?)")
+            errors.append((str(error), where, record))
         else:
             if errors:
                 raise DataFormatError(_all_failed_message(errors, data_args))

@@ -1,8 +1,14 @@
-"""How many optimizer steps a run takes: counted from the data as the loader will batch it (map-style data), or
-estimated (streamed data). The LR schedule spans exactly these steps, so they must equal the steps that run."""
+"""The step plan: how many optimizer steps each epoch of a run takes, computed once before training.
+
+Sized data: counted from the loader's own global batch plan (the count equals the steps that run). Streamed data:
+estimated from data.train_size / train_sample / max_steps; an epoch that runs out earlier ends there. The LR
+schedule spans the planned steps. The loader is never rebuilt: a token-budget warmup, whose length follows the
+counted steps, is set on it (`set_warmup_steps`) until the count no longer moves.
+"""
 
 import inspect
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,72 +19,87 @@ from ..utils.logging import get_logger
 logger = get_logger(__name__)
 
 
+@dataclass
+class StepPlan:
+    epoch_steps: List[int]  # optimizer steps of each epoch
+    whole_epochs: bool  # every epoch runs to the end of its data (not cut by max_steps)
+
+    @property
+    def total_steps(self) -> int:
+        return sum(self.epoch_steps)
+
+
+def plan_steps(args, loader, dataset, count_steps: Callable[[Optional[int]], Optional[int]]) -> StepPlan:
+    """The run's step plan; sets `args.train.train_steps` (steps of the first epoch) and the loader's warmup.
+    `count_steps(limit)`: steps every data-parallel rank's loader yields this epoch (None for streamed data)."""
+    train = args.train
+    for _ in range(3):  # a token-budget warmup changes the batches, and the warmup length follows the steps
+        counted = count_steps(train.max_steps)
+        if counted is None:
+            args.compute_train_steps(None)
+            _set_warmup(loader, train)
+            how = "estimated (streamed data: an epoch that runs out of data earlier ends there)"
+            break
+        if counted == 0:
+            raise ConfigError(zero_steps_message(args, dataset))
+        before, train.train_steps = train.train_steps, min(counted, train.max_steps or counted)
+        how = "counted from the data as it will be batched"
+        if train.max_steps and counted >= train.max_steps:
+            how = "train.max_steps; the data holds at least that many"
+        if not train.bsz_warmup_ratio or train.train_steps == before:
+            break
+        _set_warmup(loader, train)
+    epoch_steps = [train.train_steps] * train.num_train_epochs
+    if counted is not None and train.dyn_bsz:
+        epoch_steps = _count_later_epochs(train, loader, count_steps)
+    whole = counted if counted and not (train.max_steps and counted >= train.max_steps) else None  # (not capped)
+    plan = StepPlan(epoch_steps, whole_epochs=whole is not None)
+    if train.max_steps and train.train_steps < train.max_steps:
+        logger.warning(
+            f"train.max_steps={train.max_steps} but one epoch of the data holds {train.train_steps} steps: training "
+            f"runs {plan.total_steps} steps ({train.num_train_epochs} epoch(s)); for at least {train.max_steps} steps "
+            f"set --train.num_train_epochs {-(-train.max_steps // train.train_steps)}"
+        )
+    per_epoch = " + ".join(map(str, epoch_steps)) if len(set(epoch_steps)) > 1 else train.train_steps
+    holds = "; " + batch_description(args, dataset, whole) if getattr(args, "data", None) is not None else ""
+    logger.info(
+        f"{per_epoch} steps per epoch ({how}), {plan.total_steps} in total; the LR schedule spans "
+        f"{plan.total_steps}{holds}"
+    )
+    return plan
+
+
+def _set_warmup(loader, train) -> None:
+    if hasattr(loader, "set_warmup_steps"):
+        loader.set_warmup_steps(int(train.train_steps * train.bsz_warmup_ratio))
+
+
+def _count_later_epochs(train, loader, count_steps) -> List[int]:
+    """Steps of every epoch, each counted from its own batching plan (and capped by max_steps): dynamic batching
+    packs each epoch's shuffle into a different number of micro-batches, and a token-budget warmup that follows
+    the global step leaves the budgets of later epochs full. Collective (one all-reduce per epoch)."""
+    steps = [train.train_steps]
+    for epoch in range(1, train.num_train_epochs):
+        set_epoch(loader, epoch, sum(steps))
+        counted = count_steps(train.max_steps)
+        steps.append(min(counted, train.max_steps) if train.max_steps else counted)
+    set_epoch(loader, 0, 0)
+    return steps
+
+
 class StepCountMixin:
-    """`compute_train_steps` for BaseTrainer: sets `train.train_steps`, `self.epoch_steps` and `self.total_steps`."""
+    """`compute_train_steps` for BaseTrainer: sets `train.train_steps`, `self.epoch_steps`, `self.total_steps` and
+    `self.whole_epochs` from the step plan."""
 
     def compute_train_steps(self) -> None:
-        """Steps per epoch from the data as the loader will batch it, capped by train.max_steps.
-
-        Map-style data: counted exactly by a dry run of the loader's own batching plan (the count equals the steps
-        that run). Streamed data: estimated from data.train_size / train_sample / max_steps; an epoch that runs out
-        earlier ends there. The LR schedule spans the steps computed here.
-        """
-        args, train = self.args, self.args.train
-        for _ in range(3):  # a token-budget warmup changes the batches, and the warmup length follows the steps
-            counted = self._count_loader_steps(limit=train.max_steps)
-            if counted is None:
-                args.compute_train_steps(None)
-                how = "estimated (streamed data: an epoch that runs out of data earlier ends there)"
-                break
-            if counted == 0:
-                raise ConfigError(zero_steps_message(args, self.train_dataset))
-            before, train.train_steps = train.train_steps, min(counted, train.max_steps or counted)
-            how = "counted from the data as it will be batched"
-            if train.max_steps and counted >= train.max_steps:
-                how = "train.max_steps; the data holds at least that many"
-            if not train.bsz_warmup_ratio or train.train_steps == before:
-                break
-            self.train_dataloader = self.build_dataloader()
-        self.epoch_steps = [train.train_steps] * train.num_train_epochs
-        if counted is not None and train.dyn_bsz:
-            self.epoch_steps = self._count_later_epochs(train.train_steps)
-        self.total_steps = sum(self.epoch_steps)
-        if train.max_steps and train.train_steps < train.max_steps:
-            epochs = -(-train.max_steps // train.train_steps)
-            logger.warning(
-                f"train.max_steps={train.max_steps} but one epoch of the data holds {train.train_steps} steps: "
-                f"training runs {self.total_steps} steps "
-                f"({train.num_train_epochs} epoch(s)); for at least {train.max_steps} steps set "
-                f"--train.num_train_epochs {epochs}"
-            )
-        whole = counted if counted and not (train.max_steps and counted >= train.max_steps) else None  # (not capped)
-        self.whole_epochs = whole is not None  # every epoch runs to the end of its data
-        per_epoch = " + ".join(map(str, self.epoch_steps)) if len(set(self.epoch_steps)) > 1 else train.train_steps
-        holds = ""
-        if getattr(args, "data", None) is not None:  # (a bare trainer built in a test may have no data arguments)
-            holds = "; " + batch_description(args, getattr(self, "train_dataset", None), whole)
-        logger.info(
-            f"{per_epoch} steps per epoch ({how}), {self.total_steps} in total; "
-            f"the LR schedule spans {self.total_steps}{holds}"
+        plan = plan_steps(
+            self.args, self.train_dataloader, getattr(self, "train_dataset", None), self._count_loader_steps
         )
-
-    def _count_later_epochs(self, first: int) -> List[int]:
-        """Steps of every epoch, each counted from its own batching plan (and capped by max_steps): dynamic
-        batching packs each epoch's shuffle into a different number of micro-batches, and a token-budget warmup
-        that follows the global step leaves the budgets of later epochs full. So the LR schedule spans exactly the
-        steps that run. Collective (one all-reduce per epoch, on every rank alike)."""
-        train, steps = self.args.train, [first]
-        for epoch in range(1, train.num_train_epochs):
-            set_epoch(self.train_dataloader, epoch, sum(steps))
-            counted = self._count_loader_steps(limit=train.max_steps)
-            steps.append(min(counted, train.max_steps) if train.max_steps else counted)
-        set_epoch(self.train_dataloader, 0, 0)
-        return steps
+        self.step_plan = plan
+        self.epoch_steps, self.total_steps, self.whole_epochs = plan.epoch_steps, plan.total_steps, plan.whole_epochs
 
     def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
-        """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data.
-
-        Goes through the loader's own `num_batches`, so the count follows whatever batching the loader does."""
+        """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data."""
         counter = getattr(self.train_dataloader, "num_batches", None)
         mine = counter(limit=limit) if counter is not None else None
         steps = torch.tensor([-1 if mine is None else mine], dtype=torch.int64, device=self.device)

@@ -19,7 +19,7 @@ def run_task(build_trainer: Callable[[Any], Any]) -> None:
     The arguments are parsed before anything heavy is imported, so `--help` and config mistakes answer at once;
     `build_trainer` should import its trainer class inside itself for the same reason. `--preview N` (taken out of
     argv before parsing) shows N samples as trained, the packing and the step counts, then exits without a model
-    (veomni.data.preview).
+    (veomni.trainer.preview).
     """
     from .lifecycle import run_worker
 
@@ -31,12 +31,12 @@ def run_task(build_trainer: Callable[[Any], Any]) -> None:
         preview = take_preview_flag(sys.argv)  # `--preview N`: show the data as trained, build no model, exit 0
         args = parse_args(VeOmniArguments)  # --help and config mistakes answer before the model is built
         if preview is not None:
-            from ..data.preview import run_preview
+            from ..trainer.preview import run_preview
 
             run_preview(args, preview, build_trainer)
             return
-        from ..data.preview import log_first_sample
         from ..distributed import destroy_parallel_state
+        from ..trainer.preview import log_first_sample
 
         trainer = build_trainer(args)
         log_first_sample(trainer)  # rank 0, once: the first sample decoded, its loss-bearing tokens marked

@@ -5,7 +5,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ..data import build_dataloader, build_dataset
+from ..data import Batching, MainCollator, build_dataset, build_loader
 from ..data.chat_template import build_chat_template
 from ..data.data_report import data_report
 from ..data.data_transform import process_pretrain_example, process_sft_example
@@ -17,9 +17,10 @@ logger = get_logger(__name__)
 
 
 class TextTrainer(BaseTrainer):
-    def build_transform(self):
-        """The record -> sample transform of `data`; for conversations it also says (rank 0, once) which chat
-        template trains, and warns when it is not the tokenizer's own (the one the exported model carries)."""
+    def build_data_transform(self):
+        """The record -> sample transform of `data` (the one hook: VLMTrainer overrides it); for conversations it
+        also says (rank 0, once) which chat template trains, and warns when it is not the tokenizer's own (the one
+        the exported model carries)."""
         from ..arguments import ConfigError
         from ..data.chat_template import training_template_note
 
@@ -62,32 +63,35 @@ class TextTrainer(BaseTrainer):
 
     def build_dataset(self):
         args = self.args
-        data_kwargs = {k: v for k, v in vars(args.data).items() if k != "dataloader"}
+        data_kwargs = {k: v for k, v in vars(args.data).items() if k not in ("dataloader", "mm_configs")}
+        transform = self.build_data_transform()
         return build_dataset(
-            dataset_name=args.data.dataset_name, transform=self.build_transform(), seed=args.train.seed, **data_kwargs
+            dataset_name=args.data.dataset_name, transform=transform, seed=args.train.seed, **data_kwargs
         )
 
     def build_dataloader(self):
-        args = self.args
-        loader = args.data.dataloader
-        return build_dataloader(
-            dataloader_type=loader.type,
-            dataset=self.train_dataset,
-            micro_batch_size=args.train.micro_batch_size,
-            global_batch_size=args.train.global_batch_size,
-            dataloader_batch_size=args.train.dataloader_batch_size,
+        """This rank's loader of `train_dataset`; the warmup's length is set by the step plan (step_count.py)."""
+        args, train, state = self.args, self.args.train, self.parallel_state
+        batching = Batching(
+            micro_batch_size=train.micro_batch_size,
             max_seq_len=args.data.max_seq_len,
-            train_steps=args.train.train_steps,
-            dyn_bsz=args.train.dyn_bsz,
-            bsz_warmup_ratio=args.train.bsz_warmup_ratio,
-            bsz_warmup_init_mbtoken=args.train.bsz_warmup_init_mbtoken,
-            dyn_bsz_buffer_size=args.train.dyn_bsz_buffer_size,
+            dataloader_batch_size=train.dataloader_batch_size,
+            dyn_bsz=train.dyn_bsz,
+            buffer_size=train.dyn_bsz_buffer_size,
+            warmup_init_tokens=train.bsz_warmup_init_mbtoken,
+            drop_last=args.data.dataloader.drop_last,
+        )
+        loader = args.data.dataloader
+        return build_loader(
+            self.train_dataset,
+            MainCollator(max_seq_len=args.data.max_seq_len, **self.collate_fn_kwargs()),
+            batching,
+            state.dp_rank,
+            state.dp_size,
             num_workers=loader.num_workers,
-            drop_last=loader.drop_last,
             pin_memory=loader.pin_memory,
             prefetch_factor=loader.prefetch_factor,
-            seed=args.train.seed,
-            collate_fn_kwargs=self.collate_fn_kwargs(),
+            seed=train.seed,
         )
 
     def collate_fn_kwargs(self):

@@ -13,7 +13,6 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from ..data import build_dataset
 from ..data.data_collator import DataCollateInfo
 from ..data.multimodal import (
     build_multimodal_chat_template,
@@ -106,18 +105,8 @@ class VLMTrainer(TextTrainer):
                     f"has {attribute}={have}: the model and the processor do not belong together"
                 )
 
-    def build_transform(self):
-        return self.build_data_transform()
-
     def build_data_collate_info(self) -> Dict[str, DataCollateInfo]:
         return build_data_collate_info(getattr(self.processor.image_processor, "merge_size", 2))
-
-    def build_dataset(self):
-        args = self.args
-        data_kwargs = {k: v for k, v in vars(args.data).items() if k not in ("dataloader", "mm_configs")}
-        return build_dataset(
-            dataset_name=args.data.dataset_name, transform=self.build_transform(), seed=args.train.seed, **data_kwargs
-        )
 
     def build_dataloader(self):
         self._collate_infos = self.build_data_collate_info()

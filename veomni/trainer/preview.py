@@ -16,8 +16,8 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
+from ..data.data_transform import IGNORE_INDEX
 from ..utils.logging import get_logger
-from .data_transform import IGNORE_INDEX
 
 logger = get_logger(__name__)
 
@@ -100,8 +100,8 @@ def _row(micro_batch: Dict[str, Any], key: str) -> List[int]:
 # ------------------------------------------------------------------------------------------------- preview
 def _bare_trainer(build_trainer: Callable[[Any], Any], args):
     """The task's trainer object with its `args` only: `build_trainer` is called with BaseTrainer's set-up (model,
-    optimizer, checkpoints) left out, so the task's own build_transform / build_dataset / build_dataloader run."""
-    from ..trainer.base import BaseTrainer
+    optimizer, checkpoints) left out, so the task's own build_data_transform / build_dataset / build_dataloader run."""
+    from .base import BaseTrainer
 
     original = BaseTrainer.__init__
 
@@ -132,9 +132,9 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
 
     from ..distributed import destroy_parallel_state
     from ..distributed.parallel_state import init_parallel_state_from_config
-    from ..trainer.preflight import check_first_records
-    from ..trainer.step_count import close_loader
     from ..utils.device import get_device
+    from .preflight import check_first_records
+    from .step_count import close_loader
 
     out = out or sys.stdout
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -241,24 +241,11 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
 
 # ---------------------------------------------------------------------------------- first sample of a run
 def first_sample(dataset) -> Optional[Tuple[Dict[str, Any], str]]:
-    """The sample of the first record that gives one (and where it is), from the dataset's own transform."""
-    from ..trainer.preflight import _first_records
-    from .data_transform import DataFormatError
-
-    transform = getattr(dataset, "transform", None)
-    for source in [dataset, *getattr(dataset, "sources", [])]:
-        transform = transform or getattr(source, "transform", None)
-    for records in _first_records(dataset, 8):
-        for record, where in records:
-            if isinstance(record, Exception):
-                continue
-            try:
-                samples = transform(record) if transform is not None else record
-            except DataFormatError:
-                continue
-            samples = samples if isinstance(samples, list) else [samples]
-            if samples and "input_ids" in samples[0]:
-                return samples[0], str(where)
+    """The sample of the first record that gives one (and where it is), from the dataset's `peek`."""
+    for source in getattr(dataset, "sources", None) or [dataset]:
+        for where, _, outcome in source.peek(8) if hasattr(source, "peek") else []:
+            if isinstance(outcome, list) and outcome and "input_ids" in outcome[0]:
+                return outcome[0], where
         return None
     return None
 
