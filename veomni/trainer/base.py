@@ -167,7 +167,7 @@ class BaseTrainer(StepCountMixin):
     def build_dataloader(self):
         raise NotImplementedError
 
-    def build_transform(self):
+    def build_data_transform(self):
         """The record -> sample transform (the held-out data is read with it too)."""
         raise NotImplementedError
 
@@ -180,7 +180,7 @@ class BaseTrainer(StepCountMixin):
         """(dataset, loader, collator) of `data.eval_path`, or None without it."""
         if not self.args.data.eval_path:
             return None
-        return build_eval_loader(self.args, self.build_transform(), self.collate_fn_kwargs())
+        return build_eval_loader(self.args, self.build_data_transform(), self.collate_fn_kwargs())
 
     def build_evaluator(self, dataset, loader, collate) -> Evaluator:
         """The held-out loss, through this trainer's LM loss (no auxiliary losses)."""
