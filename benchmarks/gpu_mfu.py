@@ -31,6 +31,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 
 REFUSAL = "benchmarks/gpu_mfu.py measures GPU training throughput, and this machine has no CUDA GPU: nothing measured."
@@ -160,7 +161,7 @@ def build_trainer(config_dir, steps, batch, checkpointing, compile_layers=False,
         "--model.config_path", config_dir, "--train.init_device", DEVICE, "--train.max_steps", str(steps),
         "--train.gradient_checkpointing.enable", str(checkpointing).lower(), "--train.micro_batch_size", "1",
         "--train.global_batch_size", "1", "--model.ops_implementation.moe_implementation", "fused",
-        "--train.checkpoint.output_dir", os.path.join(config_dir, "out"), "--train.optimizer.lr", "1e-5",
+        "--train.checkpoint.output_dir", tempfile.mkdtemp(prefix="out-", dir=config_dir), "--train.optimizer.lr", "1e-5",
         "--data.train_path", config_dir,  # must exist; never read (the synthetic loader replaces the data)
         "--model.ops_implementation.compile", str(compile_layers).lower(), *extra_argv,
     ]  # fmt: skip
@@ -302,7 +303,6 @@ def record(args, row):
 
 
 def run_one(torch, name, budget, args, peak):
-    import tempfile
 
     from veomni.distributed import destroy_parallel_state
 

@@ -106,6 +106,33 @@ def test_binding_one_instance_leaves_the_class_and_other_instances_alone():
     assert modeling_qwen3.apply_rotary_pos_emb is original and "forward" not in vars(plain)
 
 
+def test_bound_and_unbound_twins_compile_side_by_side(monkeypatch):
+    """A bound attention and its unbound twin, both compiled, with a graph break inside (as veomni's attention makes):
+    each runs and equals the other. Sharing one code object, the second to run found the first's compiled frame and
+    looked its resume function up in the wrong globals (NameError `__compiled_fn_...`, kernels=liger + compile on a
+    GPU); the bound forward now has a code object of its own."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3 import modeling_qwen3
+
+    def breaking_attention(module, query, key, value, attention_mask, **kwargs):
+        torch._dynamo.graph_break()
+        return modeling_qwen3.eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(modeling_qwen3.ALL_ATTENTION_FUNCTIONS, "breaking", breaking_attention)
+    config = Qwen3Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    config._attn_implementation = "breaking"
+    plain, bound = modeling_qwen3.Qwen3Attention(config, 0), modeling_qwen3.Qwen3Attention(config, 0)
+    bound.load_state_dict(plain.state_dict())
+    bind_forward_with_global(
+        bound, "apply_rotary_pos_emb", lambda *a, **k: modeling_qwen3.apply_rotary_pos_emb(*a, **k)
+    )
+    torch._dynamo.reset()
+    x, cos, sin = torch.randn(1, 5, 32), torch.randn(1, 5, 16), torch.randn(1, 5, 16)
+    outs = [torch.compile(m, backend="eager")(x, (cos, sin), None)[0] for m in (plain, bound)]
+    torch._dynamo.reset()
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_binding_refuses_a_forward_that_no_longer_calls_the_function(monkeypatch):
     from transformers import Qwen3Config
     from transformers.models.qwen3 import modeling_qwen3
@@ -129,6 +156,20 @@ def test_auto_is_liger_on_cuda_when_installed_and_eager_otherwise(monkeypatch):
     assert kernels.resolve_kernels("eager", "cuda") == "eager"
     monkeypatch.setattr(kernels, "liger_available", lambda: False)
     assert kernels.resolve_kernels("auto", "cuda") == "eager"
+
+
+def test_loss_auto_is_liger_on_cuda_when_installed_and_chunked_otherwise(monkeypatch):
+    monkeypatch.setattr(kernels, "liger_available", lambda: True)
+    assert kernels.resolve_loss_implementation("auto", "cuda") == "liger"
+    assert kernels.resolve_loss_implementation("auto", "cpu") == "chunked"
+    assert kernels.resolve_loss_implementation("auto", "cuda", tp_size=2) == "chunked"
+    assert kernels.resolve_loss_implementation("chunked", "cuda") == "chunked"
+    with pytest.raises(ValueError, match="loss_implementation=liger needs a CUDA GPU"):
+        kernels.resolve_loss_implementation("liger", "cpu")
+    with pytest.raises(ValueError, match="loss_implementation='fused': choose auto, chunked or liger"):
+        kernels.resolve_loss_implementation("fused", "cuda")
+    monkeypatch.setattr(kernels, "liger_available", lambda: False)
+    assert kernels.resolve_loss_implementation("auto", "cuda") == "chunked"
 
 
 def test_liger_where_it_cannot_run_is_refused_naming_the_key(monkeypatch):

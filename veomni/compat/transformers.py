@@ -172,7 +172,7 @@ _REBOUND: dict = {}  # (forward, name, replacement) -> the rebuilt function, sha
 
 def bind_forward_with_global(module: nn.Module, name: str, replacement: Callable) -> None:
     """Give `module` (this instance only) its class's forward in which the modeling-file global `name` means
-    `replacement`: the same code object over a copy of the modeling file's globals with that one name changed.
+    `replacement`: the class's code over a copy of the modeling file's globals with that one name changed.
 
     This is how a fused RoPE reaches one model and not the next: liger's own patch assigns the module global, which
     every model of the family in the process then runs. The copy is taken at binding time (a later reassignment of
@@ -191,9 +191,12 @@ def bind_forward_with_global(module: nn.Module, name: str, replacement: Callable
     if key not in _REBOUND:
         namespace = dict(forward.__globals__)
         namespace[name] = replacement
-        rebuilt = types.FunctionType(
-            forward.__code__, namespace, forward.__name__, forward.__defaults__, forward.__closure__
-        )
+        # A code object of its own: torch.compile caches per code object and puts the functions that resume after a
+        # graph break (veomni's attention runs outside the graph) into the globals of the frame it first compiled.
+        # Sharing the class's code, the bound copy would find an unbound twin's cache entry and look those up in
+        # this namespace: NameError `__compiled_fn_...` (seen on an H200 with kernels=liger and compile).
+        code = forward.__code__.replace(co_qualname=f"{forward.__code__.co_qualname}[{name}]")
+        rebuilt = types.FunctionType(code, namespace, forward.__name__, forward.__defaults__, forward.__closure__)
         rebuilt.__kwdefaults__ = forward.__kwdefaults__
         rebuilt.__qualname__ = forward.__qualname__
         _REBOUND[key] = rebuilt

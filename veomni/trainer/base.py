@@ -333,6 +333,9 @@ class BaseTrainer(StepCountMixin):
         lifecycle.set_loop_active(True)
         try:
             self._fit()
+        except BaseException:
+            self.run_dir.release()  # nothing more of this run will be written
+            raise
         finally:
             lifecycle.set_loop_active(False)
             close_loader(self.train_dataloader)  # a stop or an error leaves the epoch's iterator mid-way

@@ -83,6 +83,13 @@ class RunDir:
         logger.info(message + (f"; previous run moved to {moved}" if moved else ""))
         return path
 
+    def release(self) -> None:
+        """Free the folder now rather than when this process ends (a failed run inside a longer-lived process: the
+        next run there, a benchmark's next variant say, may take the folder)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
     def refuse_completed(self, total_steps: int) -> None:
         """Resuming this folder's own run with no step left to train stops before the model is built, with the
         three ways on. (A checkpoint of another folder starts a new run from it: not this trap.)"""
