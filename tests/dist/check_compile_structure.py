@@ -30,7 +30,7 @@ from veomni.data import MainCollator  # noqa: E402
 from veomni.distributed.compile import compile_basic_modules  # noqa: E402
 from veomni.distributed.fsdp import basic_module_instances, no_split_module_names  # noqa: E402
 from veomni.models import build_foundation_model  # noqa: E402
-from veomni.ops import causal_lm_loss_sum  # noqa: E402
+from veomni.ops import lm_loss_sum  # noqa: E402
 from veomni.ops.kernels import bind_kernels  # noqa: E402
 
 LAYERS = 28
@@ -65,7 +65,7 @@ def main():
         docs = [ids[: lengths[0]], ids[lengths[0] :]]
         batch = MainCollator()([{"input_ids": d, "labels": d} for d in docs])
         labels = batch.pop("labels")
-        loss, _ = causal_lm_loss_sum(model(**batch, use_cache=False).logits, labels)
+        loss, _ = lm_loss_sum(model(**batch, use_cache=False).logits, labels)
         loss.backward()
         breaks = {}
         for reason, n in counters["graph_break"].items():  # by kind and the function it is about
