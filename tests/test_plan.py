@@ -145,3 +145,24 @@ def test_cli_plans_a_recipe_whose_config_needs_many_ranks(capsys):
     assert main([recipe, "--nnodes", "2", "--nproc-per-node", "8", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "all_to_all      ep" in out and "layouts that fit" in out
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node takes a count >= 1, got 0"),
+        (["--nproc-per-node", "-4"], "--nproc-per-node takes a count >= 1, got -4"),
+        (["--nnodes", "0"], "--nnodes takes a count >= 1, got 0"),
+        (["--mfu", "1.5"], "--mfu takes a fraction in (0, 1], got 1.5"),
+        (["--tokens", "0"], "--tokens takes a value > 0, got 0"),
+        (["--train.no_such_key", "1"], "unknown key 'train.no_such_key'"),
+    ],
+)
+def test_cli_bad_input_is_one_line_naming_the_flag(capsys, argv, said):
+    """A bad planner flag or config key: one line on stderr naming it, exit 2, no traceback (the zero GPU count was
+    a ZeroDivisionError, a negative one blamed train.global_batch_size, config errors came after 24-44 lines)."""
+    from veomni.plan.__main__ import main
+
+    assert main([DEMO, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m veomni.plan: ") and said in err[0], err

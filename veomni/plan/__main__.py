@@ -45,8 +45,42 @@ def _quiet_build_logs() -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
 
 
+def _bad_flag(options: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the planner's own flags, naming the flag (None when nothing is)."""
+    for flag, value in (
+        ("--nnodes", options.nnodes),
+        ("--nproc-per-node", options.nproc_per_node),
+        ("--top", options.top),
+    ):
+        if value < 1:
+            return f"{flag} takes a count >= 1, got {value}"
+    if not 0 < options.mfu <= 1:
+        return f"--mfu takes a fraction in (0, 1], got {options.mfu}"
+    positive = (("--intra-node-gbps", options.intra_node_gbps), ("--inter-node-gbps", options.inter_node_gbps),
+                ("--tokens", options.tokens))  # fmt: skip
+    for flag, value in positive:
+        if value is not None and value <= 0:
+            return f"{flag} takes a value > 0, got {value}"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """Plan and print; a bad flag, config or file is said in one line on stderr (exit 2), not a traceback."""
     options, overrides = _parser().parse_known_args(argv)
+    from ..trainer.task import user_error_types
+
+    bad = _bad_flag(options)
+    if bad is not None:
+        print(f"python -m veomni.plan: {bad}", file=sys.stderr)
+        return 2
+    try:
+        return _plan_and_print(options, overrides)
+    except (*user_error_types(), FileNotFoundError) as err:
+        print(f"python -m veomni.plan: {err}", file=sys.stderr)
+        return 2
+
+
+def _plan_and_print(options: argparse.Namespace, overrides: List[str]) -> int:
     from .planner import plan
     from .report import render
 
