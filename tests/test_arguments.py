@@ -1,6 +1,7 @@
 """The configuration system: seed snippets, precedence, type checks, did-you-mean, file:line."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -229,8 +230,12 @@ def test_a_mapping_key_takes_a_flow_mapping_on_the_command_line():
         ({}, ["--train.wandb.mode", "online"], False),  # the mode alone is no request to log
     ],
 )
-def test_wandb_turns_on_when_a_project_or_name_is_set(tmp_path, yaml_wandb, cli, enabled):
+def test_wandb_turns_on_when_a_project_or_name_is_set(tmp_path, monkeypatch, yaml_wandb, cli, enabled):
     import logging
+
+    from veomni.arguments import validation
+
+    monkeypatch.delitem(validation.OPTIONAL_PACKAGES, "train.wandb.enable")  # wandb need not be installed here
 
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"train": {"wandb": yaml_wandb}} if yaml_wandb else {}))
@@ -279,3 +284,29 @@ def test_missing_config_file():
     with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
         parse_args(VeOmniArguments, ["nope.yaml"])
     assert os.path.isdir(REPO)
+
+
+@pytest.mark.parametrize(
+    "cli, said",
+    [
+        (
+            ["--train.use_tensorboard", "true"],
+            "command line: key 'train.use_tensorboard': needs the tensorboard package",
+        ),
+        (["--train.wandb.enable", "true"], "command line: key 'train.wandb.enable': needs the wandb package"),
+        (
+            ["--train.wandb.project", "p"],
+            "turned on by train.wandb.project/name: key 'train.wandb.enable': needs the wandb",
+        ),
+    ],
+)
+def test_a_missing_logger_is_said_at_parse_time(monkeypatch, cli, said):
+    """Before: found missing in on_train_begin, after the model was built, with a traceback."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n in ("wandb", "tensorboard") else find_spec(n, *a)
+    )
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        parse_args(VeOmniArguments, cli)

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
 import yaml
 
-from .validation import ConfigError, enable_wandb_on_use, validate_args
+from .validation import ConfigError, check_optional_packages, enable_wandb_on_use, validate_args
 
 T = TypeVar("T")
 
@@ -319,6 +319,7 @@ def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
     args = _build(root_class, tree, origins, valid)
     validate_args(args, origins)  # ranges of numeric keys, before anything is built
     enable_wandb_on_use(args, origins)
+    check_optional_packages(args, origins)  # a missing logger said now, not after the model is built
     train = getattr(args, "train", None)
     if train is not None and hasattr(train, "resolve"):
         train.resolve(int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)

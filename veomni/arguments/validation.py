@@ -197,3 +197,24 @@ def enable_wandb_on_use(args, origins: Dict[str, str]) -> None:
     logger.info(
         f"wandb logging on: {where} set (train.wandb.mode={wandb.mode}); --train.wandb.enable false turns it off"
     )
+
+
+# key that turns the feature on -> (import name, pip install line)
+OPTIONAL_PACKAGES = {
+    "train.wandb.enable": ("wandb", "pip install wandb (or veomni[logging])"),
+    "train.use_tensorboard": ("tensorboard", "pip install tensorboard (or veomni[logging])"),
+    "model.lora.enable": ("peft", "pip install peft (or veomni[lora])"),
+}
+
+
+def check_optional_packages(args, origins: Dict[str, str]) -> None:
+    """A feature switched on whose package is not installed: one ConfigError naming the key, where it was set and
+    the install line, at parse time (the loggers were found missing only after the model was built)."""
+    import importlib.util
+
+    for key, (module, install) in OPTIONAL_PACKAGES.items():
+        if _get(args, key) is True and importlib.util.find_spec(module) is None:
+            where = origins.get(
+                key, "turned on by train.wandb.project/name" if key == "train.wandb.enable" else "default"
+            )
+            raise ConfigError(f"{where}: key '{key}': needs the {module} package: {install}")
