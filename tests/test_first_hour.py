@@ -334,3 +334,18 @@ def test_a_run_says_what_a_step_holds_and_nothing_false_at_its_end(tmp_path):
     assert "with dyn_bsz (the default) a token budget of global_batch_size * max_seq_len tokens" in " ".join(
         help_text.split()
     )
+
+
+def test_a_missing_demo_asset_names_the_command_that_builds_it(tmp_path):
+    """README's SFT `--preview` on a fresh clone said only `tokenizer not found: .assets/chat/tokenizer`."""
+    from veomni.data.readers import resolve_data_files
+    from veomni.models import build_tokenizer
+
+    chat = str(tmp_path / ".assets" / "chat")
+    with pytest.raises(FileNotFoundError, match=r"build it with `python -m veomni.utils.demo_assets --chat`"):
+        build_tokenizer(os.path.join(chat, "tokenizer"))
+    with pytest.raises(FileNotFoundError, match=r"build it with `python -m veomni.utils.demo_assets`"):
+        resolve_data_files(str(tmp_path / ".assets" / "shakespeare" / "train.jsonl"))
+    with pytest.raises(FileNotFoundError) as err:  # not a demo asset: no hint
+        build_tokenizer(str(tmp_path / "my_tokenizer"))
+    assert "demo_assets" not in str(err.value)

@@ -15,6 +15,7 @@ import os
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..utils.demo_assets import missing_asset_hint
 from ..utils.logging import EVERY_RANK, get_logger
 from .data_transform import DataFormatError
 
@@ -40,7 +41,7 @@ def resolve_data_files(train_path: str) -> List[str]:
             raise ValueError(f"{train_path}: unsupported file type; expected one of {SUPPORTED_SUFFIXES}")
         return [train_path]
     else:
-        raise FileNotFoundError(f"data.train_path does not exist: {train_path}")
+        raise FileNotFoundError(f"data.train_path does not exist: {train_path}{missing_asset_hint(train_path)}")
     files = sorted(f for f in files if f.endswith(SUPPORTED_SUFFIXES))
     if not files:
         raise FileNotFoundError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files under {train_path}")

