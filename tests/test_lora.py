@@ -334,3 +334,16 @@ def test_target_modules_forms_and_a_miss_names_the_key():
         adapted("[qkv]")
     with pytest.raises(ValueError, match=r"adapts lm_head, whose weight is tied"):
         adapted("[lm_head]")
+
+
+def test_the_adapter_records_the_base_folder_absolute(tmp_path, monkeypatch):
+    """A relative `model.model_path` (`outputs/sft_demo/hf`) was recorded as given: `AutoPeftModelForCausalLM
+    .from_pretrained(adapter)` then failed from any other directory."""
+    from veomni.arguments.arguments_types import LoraArguments
+    from veomni.models.lora import lora_config
+
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("outputs/sft_demo/hf")
+    config = lora_config(LoraArguments(enable=True), "outputs/sft_demo/hf")
+    assert config.base_model_name_or_path == str(tmp_path / "outputs" / "sft_demo" / "hf")
+    assert lora_config(LoraArguments(enable=True), "Qwen/Qwen3-0.6B").base_model_name_or_path == "Qwen/Qwen3-0.6B"

@@ -14,6 +14,7 @@ checkpoint's names (`q_proj.weight`, not `q_proj.base_layer.weight`) and no adap
 """
 
 import contextlib
+import os
 import re
 from typing import Dict, Iterator, List, Optional
 
@@ -42,8 +43,14 @@ def lora_config(args, base_model_path: Optional[str] = None):
         target_modules=peft_target_modules(args.target_modules),
         bias="none",
         task_type="CAUSAL_LM",  # PeftModel.from_pretrained then builds PeftModelForCausalLM around the base model
-        base_model_name_or_path=base_model_path,
+        # absolute, so `AutoPeftModelForCausalLM.from_pretrained(adapter)` finds the base from any directory; a name
+        # that is no local folder (a hub id) stays as given
+        base_model_name_or_path=os.path.abspath(base_model_path) if _is_folder(base_model_path) else base_model_path,
     )
+
+
+def _is_folder(path: Optional[str]) -> bool:
+    return path is not None and os.path.isdir(path)
 
 
 def peft_target_modules(names: List[str]):
