@@ -165,6 +165,38 @@ def test_max_steps_beyond_the_data_says_what_happens(tmp_path):
         probe.compute_train_steps()
 
 
+@pytest.mark.parametrize("max_steps, epochs", [(5, [5, 0]), (40, [31, 9]), (62, [31, 31]), (None, [31, 31])])
+def test_max_steps_is_the_total_of_the_run(max_steps, epochs):
+    """`--train.max_steps 5` on a 2-epoch config trained 10 steps and spanned the LR schedule over 10 (a cap per
+    epoch); HF Trainer, LLaMA-Factory and torchtitan mean the run's total. The start line says where it stops."""
+    import logging
+
+    from veomni.trainer.base import BaseTrainer
+
+    argv = ["--train.num_train_epochs", "2", "--train.dyn_bsz", "false"]
+    args = parse_args(VeOmniArguments, argv + (["--train.max_steps", str(max_steps)] if max_steps else []))
+
+    class Probe(BaseTrainer):
+        def __init__(self):  # only the step computation, on a loader that yields 31 batches an epoch
+            self.args, self.train_dataset, self.train_dataloader = args, [], None
+
+        def _count_loader_steps(self, limit):
+            return min(31, limit or 31)
+
+    probe, records, handler = Probe(), [], logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("veomni.trainer.step_count").addHandler(handler)
+    try:
+        probe.compute_train_steps()
+    finally:
+        logging.getLogger("veomni.trainer.step_count").removeHandler(handler)
+    text = " ".join(r.getMessage() for r in records)
+    assert probe.epoch_steps == epochs and probe.total_steps == sum(epochs), text
+    assert f"the LR schedule spans {sum(epochs)}" in text
+    assert ("train.max_steps 5 stops the run there" in text) == (max_steps == 5)
+    assert probe.whole_epochs == (sum(epochs) == 62)
+
+
 # ------------------------------------------------------------------------------------- early errors
 class _CharTokenizer:
     eos_token_id = 0

@@ -298,8 +298,9 @@ class TrainingArguments:
     num_train_epochs: int = _doc("Passes over the data.", default=1)
     eval_steps: int = _doc("Evaluate data.eval_path every this many steps (0: only after the last step).", default=0)
     max_steps: Optional[int] = _doc(
-        "Cap on optimizer steps per epoch (the run takes steps per epoch * num_train_epochs). When one epoch of the "
-        "data holds fewer steps, the epoch ends with the data and the log says so.",
+        "Optimizer steps of the whole run, over all epochs (as in HF Trainer and torchtitan): training stops there, "
+        "in whichever epoch it falls, and the LR schedule spans it. When num_train_epochs of the data hold fewer "
+        "steps, the run ends with the data and the log says so (and which num_train_epochs would reach it).",
         default=None,
     )
     dyn_bsz: bool = _doc("Pack micro-batches up to a token budget instead of a sample count.", default=True)

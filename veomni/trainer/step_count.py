@@ -52,21 +52,36 @@ def plan_steps(args, loader, dataset, count_steps: Callable[[Optional[int]], Opt
     epoch_steps = [train.train_steps] * train.num_train_epochs
     if counted is not None and train.dyn_bsz:
         epoch_steps = _count_later_epochs(train, loader, count_steps)
+    held = sum(epoch_steps)  # what the epochs hold (each counted up to max_steps at most)
+    epoch_steps = _stop_at(epoch_steps, train.max_steps)
     whole = counted if counted and not (train.max_steps and counted >= train.max_steps) else None  # (not capped)
-    plan = StepPlan(epoch_steps, whole_epochs=whole is not None)
-    if train.max_steps and train.train_steps < train.max_steps:
+    plan = StepPlan(epoch_steps, whole_epochs=whole is not None and sum(epoch_steps) == held)
+    if train.max_steps and held < train.max_steps:
         logger.warning(
-            f"train.max_steps={train.max_steps} but one epoch of the data holds {train.train_steps} steps: training "
-            f"runs {plan.total_steps} steps ({train.num_train_epochs} epoch(s)); for at least {train.max_steps} steps "
-            f"set --train.num_train_epochs {-(-train.max_steps // train.train_steps)}"
+            f"train.max_steps={train.max_steps} but {train.num_train_epochs} epoch(s) of the data hold {held} steps: "
+            f"training runs {held}; for {train.max_steps} steps set --train.num_train_epochs "
+            f"{-(-train.max_steps // train.train_steps)}"
         )
     per_epoch = " + ".join(map(str, epoch_steps)) if len(set(epoch_steps)) > 1 else train.train_steps
     holds = "; " + batch_description(args, dataset, whole) if getattr(args, "data", None) is not None else ""
+    stop = f" (train.max_steps {train.max_steps} stops the run there)" if plan.total_steps < held else ""
     logger.info(
-        f"{per_epoch} steps per epoch ({how}), {plan.total_steps} in total; the LR schedule spans "
+        f"{per_epoch} steps per epoch ({how}), {plan.total_steps} in total{stop}; the LR schedule spans "
         f"{plan.total_steps}{holds}"
     )
     return plan
+
+
+def _stop_at(epoch_steps: List[int], max_steps: Optional[int]) -> List[int]:
+    """`train.max_steps` is the run's total, as in HF Trainer and torchtitan: the epochs' steps up to it, the
+    epochs after it empty ([31, 31] and 5 -> [5, 0]; 40 -> [31, 9])."""
+    if not max_steps:
+        return epoch_steps
+    left, capped = max_steps, []
+    for steps in epoch_steps:
+        capped.append(min(steps, left))
+        left -= capped[-1]
+    return capped
 
 
 def _set_warmup(loader, train) -> None:
