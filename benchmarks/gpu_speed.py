@@ -92,6 +92,7 @@ def run_stage(stage, limit, args, env, logs):
     log = os.path.join(logs, stage.replace(":", "_") + ".log")
     if stage == "tests":
         cmd = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-x", "-p", "no:cacheprovider", "-rs"]
+        cmd += ["-k", args.tests] if args.tests else []
     else:
         cmd = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--rows", args.rows_tmp]
         cmd += ["--variants", args.variants] if args.variants else []
