@@ -445,3 +445,27 @@ def test_other_ranks_say_only_their_own_warnings(monkeypatch):
     assert all(line in said["0"] for line in ("an info line", "a warning about the run", "bad record", "an error"))
     assert "info line" not in said["1"] and "warning about the run" not in said["1"]
     assert "a bad record in this rank's share" in said["1"] and "an error" in said["1"]
+
+
+@pytest.mark.parametrize(
+    "signum, said",
+    [
+        (
+            signal.SIGINT,
+            "Ctrl-C (SIGINT) received: finishing the current step, then saving a checkpoint (a second Ctrl-C,",
+        ),
+        (signal.SIGTERM, "SIGTERM received: finishing the current step, then saving a checkpoint (a second SIGTERM to"),
+    ],
+)
+def test_a_stop_request_is_answered_in_its_own_terms(monkeypatch, capfd, signum, said):
+    """A Ctrl-C was answered with 'a second SIGTERM to the workers ... exits at once'."""
+    from veomni.trainer import lifecycle
+
+    monkeypatch.setitem(lifecycle._state, "handler_pid", os.getpid())
+    monkeypatch.setitem(lifecycle._state, "stop_signal", None)
+    monkeypatch.setitem(lifecycle._state, "loop_active", True)
+    monkeypatch.setitem(lifecycle._state, "training_done", False)
+    monkeypatch.setitem(lifecycle._state, "exiting", False)
+    monkeypatch.setenv("RANK", "0")
+    lifecycle._on_stop_signal(signum, None)
+    assert said in capfd.readouterr().err

@@ -151,11 +151,21 @@ def _on_stop_signal(signum, frame) -> None:
     if not _state["loop_active"]:
         raise StopBeforeTraining(signum)
     if _rank() == 0:
-        what = "the launcher died (SIGHUP)" if signum == signal.SIGHUP else f"{name} received"
-        _say(
-            f"{what}: finishing the current step, then saving a checkpoint (a second SIGTERM to the workers, "
-            f"{REPEAT_WINDOW_S:.0f} s or more later, exits at once)"
-        )
+        _say(f"{_stop_request(signum)}: finishing the current step, then saving a checkpoint ({_second(signum)}, "
+             f"{REPEAT_WINDOW_S:.0f} s or more later, exits at once)")  # fmt: skip
+
+
+def _stop_request(signum: int) -> str:
+    if signum == signal.SIGHUP:
+        return "the launcher died (SIGHUP)"
+    return "Ctrl-C (SIGINT) received" if signum == signal.SIGINT else f"{signal.Signals(signum).name} received"
+
+
+def _second(signum: int) -> str:
+    """How to insist, in the terms of the request (a Ctrl-C was answered with 'a second SIGTERM')."""
+    if signum == signal.SIGINT:
+        return "a second Ctrl-C"
+    return "a second SIGTERM to the workers"
 
 
 def install_stop_handlers() -> None:
