@@ -324,6 +324,7 @@ def test_a_completed_run_is_refused_and_a_changed_schedule_is_said(tmp_path):
     said = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "holds a completed run (checkpoint of step 3" in said, said[-2000:]
     assert "--train.checkpoint.overwrite true" in said and "training starts" not in said
+    assert "resuming from" not in said  # it does not resume: no line may say it does
     new = ["--train.max_steps", "6", "--train.optimizer.lr", "1e-2"]
     proc = _train(config, out, *new)
     assert "train.max_steps: 3 -> 6; train.optimizer.lr: 0.003 -> 0.01" in proc.stdout

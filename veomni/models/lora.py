@@ -98,7 +98,7 @@ def attach_lora(model: nn.Module, args, seed: int, base_model_path: Optional[str
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info(
-        f"LoRA r={args.r} alpha={args.alpha} on {len(list(lora_layers(model)))} layers: {trainable:,} trainable of "
+        f"LoRA r={args.r} alpha={args.alpha} on {len(list(lora_layers(model)))} linear modules: {trainable:,} trainable of "
         f"{total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
     )
     return initial

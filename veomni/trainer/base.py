@@ -111,6 +111,7 @@ class BaseTrainer(StepCountMixin):
         self.train_dataloader = self.build_dataloader()
         self.compute_train_steps()
         self.run_dir.refuse_completed(self.total_steps)
+        self.run_dir.announce()
         eval_data = self.build_eval_data()  # before the model too: a held-out file that fails, fails in seconds
         if self.is_main:
             save_args(args, self.output_dir)

@@ -80,8 +80,13 @@ class RunDir:
         if error is not None:
             known = {"RunDirError": RunDirError, "FileNotFoundError": FileNotFoundError}
             raise known.get(error[0], RuntimeError)(error[1] if error[0] in known else f"{error[0]}: {error[1]}")
-        logger.info(message + (f"; previous run moved to {moved}" if moved else ""))
+        self.message = message + (f"; previous run moved to {moved}" if moved else "")
         return path
+
+    def announce(self) -> None:
+        """Say what happens to the folder (resume, fresh start, previous run moved aside): once the run is known to
+        go ahead (a completed run's refusal used to follow a "resuming from ..." line)."""
+        logger.info(self.message)
 
     def release(self) -> None:
         """Free the folder now rather than when this process ends (a failed run inside a longer-lived process: the
