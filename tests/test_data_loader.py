@@ -366,3 +366,40 @@ def test_steps_per_epoch_follow_the_seed_formula_without_dyn_bsz(files):
     for dp in (1, 2):
         loader = _loader(_dataset(folder, "mapping"), rank=0, dp=dp, dyn=False, micro=2, dlbs=4 // dp, drop_last=True)
         assert loader.num_batches() == n // 8 == len(list(loader))
+
+
+class _CountingRecords(torch.utils.data.Dataset):
+    """A user's map-style dataset that counts its reads."""
+
+    def __init__(self, n):
+        self.n, self.reads = n, []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return {"input_ids": [5, 6, 7, i % 50 + 100] * (i % 3 + 1)}
+
+
+def test_a_users_map_style_dataset_goes_through_the_mapped_sample_cache(monkeypatch):
+    """#37: a registered builder's map-style dataset is not held in RAM as a per-rank index: each record is read
+    once, to build the memory-mapped sample cache (token mode), and every batch of every epoch comes from the cache
+    (no read of the user's dataset), equal to the records; the run's own cache is removed at exit."""
+    from veomni.data import DATASET_REGISTRY, sample_cache
+
+    records = _CountingRecords(40)
+    DATASET_REGISTRY.register("counting_test")(lambda train_path, transform=None, **kwargs: records)
+    exits = []
+    monkeypatch.setattr(sample_cache.atexit, "register", lambda *a: exits.append(a))
+    ds = build_dataset(dataset_name="counting_test", train_path="unused")
+    loader = _loader(ds, micro=1, dyn=False, dlbs=1)
+    cache = loader.stream.dataset.prepare()
+    assert cache.token_mode and sorted(records.reads) == list(range(40))  # each record read once, to build it
+    records.reads.clear()
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        got = sorted(tuple(mb["input_ids"][0].tolist()) for mb in _flatten(list(loader)))
+        assert got == sorted(tuple(_CountingRecords(40)[i]["input_ids"]) for i in range(40)), epoch
+        assert records.reads == [], epoch  # every sample read from the mapped token files
+    assert any(cache.folder in a for a in exits)  # removed at exit (it serves this run only)
