@@ -9,9 +9,9 @@ from functools import partial
 import numpy as np
 import pytest
 
-from helpers import REPO, document_starts, token_loader, torchrun, write_token_data
+from helpers import REPO, child_env, document_starts, token_loader, torchrun, write_token_data
 from veomni.data import build_dataset
-from veomni.data.data_transform import process_pretrain_example
+from veomni.data.data_transform import DataFormatError, process_pretrain_example
 from veomni.data.dataset import MappingDataset
 
 MAX_LEN = 48
@@ -73,25 +73,127 @@ def test_a_changed_file_or_transform_builds_a_new_cache(data):
     assert len(CALLS) == 151 and len(os.listdir(cache)) == 3
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest"])
+@pytest.mark.parametrize("damage", ["truncate", "no_manifest"])
 def test_a_corrupt_or_unfinished_cache_is_rebuilt_never_used(data, damage):
     path, cache = data
     expected = _batches(_dataset(path, cache))
     folder = _dataset(path, cache).prepare().folder
     tokens = os.path.join(folder, "part-00000.input_ids.bin")
-    if damage == "flip":  # one token changed, the size unchanged
-        with open(tokens, "r+b") as f:
-            f.seek(400)
-            byte = f.read(1)
-            f.seek(400)
-            f.write(bytes([byte[0] ^ 0x40]))
-    elif damage == "truncate":
+    if damage == "truncate":
         os.truncate(tokens, os.path.getsize(tokens) - 8)
     else:  # as a build that crashed before publishing would leave it
         os.remove(os.path.join(folder, "manifest.json"))
     CALLS.clear()
     assert _batches(_dataset(path, cache)) == expected
     assert len(CALLS) == 150  # rebuilt from the records
+
+
+def test_a_flipped_byte_is_refused_naming_the_file_when_its_chunk_is_first_read(data, monkeypatch):
+    """Token files are verified chunk by chunk as they are read (#37: start-up does not read the cache): a byte
+    flipped in chunk 2 goes unnoticed by opening the cache and reading chunk 0, and is refused, naming the file and
+    the chunk, by the first read of chunk 2; so is every later read of it, by a fresh process (a loader worker)."""
+    from veomni.data import cache_writer, sample_cache
+
+    monkeypatch.setattr(cache_writer, "CHUNK_BYTES", 4096)  # 1,024 tokens a chunk: the test data spans several
+    monkeypatch.setattr(sample_cache, "CHUNK_BYTES", 4096)
+    path, cache = data
+    folder = _dataset(path, cache).prepare().folder
+    tokens = os.path.join(folder, "part-00000.input_ids.bin")
+    assert os.path.getsize(tokens) > 3 * 4096
+    with open(tokens, "r+b") as f:  # one token of chunk 2 changed, the size unchanged
+        f.seek(2 * 4096 + 100)
+        byte = f.read(1)
+        f.seek(2 * 4096 + 100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    CALLS.clear()
+    dataset = _dataset(path, cache)
+    built = dataset.prepare()  # opening reads no token file: the damage is not seen, nothing is rebuilt
+    assert CALLS == [] and len(dataset) == 150
+    starts = built._token_starts[0]
+    in_chunk = [int(np.searchsorted(starts, c * 1024, side="right")) for c in range(4)]
+    for i in range(in_chunk[1] - 1):  # samples wholly inside chunk 0
+        built.sample(i)
+    with pytest.raises(sample_cache.DataFormatError, match=rf"data cache file {tokens}: chunk 2 .* checksum"):
+        built.sample(in_chunk[2])
+    with pytest.raises(Exception, match="part-00000.input_ids.bin: chunk 2"):
+        _batches(_dataset(path, cache))  # the loader reads every chunk: refused there too
+    assert CALLS == []
+
+
+def test_a_killed_build_leaves_nothing_after_the_next_run(tmp_path):
+    """A build killed midway (SIGKILL: no cleanup ran) leaves its `.building-*` folder; the next open removes it
+    (no live process holds its lock), and also a `.stale-*` folder of an interrupted replace."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = write_token_data(str(tmp_path / "docs.jsonl"), n=300, low=8, high=120)
+    cache = tmp_path / "cache"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_BUILD, path, str(cache)], cwd=REPO, env=child_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (cache.exists() and any(".building-" in p.name for p in cache.iterdir())):
+        assert child.poll() is None and time.monotonic() < deadline, child.stdout.read()
+        time.sleep(0.1)
+    time.sleep(1.0)  # well inside the build (the transform sleeps on every record)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    (cache / "docs.jsonl-0123abcd.stale-89abcdef").mkdir()  # an earlier replace that was interrupted
+    assert any(".building-" in p.name for p in cache.iterdir())
+    folder = _dataset(path, str(cache)).prepare().folder
+    assert os.listdir(cache) == [os.path.basename(folder)]
+
+
+_SLOW_BUILD = """
+import sys, time
+from veomni.data import build_dataset
+from veomni.data.data_transform import process_pretrain_example
+
+def slow(example):
+    time.sleep(0.05)
+    return process_pretrain_example(example, tokenizer=None, max_seq_len=48)
+
+build_dataset(train_path=sys.argv[1], datasets_type="mapping", transform=slow, cache_dir=sys.argv[2]).prepare()
+"""
+
+
+def test_a_same_size_same_mtime_edit_builds_a_new_cache(data):
+    """`cp -p` or `rsync -a` of an edited file keeps its size and mtime: the key's content hash still changes."""
+    path, cache = data
+    before = _dataset(path, cache).prepare().folder
+    stat = os.stat(path)
+    with open(path, "r+b") as f:  # one digit of a token changed: the same size
+        f.seek(20)
+        digit = f.read(1)
+        f.seek(20)
+        f.write(b"7" if digit != b"7" else b"8")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (os.path.getsize(path), os.stat(path).st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    CALLS.clear()
+    after = _dataset(path, cache).prepare().folder
+    assert after != before and len(CALLS) == 150
+
+
+def test_a_later_run_reads_the_batch_plan_kept_beside_the_cache(data, monkeypatch):
+    """The epoch's global batch plan (per-sample Python work with dyn_bsz) is kept in the cache folder: a second run
+    with the same data and batching reads it instead of planning again, and gets the same batches."""
+    from veomni.data import global_batches
+
+    path, cache = data
+    first = _batches(_dataset(path, cache))
+    folder = _dataset(path, cache).prepare().folder
+    assert len(os.listdir(os.path.join(folder, "plans"))) == 1
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(global_batches, "plan_micro_batches", no_planning)
+    assert _batches(_dataset(path, cache)) == first
+    with pytest.raises(AssertionError, match="planned again"):  # other batching: another plan
+        _batches(_dataset(path, cache), dyn=False)
 
 
 def test_two_ranks_transform_each_record_once_in_total(tmp_path):
@@ -215,6 +317,26 @@ def test_a_finished_cache_of_another_job_is_kept_not_replaced(data):
     os.remove(os.path.join(folder, "part-00000.lengths.npy"))  # a stale cache is replaced
     assert sample_cache._publish(late, folder, 1) is None
     assert sample_cache.SampleCache(folder).num_records == 150 and os.listdir(cache) == [os.path.basename(folder)]
+
+
+def test_build_processes_write_the_same_cache_as_one(data, tmp_path, monkeypatch):
+    """A rank's share is built by one forked process per core (here 3): each its own part, records in file order,
+    the same samples and batches as one process; a bad record in a later process's share fails the build naming its
+    line, and no half-built folder is left."""
+    path, cache = data
+    one = _batches(_dataset(path, cache))
+    monkeypatch.setenv("VEOMNI_DATA_BUILD_PROCESSES", "3")
+    three = _dataset(path, str(tmp_path / "cache3"))
+    assert _batches(three) == one and len(three) == 150
+    assert [p["part"] for p in three.cache.manifest["parts"]] == ["00000", "00000-001", "00000-002"]
+    assert sorted(f for f in os.listdir(three.cache.folder) if f.endswith(".bin")) == [
+        "part-00000-001.input_ids.bin", "part-00000-002.input_ids.bin", "part-00000.input_ids.bin"
+    ]  # fmt: skip
+    with open(path, "a") as f:
+        f.write("{not json, in the last share\n")
+    with pytest.raises(DataFormatError, match=rf"{path}:151: malformed JSON"):
+        _dataset(path, str(tmp_path / "bad")).prepare()
+    assert os.listdir(tmp_path / "bad") == []
 
 
 def test_a_rank_failing_its_share_fails_every_rank_at_once(tmp_path):

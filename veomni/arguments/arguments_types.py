@@ -89,6 +89,12 @@ class DataArguments:
         default=None,
     )
     skip_bad_samples: bool = _doc("Skip (and count) malformed or over-long samples instead of failing.", default=False)
+    allow_changed_data: bool = _doc(
+        "Resume a checkpoint whose data files, transform or tokenizer have changed since it was saved (refused "
+        "otherwise, naming what changed): the data order then restarts at the start of the current epoch, on the "
+        "data as it is now.",
+        default=False,
+    )
     mm_configs: Dict[str, Any] = _doc(
         "Multimodal transform options (tasks/train_vlm.py), passed to process_sample_*: `media_dir` (base of "
         "relative media paths), `video_fps`, `image_kwargs` / `audio_kwargs` (extra processor kwargs, e.g. "

@@ -23,11 +23,14 @@ from ..compat.torchdata import (
     keep_unstarted_iterator_state,
     shutdown_iterator_workers,
 )
+from ..utils.logging import get_logger
 from .data_collator import MainCollator
+from .data_transform import DataFormatError
 from .global_batches import Batching, GlobalBatchStream
 from .mapping import MappingDataset
 from .streamed_batches import SlotStream, is_end_marker, reshard_slot_states
 
+logger = get_logger(__name__)
 # torchdata's loader calls a torch API that torch has deprecated, on every iter(): nothing a user can act on
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
@@ -43,10 +46,12 @@ def build_loader(
     prefetch_factor: Optional[int] = None,
     seed: int = 42,
     shuffle: bool = True,
+    allow_changed_data: bool = False,
 ) -> "MicroBatchLoader":
     """A stateful loader of `dataset` for data-parallel rank `dp_rank` of `dp_size`; `next()` is a list of
     `batching.dataloader_batch_size` collated micro-batches. `seed` and `shuffle` apply to a user's map-style
-    dataset (ours carry their own). Collective for sized data (its sample cache is opened or built here)."""
+    dataset (ours carry their own); `allow_changed_data`: see `MicroBatchLoader.load_state_dict`. Collective for
+    sized data (its sample cache is opened or built here)."""
     if is_user_map_style(dataset):
         dataset = MappingDataset(dataset, seed=seed, shuffle=shuffle, name=type(dataset).__name__)
     if hasattr(dataset, "epoch_order"):  # sized: global batches from the sample cache
@@ -57,6 +62,7 @@ def build_loader(
     extra = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor else {}
     return MicroBatchLoader(
         stream,
+        allow_changed_data=allow_changed_data,
         batch_size=batching.dataloader_batch_size,
         collate_fn=_list_of_micro_batches,
         num_workers=num_workers,
@@ -98,6 +104,7 @@ def build_dataloader(
     dp_rank: Optional[int] = None,
     dp_size: Optional[int] = None,
     shuffle: bool = True,
+    allow_changed_data: bool = False,
 ) -> "MicroBatchLoader":
     """The seed's call (its argument names), over `build_loader`: this rank's data-parallel place from the parallel
     state unless given, `global_batch_size` -> micro-batches per rank, the warmup's length from `train_steps *
@@ -122,8 +129,9 @@ def build_dataloader(
         drop_last=drop_last,
     )
     return build_loader(
-        dataset, collate_fn, batching, dp_rank, dp_size, num_workers, pin_memory, prefetch_factor, seed, shuffle
-    )
+        dataset, collate_fn, batching, dp_rank, dp_size, num_workers, pin_memory, prefetch_factor, seed, shuffle,
+        allow_changed_data,
+    )  # fmt: skip
 
 
 def _list_of_micro_batches(micro_batches):
@@ -159,10 +167,10 @@ class MicroBatchLoader(IteratorSlotLoader):
     "exit" message never reaches them, and each worker costs the full join timeout (5 s) before it is killed.
     """
 
-    def __init__(self, stream, **kwargs):
+    def __init__(self, stream, allow_changed_data: bool = False, **kwargs):
         self.epoch_ended = False  # the last streamed epoch ended at a slot that ran out (not at a stop)
         super().__init__(stream, **kwargs)  # the current iterator is in `self._live[0]`: see IteratorSlotLoader
-        self.stream = stream
+        self.stream, self.allow_changed_data = stream, allow_changed_data
         # the box keeps the iterator out of the cyclic garbage, so its queues still work when the loader goes: the
         # finalizer only lets go of it, and torch stops its workers at once unless someone still iterates it (as in
         # `for batch in build_dataloader(...)`, where nothing else holds the loader)
@@ -184,6 +192,36 @@ class MicroBatchLoader(IteratorSlotLoader):
         self.epoch_ended = False
         return _UntilEndMarker(iterator, self) if isinstance(self.stream, SlotStream) else iterator
 
+    def data_fingerprint(self) -> Optional[Dict[str, Any]]:
+        """What the data is made of (files, transform, tokenizer), None when it cannot be told (a user's dataset)."""
+        dataset = getattr(self.stream, "dataset", None) or getattr(self.stream, "source", None)
+        return dataset.data_fingerprint() if hasattr(dataset, "data_fingerprint") else None
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The position, and what the data was (a resume on other data is refused: `load_state_dict`)."""
+        return {**super().state_dict(), _DATA: {"fingerprint": self.data_fingerprint(), "epoch": self.stream.epoch}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from a saved position, on the data it was saved on. On changed data (files, transform or
+        tokenizer) it refuses in one line, or with `allow_changed_data` says so and leaves the position: the
+        current epoch's data order starts again, from the new data."""
+        state = dict(state)
+        saved = state.pop(_DATA, None) or {}
+        changed = _changed(saved.get("fingerprint"), self.data_fingerprint())
+        if changed and not self.allow_changed_data:
+            raise DataFormatError(
+                f"resuming on changed data: the {' and the '.join(changed)} differ from the checkpoint's (saved at "
+                "epoch {epoch}); set --data.allow_changed_data true to train on the data as it is now, its order "
+                "restarting at the current epoch".format(epoch=saved.get("epoch"))
+            )
+        if changed:
+            logger.warning(
+                f"the {' and the '.join(changed)} changed since the checkpoint: data.allow_changed_data, so the data "
+                f"order restarts at the start of the current epoch ({saved.get('epoch')}), on the data as it is now"
+            )
+            return
+        super().load_state_dict(state)
+
     def set_warmup_steps(self, steps: int) -> None:
         """The token-budget warmup's length in steps (known once the run's steps are counted)."""
         self.stream.warmup_steps = steps
@@ -204,6 +242,17 @@ class MicroBatchLoader(IteratorSlotLoader):
             return None
         steps = self.stream.num_steps()
         return min(steps, limit) if limit else steps
+
+
+_DATA = "veomni_data"  # the loader state's record of the data it read
+_PARTS = {"files": "data files", "transform": "transform", "tokenizer": "tokenizer"}
+
+
+def _changed(saved: Optional[Dict[str, Any]], now: Optional[Dict[str, Any]]) -> List[str]:
+    """The parts of the data fingerprint that differ (none when either side cannot tell)."""
+    if not saved or not now:
+        return []
+    return [label for part, label in _PARTS.items() if saved.get(part) != now.get(part)]
 
 
 class _UntilEndMarker:

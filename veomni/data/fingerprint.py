@@ -4,9 +4,13 @@ the samples, so that a sample cache built under one set of them is never used un
 Functions are hashed by the source of their whole module (an edited transform, or a helper it calls from the same
 file, invalidates caches), objects by the source of every class of their type's MRO and their state, tensors and
 arrays by value, tokenizers by their full serialisation and chat template, configs and processors by their JSON.
-Every fingerprint also covers the source of `veomni/data`, whose code the built-in transforms call. An object that
+A cache key also covers the source of `veomni/data`, whose code the built-in transforms call. An object that
 cannot be fingerprinted (a lambda's closure over an open file, say) raises `Unfingerprintable`: its data is then
 not cached rather than cached under a key that would miss a change.
+
+A data file is fingerprinted by its path, size, mtime and a hash of its content: all of it up to 1 MiB, else 32
+evenly spaced blocks of 16 KiB (the first and last included), so an edit that keeps the size and the mtime (`cp -p`,
+`rsync -a`) still changes the key unless it falls entirely between the sampled blocks of a large file.
 """
 
 import functools
@@ -16,7 +20,7 @@ import logging
 import os
 import pickle
 import sys
-from typing import Any, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -27,17 +31,82 @@ class Unfingerprintable(TypeError):
     """No stable fingerprint for this object: its results are not cached."""
 
 
-def fingerprint(*objects: Any) -> str:
-    digest = hashlib.sha256(_package_source().encode())
+_WHOLE_FILE, _BLOCKS, _BLOCK = 1 << 20, 32, 16 << 10
+
+
+def fingerprint(*objects: Any, package: bool = True, exclude: Any = None) -> str:
+    """The objects' hash (and veomni/data's source unless `package=False`); `exclude` (e.g. a tokenizer, hashed
+    on its own) counts by its type only."""
+    digest = hashlib.sha256(_package_source().encode() if package else b"")
     for obj in objects:
-        digest.update(_describe(obj, 0, set()).encode("utf-8", "surrogatepass"))
+        digest.update(
+            _describe(obj, 0, {id(exclude)} if exclude is not None else set()).encode("utf-8", "surrogatepass")
+        )
         digest.update(b"\0")
     return digest.hexdigest()[:20]
 
 
 def files_fingerprint(files: List[str]) -> List[Any]:
-    """Each file's absolute path, size and modification time: a rewritten file gives another fingerprint."""
-    return [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+    """Each file's absolute path, size, modification time and sampled content (see the module doc)."""
+    out = []
+    for f in files:
+        st = os.stat(f)
+        out.append(
+            (
+                os.path.abspath(f),
+                st.st_size,
+                st.st_mtime_ns,
+                _content_hash(f, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino),
+            )
+        )
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _content_hash(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> str:
+    """(Cached per process by the file's stat: an edit changes its ctime even when it keeps size and mtime.)"""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        if size <= _WHOLE_FILE:
+            digest.update(f.read())
+        else:
+            for k in range(_BLOCKS):
+                f.seek(k * (size - _BLOCK) // (_BLOCKS - 1))
+                digest.update(f.read(_BLOCK))
+    return digest.hexdigest()
+
+
+def data_fingerprint(files: List[str], transform: Any) -> Dict[str, Optional[str]]:
+    """What a run's data is made of, part by part, so that a change can be named: the data `files` (their sizes and
+    sampled content, in order: the same data moved or touched is the same), the `transform` (its code and
+    arguments, the tokenizer aside) and the `tokenizer` it uses (None if it has none). Raises Unfingerprintable for
+    a transform that hides its state."""
+    tokenizer = find_tokenizer(transform)
+    contents = [(size, content) for _, size, _, content in files_fingerprint(files)]
+    return {
+        "files": hashlib.sha256(repr(contents).encode()).hexdigest()[:20],
+        "transform": fingerprint(transform, package=False, exclude=tokenizer),
+        "tokenizer": fingerprint(tokenizer, package=False) if tokenizer is not None else None,
+    }
+
+
+def cache_key(version: int, files: List[str], parts: Dict[str, Optional[str]], *extra: Any) -> str:
+    """A sample cache's key: its format `version`, the files (path, size, mtime, sampled content), the data
+    fingerprint, veomni/data's source and `extra`."""
+    return fingerprint(version, files_fingerprint(files), sorted(parts.items()), *extra)
+
+
+def find_tokenizer(transform: Any) -> Any:
+    """The tokenizer a transform uses: an argument of it, or the `tokenizer` of a chat template or processor."""
+    if not isinstance(transform, functools.partial):
+        return None
+    for value in [*transform.args, *transform.keywords.values()]:
+        for candidate in (value, getattr(value, "tokenizer", None)):
+            if hasattr(candidate, "backend_tokenizer") or (
+                hasattr(candidate, "get_vocab") and hasattr(candidate, "encode")
+            ):
+                return candidate
+    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,9 +26,13 @@ drop_last, they are dropped and counted (`dropped_samples(loader)`).
 
 import copy
 import dataclasses
+import hashlib
+import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -73,6 +77,21 @@ def first_fit(lengths: Iterable[int], budget: int) -> List[int]:
     return chosen
 
 
+class Plan:
+    """An epoch's global steps, as two arrays: micro-batch m holds the sample positions
+    `positions[bounds[m]:bounds[m + 1]]` (positions in the epoch's global sample order); step s is micro-batches
+    `[s * per_step, (s + 1) * per_step)`. `dropped`: samples of the tail that fit no step."""
+
+    def __init__(self, positions: np.ndarray, bounds: np.ndarray, per_step: int, dropped: int):
+        self.positions, self.bounds, self.per_step, self.dropped = positions, bounds, per_step, dropped
+
+    def __len__(self) -> int:
+        return (len(self.bounds) - 1) // self.per_step
+
+    def micro_batch(self, m: int) -> np.ndarray:
+        return self.positions[self.bounds[m] : self.bounds[m + 1]]
+
+
 def plan_micro_batches(
     lengths: List[int],
     per_step: int,
@@ -81,28 +100,30 @@ def plan_micro_batches(
     budget: Callable[[int], int],
     buffer_size: int,
     drop_last: bool,
-) -> Tuple[List[List[List[int]]], int]:
-    """Global steps of `per_step` micro-batches (lists of sample positions), and the number of samples dropped."""
-    micro: List[List[int]] = []
-    if not dyn_bsz:
-        micro = [
-            list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)
-        ]
+) -> Plan:
+    """Global steps of `per_step` micro-batches: `micro_batch_size` consecutive samples each, or with `dyn_bsz`
+    first-fit into the token budget of their step from a buffer of `buffer_size` samples in arrival order."""
+    n = len(lengths)
+    if not dyn_bsz:  # consecutive runs: no loop over the samples
+        positions = np.arange(n, dtype=np.int64)
+        bounds = np.append(np.arange(0, n, micro_batch_size, dtype=np.int64), n)
+        complete = n // micro_batch_size  # a short last micro-batch is tail
     else:
-        buffer: List[int] = []
-        nxt = 0
-        while nxt < len(lengths) or buffer:
-            while len(buffer) < buffer_size and nxt < len(lengths):
+        micro: List[int] = []
+        bound_list, buffer, nxt = [0], [], 0
+        while nxt < n or buffer:
+            while len(buffer) < buffer_size and nxt < n:
                 buffer.append(nxt)
                 nxt += 1
-            chosen = first_fit((lengths[pos] for pos in buffer), budget(len(micro) // per_step))
-            micro.append([buffer[i] for i in chosen])
+            chosen = first_fit((lengths[pos] for pos in buffer), budget((len(bound_list) - 1) // per_step))
+            micro += [buffer[i] for i in chosen]
+            bound_list.append(len(micro))
             for i in reversed(chosen):
                 del buffer[i]
-    complete = len(micro) if dyn_bsz else len(lengths) // micro_batch_size  # a short last micro-batch is tail
-    full = complete // per_step
-    steps = [micro[s * per_step : (s + 1) * per_step] for s in range(full)]
-    tail = micro[full * per_step :]
+        positions, bounds = np.asarray(micro, dtype=np.int64), np.asarray(bound_list, dtype=np.int64)
+        complete = len(bounds) - 1
+    keep = complete // per_step * per_step  # micro-batches of the full steps
+    tail = [positions[bounds[m] : bounds[m + 1]].tolist() for m in range(keep, len(bounds) - 1)]
     if tail and not drop_last:
         while len(tail) < per_step:  # split (never merge) the fullest micro-batch: budgets still hold
             big = max(range(len(tail)), key=lambda i: len(tail[i]))
@@ -111,9 +132,11 @@ def plan_micro_batches(
             half = len(tail[big]) // 2
             tail[big : big + 1] = [tail[big][:half], tail[big][half:]]
         if len(tail) == per_step:
-            steps.append(tail)
-            tail = []
-    return steps, sum(len(mb) for mb in tail)
+            sizes = np.cumsum([len(mb) for mb in tail])
+            positions = np.concatenate([positions[: bounds[keep]], np.asarray(sum(tail, []), dtype=np.int64)])
+            bounds = np.concatenate([bounds[: keep + 1], bounds[keep] + sizes])
+            return Plan(positions, bounds, per_step, 0)
+    return Plan(positions[: bounds[keep]], bounds[: keep + 1], per_step, sum(len(mb) for mb in tail))
 
 
 class BatchingStream(IterableDataset):
@@ -168,55 +191,96 @@ class GlobalBatchStream(BatchingStream):
         super().__init__(collate_fn, batching, dp_rank, dp_size)
         self.dataset = dataset  # the sized protocol: prepare / epoch_order / sample / counts (mapping.py)
         self.accum = self.dataloader_batch_size
-        self._plans: Dict[Tuple[int, int, int], Tuple[List[List[List[int]]], int]] = {}
+        self._plans: Dict[Tuple[int, int, int], Plan] = {}
         self._order: Dict[int, Any] = {}
 
-    def order(self, epoch: int):
-        """`(sample ids, lengths)` of the epoch in global order (one epoch kept)."""
+    def order(self, epoch: int) -> np.ndarray:
+        """The sample ids of the epoch in global order (one epoch kept)."""
         if epoch not in self._order:
-            ids, lengths = self.dataset.epoch_order(epoch)
-            self._order = {epoch: (ids, lengths.tolist())}
-        return self._order[epoch]
+            self._order = {epoch: self.dataset.epoch_order(epoch)}
+        return self._order[epoch][0]
 
-    def plan(self, epoch: int) -> Tuple[List[List[List[int]]], int]:
-        """The epoch's global steps (each: dp_size * dataloader_batch_size micro-batches) and dropped samples."""
+    def plan(self, epoch: int) -> Plan:
+        """The epoch's global steps (each: dp_size * dataloader_batch_size micro-batches), computed once and kept
+        beside the sample cache, so a later run with the same data and batching reads it (`_stored_plan`)."""
         first = min(self.first_step, self.warmup_steps)  # past the warmup, where the epoch starts changes nothing
         key = (epoch, first, self.warmup_steps)
         if key not in self._plans:
-            _, lengths = self.order(epoch)
             per_step = self.dp_size * self.accum
-            plan = plan_micro_batches(
-                lengths, per_step, self.micro_batch_size, self.dyn_bsz, lambda s: self._token_budget(first + s),
-                self.buffer_size, self.drop_last,
-            )  # fmt: skip
+            path = self._plan_path(epoch, first, per_step)
+            plan = _load_plan(path, per_step)
+            if plan is None:
+                self.order(epoch)
+                lengths = self._order[epoch][1].tolist()
+                plan = plan_micro_batches(
+                    lengths, per_step, self.micro_batch_size, self.dyn_bsz, lambda s: self._token_budget(first + s),
+                    self.buffer_size, self.drop_last,
+                )  # fmt: skip
+                _save_plan(path, plan)
             self._plans = {key: plan}
         return self._plans[key]
 
+    def _plan_path(self, epoch: int, first: int, per_step: int) -> Optional[str]:
+        """Where this epoch's plan is kept: in the dataset's cache (None for a cache of one run's own)."""
+        where = self.dataset.plan_store() if hasattr(self.dataset, "plan_store") else None
+        if where is None:
+            return None
+        folder, identity = where
+        b = self.batching
+        spec = (_PLAN_FORMAT, identity, epoch, first, per_step, b.micro_batch_size, b.max_seq_len, b.dyn_bsz,
+                self.buffer_size, b.warmup_steps, b.warmup_init_tokens, b.drop_last)  # fmt: skip
+        return os.path.join(folder, "plans", hashlib.sha256(repr(spec).encode()).hexdigest()[:20] + ".npz")
+
     def num_steps(self) -> int:
         """Steps of the epoch set by `set_epoch` (starting at its `first_step`)."""
-        return len(self.plan(self.epoch)[0])
+        return len(self.plan(self.epoch))
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        steps, dropped = self.plan(self.epoch)
-        ids, _ = self.order(self.epoch)
+        plan = self.plan(self.epoch)
+        ids = self.order(self.epoch)
         # a global position, the same on every rank: any rank's state resumes any world size
         state = {"global_position": True, "epoch": self.epoch, "step": worker, "micro": 0, "produced": 0}
         if self._resume is not None and self._resume.get("epoch") == self.epoch:
             state.update({k: self._resume[k] for k in ("step", "micro", "produced", "samples") if k in self._resume})
         self._resume = None
         state.setdefault("samples", 0)
-        state.update(self.dataset.counts(), dropped=dropped)
+        state.update(self.dataset.counts(), dropped=plan.dropped)
         self._state = state
-        mine = slice(self.dp_rank * self.accum, (self.dp_rank + 1) * self.accum)
-        while state["step"] < len(steps):
-            micro_batches = steps[state["step"]][mine]
-            batch = micro_batches[state["micro"]]
-            if state["micro"] + 1 < len(micro_batches):  # the state names what comes after this yield
+        while state["step"] < len(plan):
+            batch = plan.micro_batch(state["step"] * plan.per_step + self.dp_rank * self.accum + state["micro"])
+            if state["micro"] + 1 < self.accum:  # the state names what comes after this yield
                 state["micro"] += 1
             else:
                 state["step"], state["micro"] = state["step"] + workers, 0
             state["produced"] += 1
             state["samples"] += len(batch)
             yield self.collate_fn([self.dataset.sample(ids[p]) for p in batch])
+
+
+_PLAN_FORMAT = 1
+
+
+def _load_plan(path: Optional[str], per_step: int) -> Optional[Plan]:
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with np.load(path) as stored:
+            return Plan(stored["positions"], stored["bounds"], per_step, int(stored["dropped"]))
+    except (OSError, ValueError, KeyError):  # unreadable: computed again (and written again)
+        return None
+
+
+def _save_plan(path: Optional[str], plan: Plan) -> None:
+    """Kept for later runs (atomically: ranks write the same plan); a cache on read-only storage keeps none."""
+    if path is None:
+        return
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp.npz"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.savez(tmp, positions=plan.positions, bounds=plan.bounds, dropped=plan.dropped)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)

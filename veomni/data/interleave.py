@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 import numpy as np
 from torch.utils.data import IterableDataset
 
+from .fingerprint import fingerprint
 from .sample_cache import expand_runs
 from .streaming import mix
 from .transforming import Key
@@ -57,6 +58,14 @@ class InterleaveDataset(IterableDataset):
                 continue
             yield (i, *key)
 
+    def data_fingerprint(self) -> Optional[Dict[str, Any]]:
+        """The sources' fingerprints, part by part (files: every source's and the mixture's weights)."""
+        parts = [s.data_fingerprint() for s in self.sources]
+        if any(p is None for p in parts):
+            return None
+        files = fingerprint([p["files"] for p in parts], self.weights, self.stopping_strategy, package=False)
+        return {"files": files, "transform": parts[0]["transform"], "tokenizer": parts[0]["tokenizer"]}
+
     def peek(self, n: int) -> List[Tuple[str, Any, Any]]:
         return [item for source in self.sources for item in source.peek(n)]
 
@@ -67,6 +76,14 @@ class InterleavedMappingDataset(InterleaveDataset):
     def prepare(self) -> None:
         for source in self.sources:
             source.prepare()
+
+    def plan_store(self) -> Optional[Tuple[str, Any]]:
+        """Batch plans are kept in the first source's cache folder (see MappingDataset.plan_store)."""
+        stores = [s.plan_store() for s in self.sources]
+        if any(store is None for store in stores):
+            return None
+        identity = ("interleave", stores, self.weights, self.seed, self.stopping_strategy)
+        return stores[0][0], identity
 
     def counts(self) -> Dict[str, int]:
         parts = [s.counts() for s in self.sources]

@@ -55,6 +55,18 @@ class MappingDataset(Dataset, Transforming):
     def __len__(self) -> int:
         return self.prepare().num_records
 
+    def data_fingerprint(self) -> Optional[Dict[str, Any]]:
+        """What the data is made of (files, transform, tokenizer; fingerprint.py), None for a user's own dataset."""
+        return self.prepare().manifest.get("fingerprint")
+
+    def plan_store(self) -> Optional[Tuple[str, Any]]:
+        """Where batch plans over this data are kept (its cache folder) and what else they depend on; None for a
+        cache of one run's own."""
+        cache = self.prepare()
+        return (
+            None if cache.manifest.get("fingerprint") is None else (cache.folder, ("mapping", self.seed, self.shuffle))
+        )
+
     def counts(self) -> Dict[str, int]:
         manifest = self.prepare().manifest
         return {name: manifest.get(name, 0) for name in ("skipped", "empty", "blank")}

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from torch.utils.data import IterableDataset
 
 from .data_transform import DataFormatError
+from .fingerprint import Unfingerprintable, data_fingerprint
 from .readers import BLANK, RecordFiles
 from .transforming import Key, Transforming
 
@@ -58,6 +59,15 @@ class IterativeDataset(IterableDataset, Transforming):
             step = max(-(-(end - start) // pieces), least)
             units += [(fi, a, min(a + step, end)) for a in range(start, end, step)]
         self.units = units
+
+    def data_fingerprint(self) -> Optional[Dict[str, Any]]:
+        """What the data is made of (files, transform, tokenizer; fingerprint.py), None when it cannot be told."""
+        if not hasattr(self, "_fingerprint"):
+            try:
+                self._fingerprint = data_fingerprint(self.files, self.transform)
+            except Unfingerprintable:
+                self._fingerprint = None
+        return self._fingerprint
 
     def shard_units(self, epoch: int, shard: int, num_shards: int) -> List[Tuple[int, int, int]]:
         import torch

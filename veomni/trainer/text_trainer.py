@@ -92,6 +92,7 @@ class TextTrainer(BaseTrainer):
             pin_memory=loader.pin_memory,
             prefetch_factor=loader.prefetch_factor,
             seed=train.seed,
+            allow_changed_data=args.data.allow_changed_data,
         )
 
     def collate_fn_kwargs(self):
