@@ -208,7 +208,8 @@ def load_balancing_loss_sum(
     probs = torch.zeros(documents, num_experts, device=labels.device)
     for logits in router_logits:
         p = torch.softmax(logits.float(), dim=-1).to(labels.device)
-        picks = torch.nn.functional.one_hot(p.topk(top_k, dim=-1).indices, num_experts).sum(1).float()
+        # the k distinct choices of each token as 1s (one_hot checks its indices' range with host reads on CPU)
+        picks = torch.zeros_like(p).scatter_(1, p.topk(top_k, dim=-1).indices, 1.0)
         chosen = chosen.index_add(0, document, picks)
         probs = probs.index_add(0, document, p)
     tokens = torch.zeros(documents, device=labels.device).index_add_(0, document, torch.ones_like(counted))
