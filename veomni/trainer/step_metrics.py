@@ -46,8 +46,8 @@ class StepClock:
 
 class PendingMetrics:
     """The metrics of one step: `host` values as they are, `device` tensors copied to host memory in the background.
-    `resolve()` returns them all as Python numbers (0-dim tensors as floats, others as lists), then applies `finish`
-    (derived values such as tokens per second)."""
+    `resolve()` returns them all as Python numbers (0-dim tensors as numbers, others as lists; integer tensors as
+    ints: exact in float64 up to 2**53), then applies `finish` (derived values such as tokens per second)."""
 
     def __init__(
         self,
@@ -58,6 +58,7 @@ class PendingMetrics:
     ):
         self.host, self.step_seconds, self.finish = host, step_seconds, finish
         self.shapes = {name: tuple(t.shape) for name, t in device.items()}
+        self.integer = {name for name, t in device.items() if not (t.is_floating_point() or t.is_complex())}
         self.copy, self.done = None, None
         if device:
             flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in device.values()])
@@ -77,7 +78,10 @@ class PendingMetrics:
         start = 0
         for name, shape in self.shapes.items():
             size = int(torch.Size(shape).numel())
-            out[name] = values[start] if shape == () else values[start : start + size]
+            part = (
+                [int(v) for v in values[start : start + size]] if name in self.integer else values[start : start + size]
+            )
+            out[name] = part[0] if shape == () else part
             start += size
         out["step_time"] = self.step_seconds()
         if self.finish is not None:
