@@ -305,18 +305,20 @@ def stage_hf(args):
 
 
 def stage_sync(args):
-    """One compiled trainer step (after a warm-up step) under set_sync_debug_mode("warn"): each sync's site."""
+    """One compiled trainer step (after a warm-up step) under set_sync_debug_mode("warn"): each sync's site. The
+    trainer reads a step's metrics one step later: step 1's are read after step 2 is queued, step 2's after step 3,
+    so the window between those two reads holds exactly one step's work (step 3's, and the reading of step 2's)."""
     _, model_name, tokens = args.stage.split(":")
     torch, gpu_mfu, folder, batch, lengths, flops, steps, warmup = stage_setup(args, model_name)
     import traceback
     import warnings
 
-    trainer = gpu_mfu.build_trainer(folder, 2, batch, False, True, trainer_argv("compile+kernels", args.smoke))
+    trainer = gpu_mfu.build_trainer(folder, 3, batch, False, True, trainer_argv("compile+kernels", args.smoke))
     sites = []
 
     def on_step_end(_callback, t, metrics):
-        if t.global_step == 1 and gpu_mfu.DEVICE == "cuda":
-            torch.cuda.set_sync_debug_mode("warn")
+        if gpu_mfu.DEVICE == "cuda" and metrics["step"] in (1, 2):
+            torch.cuda.set_sync_debug_mode("warn" if metrics["step"] == 1 else 0)
 
     hooks = {"on_step_end": on_step_end, "on_train_begin": lambda *a: None, "on_train_end": lambda *a: None}
     trainer.callbacks = [type("S", (), hooks)()]

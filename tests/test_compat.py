@@ -368,3 +368,25 @@ def test_multimodal_forward_takes_the_adapters_encoder_outputs(name):
     text_only.pop("labels"), text_only.pop("shift_labels")
     model(**text_only, use_cache=False)
     assert len(calls) == runs  # the dummy inputs every rank runs, so FSDP gathers the same units everywhere
+
+
+def test_fused_adamw_skips_its_whole_update_on_found_inf():
+    """The trainer's device-side skip of a non-finite step: fused AdamW reads `found_inf` on the device and leaves
+    parameters, moments and step count untouched; `found_inf` 0 is an ordinary step. Other kernels do not offer it."""
+    param = nn.Parameter(torch.ones(4))
+    fused = torch.optim.AdamW([param], lr=0.1, weight_decay=0.1, fused=True)
+    assert compat_torch.skips_on_found_inf(fused)
+    assert not compat_torch.skips_on_found_inf(torch.optim.AdamW([nn.Parameter(torch.ones(1))], foreach=True))
+    param.grad = torch.full((4,), 0.5)
+    fused.step()  # one ordinary step first: moments and step count exist
+    before = param.detach().clone(), {k: v.clone() for k, v in fused.state[param].items()}
+    param.grad = torch.full((4,), float("nan"))
+    compat_torch.set_found_inf(fused, torch.ones((), dtype=torch.float32))
+    fused.step()
+    assert torch.equal(param.detach(), before[0])
+    assert all(torch.equal(fused.state[param][k], v) for k, v in before[1].items())
+    param.grad = torch.full((4,), 0.5)
+    compat_torch.set_found_inf(fused, torch.zeros((), dtype=torch.float32))
+    fused.step()
+    assert not torch.equal(param.detach(), before[0]) and fused.state[param]["step"].item() == 2
+    compat_torch.set_found_inf(fused, None)

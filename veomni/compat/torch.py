@@ -149,8 +149,8 @@ def foreach_norm(tensors: List[torch.Tensor], norm_type: float, dtype: torch.dty
     return torch._foreach_norm(tensors, norm_type, dtype=dtype)
 
 
-def foreach_mul_(tensors: List[torch.Tensor], scalar: float) -> None:
-    """`torch._foreach_mul_`: scale every gradient in one kernel (clipping)."""
+def foreach_mul_(tensors: List[torch.Tensor], scalar) -> None:
+    """`torch._foreach_mul_`: scale every gradient in one kernel (clipping); `scalar` a float or a 0-dim tensor."""
     torch._foreach_mul_(tensors, scalar)
 
 
@@ -194,6 +194,17 @@ def reset_optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> None:
     """An Optimizer subclass that does not call `Optimizer.__init__` (MultiOptimizer) must still own the two hook
     dicts torch's `step` wrapper reads (`_optimizer_step_pre_hooks` / `_post_hooks`), or every step fails."""
     optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = {}, {}
+
+
+def skips_on_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` skips its whole update (parameters, moments, step count) on the device when its
+    `found_inf` tensor is 1, as GradScaler uses it: torch's fused Adam/AdamW/SGD (`_step_supports_amp_scaling`)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: Optional[torch.Tensor]) -> None:
+    """The 0-dim float32 flag the fused kernels read on the device (`Adam.step` passes `self.found_inf` to them)."""
+    optimizer.found_inf = found_inf
 
 
 # ------------------------------------------------------------------------------------------- DCP metadata

@@ -90,17 +90,27 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
 @torch.no_grad()
 def clip_grad_norm_tensor(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip in place when `max_norm > 0`; return the total norm before clipping as a float64 scalar tensor (the same
-    value on every rank, every gradient counted once: FSDP shards, expert-parallel experts, replicas)."""
+    value on every rank, every gradient counted once: FSDP shards, expert-parallel experts, replicas). Nothing is
+    read on the host: the trainer reads the norm a step later. A non-finite norm makes the gradients non-finite
+    (the trainer then skips the update)."""
     params = [p for p in model.parameters() if p.grad is not None]
     total = total_grad_norm(params, norm_type)
-    coef = max_norm / (total.item() + 1e-6)
-    if max_norm > 0 and coef < 1.0:  # on the local shards: scaling them scales the DTensor, without its dispatch
-        foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params], coef)
+    if max_norm > 0 and params:
+        # on the device, as torch's clip_grad_norm_: no host read of the norm (a sync). A coefficient clamped to 1
+        # leaves every gradient exactly as it is (x * 1.0 == x); fp32, as the scalar a Python float would become
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0).to(torch.float32)
+        by_device = defaultdict(list)  # on the local shards: scaling them scales the DTensor, without its dispatch
+        for p in params:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_device[grad.device].append(grad)
+        for device, grads in by_device.items():
+            foreach_mul_(grads, coef.to(device))
     return total
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
-    """Clip in place when `max_norm > 0`; return the total norm before clipping as a Python float."""
+    """Clip in place when `max_norm > 0`; return the total norm before clipping as a Python float (a host read: the
+    trainer uses `clip_grad_norm_tensor`)."""
     return clip_grad_norm_tensor(model, max_norm, norm_type).item()
 
 

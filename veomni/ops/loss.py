@@ -162,9 +162,16 @@ def register_head_loss_backend(name: str, backend: HeadLossBackend) -> None:
 
 
 def chunked_head_loss_sum(
-    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int, backend: str = "chunked"
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    backend: str = "chunked",
+    num_loss_tokens: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`lm_loss_sum(head(hidden), labels)` with the logits of at most `chunk_size` tokens alive at once."""
+    """`lm_loss_sum(head(hidden), labels)` with the logits of at most `chunk_size` tokens alive at once.
+    `num_loss_tokens`: the labels' loss tokens when the caller counted them on the host (the trainer, from the
+    loader's CPU labels), so nothing here waits for the device."""
     if backend not in _HEAD_LOSS_BACKENDS:
         raise ValueError(f"unknown head-loss backend {backend!r}; registered: {sorted(_HEAD_LOSS_BACKENDS)}")
     targets = labels.to(hidden.device).reshape(-1)
@@ -172,9 +179,19 @@ def chunked_head_loss_sum(
     # only positions with a target reach the head: masked ones add exactly 0 to the sum and its gradient, and in SFT
     # (prompts, image tokens) they are most of the row
     # (index_select, not a boolean mask: its backward is an index_add, where a mask's would wait for the GPU again)
-    keep = torch.nonzero(targets != IGNORE_INDEX).squeeze(1)
+    keep = _target_positions(targets, num_loss_tokens)
     flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
     return _HEAD_LOSS_BACKENDS[backend](head, flat, targets, chunk_size), (targets != IGNORE_INDEX).sum()
+
+
+def _target_positions(targets: torch.Tensor, count: Optional[int]) -> torch.Tensor:
+    """Positions of `targets` that are not IGNORE_INDEX, in order. With their `count` known on the host: a stable
+    sort puts them first and the first `count` are kept (fixed shapes: no device sync); the same indices as
+    `nonzero`, which otherwise reads the count from the device."""
+    if count is None:
+        return torch.nonzero(targets != IGNORE_INDEX).squeeze(1)
+    ignored = (targets == IGNORE_INDEX).to(torch.uint8)
+    return torch.argsort(ignored, stable=True)[:count]
 
 
 def supports_chunked_loss(model: nn.Module) -> bool:
@@ -214,7 +231,8 @@ class CausalLMLoss(nn.Module):
             raise ValueError(f"unknown head-loss backend {backend!r}; registered: {sorted(_HEAD_LOSS_BACKENDS)}")
         self.backend = backend
 
-    def forward(self, labels: torch.Tensor, **inputs) -> LossOutput:
+    def forward(self, labels: torch.Tensor, num_loss_tokens: Optional[int] = None, **inputs) -> LossOutput:
+        """`num_loss_tokens`: the loss tokens of `labels` counted on the host, if the caller has them (no sync)."""
         if not self.chunk_size:
             outputs = self.model(**inputs)
             loss_sum, tokens = lm_loss_sum(outputs.logits, labels)
@@ -228,7 +246,9 @@ class CausalLMLoss(nn.Module):
             handle.remove()
         if isinstance(self.model, FSDPModule):  # an FSDP2 root: its parameters (the head's) gathered for the chunks
             self.model.unshard()
-        loss_sum, tokens = chunked_head_loss_sum(head, captured[0], labels, self.chunk_size, self.backend)
+        loss_sum, tokens = chunked_head_loss_sum(
+            head, captured[0], labels, self.chunk_size, self.backend, num_loss_tokens
+        )
         return LossOutput(loss_sum, tokens, outputs)
 
 

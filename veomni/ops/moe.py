@@ -13,7 +13,7 @@ splits may be uneven or zero), are computed there, and come back the same way. B
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -42,9 +42,19 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _grouped_mlp(
-    x: torch.Tensor, counts: List[int], gate_up: torch.Tensor, down: torch.Tensor, apply_gate: Callable
+    x: torch.Tensor,
+    counts: Union[torch.Tensor, List[int]],
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    apply_gate: Callable,
+    host_counts: Optional[List[int]] = None,
 ) -> torch.Tensor:
-    """Rows of `x` are grouped by expert (`counts[e]` rows for expert e); each group through its expert's MLP.
+    """Rows of `x` are grouped by expert (`counts[e]` rows for expert e: a device tensor, or host ints); each group
+    through its expert's MLP.
+
+    With torch's grouped matmul the counts stay on the device (their cumulative sum is the kernel's offsets): no
+    sync. The per-expert loops (CPU, or no kernel) slice by expert on the host: they read the counts there, unless
+    the caller has them (`host_counts`, expert parallelism's exchanged splits); on CPU that read waits for nothing.
 
     Whatever the counts (zero rows in total included), the output is a function of `x` and of every expert's
     weights: under expert parallelism a rank that received no rows must still backpropagate through its
@@ -52,10 +62,13 @@ def _grouped_mlp(
     (a deadlock). Which kernel runs may follow the local counts; what the graph connects may not.
     """
     rows = x.shape[0]
+    if isinstance(counts, (list, tuple)):
+        counts, host_counts = torch.tensor(counts, device=x.device), list(counts)
     if grouped_mm_available(x) and rows:
-        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        offsets = counts.cumsum(0).to(torch.int32)
         hidden = apply_gate(grouped_mm(x, gate_up.transpose(1, 2), offs=offsets))
         return grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
+    counts = host_counts if host_counts is not None else counts.tolist()
     if max(counts, default=0) * len(counts) <= 1.5 * rows:  # balanced, or no rows at all
         return _padded_bmm_mlp(x, counts, gate_up, down, apply_gate)
     linear = torch.nn.functional.linear
@@ -89,7 +102,9 @@ def fused_experts_forward(
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // top_k
-    counts = torch.bincount(flat, minlength=num_experts)
+    # rows per expert from the sorted choices: fixed shapes (bincount sizes its output from the data: a device sync)
+    bounds = torch.searchsorted(flat[order], torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype))
+    counts = bounds[1:] - bounds[:-1]
     x = hidden_states[token_of]
     gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
     if torch.is_autocast_enabled(x.device.type):  # as a Linear under autocast (grouped_mm takes no fp32 under it)
@@ -97,7 +112,7 @@ def fused_experts_forward(
         x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
     ep = _EXPERT_PARALLEL.get(self)
     if ep is None:
-        y = _grouped_mlp(x, counts.tolist(), gate_up, down, experts_gate(self))
+        y = _grouped_mlp(x, counts, gate_up, down, experts_gate(self))
     else:
         y = _expert_parallel_mlp(x, counts, gate_up, down, experts_gate(self), ep)
     y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
@@ -133,18 +148,21 @@ def _expert_parallel_mlp(x, counts, gate_up, down, apply_gate, ep: ExpertParalle
     # 1. how many rows each rank sends to each expert of each other rank
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=ep.group)
-    send_splits = counts.view(ep.size, local_experts).sum(1).tolist()
-    by_source = recv_counts.view(ep.size, local_experts)  # [source rank, local expert]
-    recv_splits = by_source.sum(1).tolist()
+    # the all-to-all's split sizes are host arguments: ONE read of both count tables (token-choice dispatch without
+    # capacity padding cannot know them otherwise); everything below is host arithmetic on it
+    sent, received_rows = torch.stack([counts, recv_counts]).tolist()  # [rank-major experts] each
+    per_rank = lambda rows: [sum(rows[r * local_experts : (r + 1) * local_experts]) for r in range(ep.size)]  # noqa: E731
+    send_splits, recv_splits = per_rank(sent), per_rank(received_rows)
     # 2. rows go to the owner of their expert
     received = all_to_all_single_autograd(x, recv_splits, send_splits, ep.group)
     # 3. received rows are source-major; regroup them expert-major for the grouped matmul
-    sizes = by_source.reshape(-1).tolist()
-    blocks = list(torch.arange(received.shape[0], device=x.device).split(sizes))
+    blocks = list(torch.arange(received.shape[0], device=x.device).split(received_rows))
     perm = torch.cat([blocks[s * local_experts + e] for e in range(local_experts) for s in range(ep.size)])
     gate_up = _ScaleGrad.apply(gate_up, ep.grad_scale)
     down = _ScaleGrad.apply(down, ep.grad_scale)
-    y = _grouped_mlp(received[perm], by_source.sum(0).tolist(), gate_up, down, apply_gate)
+    by_expert = recv_counts.view(ep.size, local_experts).sum(0)  # on the device: the grouped matmul's offsets
+    host_by_expert = [sum(received_rows[s * local_experts + e] for s in range(ep.size)) for e in range(local_experts)]
+    y = _grouped_mlp(received[perm], by_expert, gate_up, down, apply_gate, host_by_expert)
     y = torch.empty_like(y).index_copy_(0, perm, y) if y.shape[0] else y  # back to source-major order
     # 4. results return to the ranks the rows came from
     return all_to_all_single_autograd(y, send_splits, recv_splits, ep.group)
@@ -183,14 +201,15 @@ def load_balancing_loss_sum(
     starts[:, 0] = True
     document = (starts.reshape(-1).cumsum(0) - 1).view(rows, sp * local)[:, rank * local : (rank + 1) * local]
     document = document.reshape(-1)
-    documents = int(starts.sum())
+    documents = starts.numel()  # at most one per position: a fixed shape (the true count would be a device sync)
     counted = (labels.reshape(-1) != IGNORE_INDEX).float()
     num_experts = router_logits[0].shape[-1]
     chosen = torch.zeros(documents, num_experts, device=labels.device)
     probs = torch.zeros(documents, num_experts, device=labels.device)
     for logits in router_logits:
         p = torch.softmax(logits.float(), dim=-1).to(labels.device)
-        picks = torch.nn.functional.one_hot(p.topk(top_k, dim=-1).indices, num_experts).sum(1).float()
+        # the k distinct choices of each token as 1s (one_hot checks its indices' range with host reads on CPU)
+        picks = torch.zeros_like(p).scatter_(1, p.topk(top_k, dim=-1).indices, 1.0)
         chosen = chosen.index_add(0, document, picks)
         probs = probs.index_add(0, document, p)
     tokens = torch.zeros(documents, device=labels.device).index_add_(0, document, torch.ones_like(counted))
@@ -201,7 +220,8 @@ def load_balancing_loss_sum(
         )
         chosen, probs = stats[:, :num_experts], stats[:, num_experts : 2 * num_experts]
         tokens, loss_tokens = stats[:, -2], stats[:, -1]
-    pooled = tokens[:, None] * len(router_logits)
+    # an unused document slot has no tokens (and adds exactly 0): clamped so it divides 0 by 1, not by 0
+    pooled = (tokens[:, None] * len(router_logits)).clamp(min=1)
     per_document = num_experts * ((chosen / pooled) * (probs / pooled)).sum(-1)
     return (per_document * loss_tokens).sum() / sp
 

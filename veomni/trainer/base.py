@@ -23,7 +23,7 @@ The trainer is a set of named components, each built once and handed what it rea
 import dataclasses
 import math
 import os
-import time
+from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from ..arguments import save_args
 from ..checkpoint import save_hf_model, save_lora_model
+from ..compat.torch import set_found_inf, skips_on_found_inf
 from ..data.chat_template import export_chat_template
-from ..distributed import clip_grad_norm
+from ..distributed.clip_grad_norm import clip_grad_norm_tensor
 from ..distributed.mixed_precision import resolve_precision, set_tf32
 from ..distributed.parallel_state import init_parallel_state_from_config
 from ..distributed.torch_parallelize import parallelize
@@ -42,7 +43,7 @@ from ..ops import CausalLMLoss, LossOutput, count_loss_tokens
 from ..ops.kernels import bind_kernels, resolve_loss_implementation
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
-from ..utils.device import get_device, get_device_type, synchronize
+from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
 from . import lifecycle
 from .callbacks import (
@@ -58,6 +59,7 @@ from .evaluation import Evaluator, build_eval_loader
 from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
 from .step_count import StepCountMixin, close_loader, set_epoch
+from .step_metrics import PendingMetrics, StepClock
 
 logger = get_logger(__name__)
 
@@ -87,8 +89,8 @@ class BaseTrainer(StepCountMixin):
     """Builds everything from `args` and runs `fit()`. Subclasses choose the data (`build_dataset`,
     `build_dataloader`); `callbacks` are the task's own (e.g. the planner's check, veomni.plan.runlog)."""
 
-    # micro-batch keys that are not model inputs (the loss takes the labels itself)
-    non_model_keys: Sequence[str] = ("labels", "shift_labels")
+    # micro-batch keys that are not model inputs (the loss takes the labels itself, and their host-counted tokens)
+    non_model_keys: Sequence[str] = ("labels", "shift_labels", "num_loss_tokens")
 
     def __init__(self, args, callbacks: Sequence[Callback] = ()):
         self.args = args
@@ -232,16 +234,20 @@ class BaseTrainer(StepCountMixin):
     def _to_device(self, micro_batch: Dict[str, Any]) -> Dict[str, Any]:
         # pinned host memory makes the copy truly asynchronous on CUDA (on CPU there is nothing to copy)
         pin = self.device.type == "cuda"
-        return {
+        on_device = {
             k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) if torch.is_tensor(v) else v
             for k, v in micro_batch.items()
             if k != "shift_labels"  # (transformers' name for the labels: the trainer reads `labels`)
         }
+        # counted on the loader's host copy, so the chunked loss selects its rows without a device sync
+        on_device["num_loss_tokens"] = _host_loss_tokens(micro_batch)
+        return on_device
 
     def lm_loss(self, micro_batch: Dict[str, Any]) -> LossOutput:
         """The language-model loss of one micro-batch (on the device): its token sum, loss tokens, model outputs."""
         inputs = {k: v for k, v in micro_batch.items() if k not in self.non_model_keys}
-        return self.loss_module(micro_batch["labels"], **inputs, use_cache=False)
+        num_loss_tokens = micro_batch.get("num_loss_tokens")
+        return self.loss_module(micro_batch["labels"], num_loss_tokens=num_loss_tokens, **inputs, use_cache=False)
 
     def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
         """Summed training loss of one micro-batch: the LM loss, plus the MoE load-balancing loss of a model that
@@ -262,27 +268,47 @@ class BaseTrainer(StepCountMixin):
         when any rank has run out of data.
 
         The same all-reduce carries the stop requests (SIGINT/SIGTERM/SIGHUP) of every rank, so all ranks agree, at no
-        extra cost, to make this step their last.
+        extra cost, to make this step their last. It runs on a gloo group in host memory: the loop's decisions are
+        read on the host, and a read of an accelerator's all-reduce would wait for the previous step's kernels.
         """
         # a short last batch (streamed data without drop_last) counts as out of data: each micro-batch's backward
         # issues its own FSDP reduce-scatters, so every rank must run the same number of them
         have = micro_batches is not None and len(micro_batches) == self.args.train.dataloader_batch_size
-        loss_tokens = sum(count_loss_tokens(mb["labels"]) for mb in micro_batches) if have else 0
+        loss_tokens = sum(_host_loss_tokens(mb) for mb in micro_batches) if have else 0
         tokens = sum(mb["input_ids"].numel() for mb in micro_batches) if have else 0
         asked = lifecycle.stop_requested()
         stops = [int(asked == sig) for sig in lifecycle.STOP_EXIT_CODES]  # which stop signal this rank got
-        stats = torch.tensor([loss_tokens, tokens, int(have), *stops], dtype=torch.float64, device=self.device)
+        stats = torch.tensor([loss_tokens, tokens, int(have), *stops], dtype=torch.float64)  # in host memory
         lifecycle.set_progress(self.global_step + 1, "all-reduce of the step's token counts")
-        # over data AND sequence parallel ranks: each sequence shard holds its own loss tokens
-        dist.all_reduce(stats, group=self.parallel_state.dp_sp_group)
+        group = self._host_group()
+        dist.all_reduce(stats, group=group)
         lifecycle.set_progress(self.global_step + 1, "forward/backward and optimizer step")
+        # every rank of the group counted; tensor-parallel ranks hold copies of their data rank's tokens
+        copies = dist.get_world_size(group) // self.parallel_state.dp_sp_size
+        loss_tokens, tokens, ranks_with_data, *stop_counts = stats.tolist()
         # every rank reaches the same verdict from the same sums: the first signal by precedence that any rank got
-        seen = [sig for sig, count in zip(lifecycle.STOP_EXIT_CODES, stats[3:].tolist()) if count > 0]
-        if int(stats[2]) < self.parallel_state.dp_sp_size:
+        seen = [sig for sig, count in zip(lifecycle.STOP_EXIT_CODES, stop_counts) if count > 0]
+        if ranks_with_data < dist.get_world_size(group):
             return None
-        return {"loss_tokens": int(stats[0]), "tokens": int(stats[1]), "stop": seen[0] if seen else None}
+        return {
+            "loss_tokens": int(loss_tokens) // copies,
+            "tokens": int(tokens) // copies,
+            "stop": seen[0] if seen else None,
+        }
+
+    def _host_group(self) -> dist.ProcessGroup:
+        """A gloo group of every rank for the loop's host-side all-reduce (created on first use: every rank alike)."""
+        if getattr(self, "_gloo_group", None) is None:
+            if dist.get_backend() == "gloo":
+                self._gloo_group = dist.group.WORLD
+            else:
+                timeout = timedelta(minutes=self.args.train.accelerator.dist_timeout_minutes)
+                self._gloo_group = dist.new_group(backend="gloo", timeout=timeout)
+        return self._gloo_group
 
     def train_step(self, micro_batches: List[Dict[str, Any]], totals: Dict[str, Any]) -> Dict[str, Any]:
+        """One optimizer step, queued on the device. Returns its metrics: host values, and device tensors that the
+        loop reads a step later (loss, grad_norm, MoE statistics; `skipped` is derived from the first two)."""
         state = self.parallel_state
         # FSDP/DDP average gradients over the dp x sp ranks; each rank's summed loss over the global token count
         scale = state.dp_sp_size / max(totals["loss_tokens"], 1)
@@ -297,26 +323,32 @@ class BaseTrainer(StepCountMixin):
             (micro_loss * scale).backward()
             loss_sum += micro_loss.detach().double()
         lifecycle.set_progress(self.global_step + 1, "grad-norm and loss all-reduce")
-        grad_norm = clip_grad_norm(self.model, self.args.train.optimizer.max_grad_norm)
+        grad_norm = clip_grad_norm_tensor(self.model, self.args.train.optimizer.max_grad_norm)
         loss_sum = self.moe_metrics.all_reduce(loss_sum, state.dp_sp_group)  # the MoE metrics' sums ride along
-        loss = (loss_sum / max(totals["loss_tokens"], 1)).item()
+        loss = loss_sum / max(totals["loss_tokens"], 1)
         lr = self.lr_scheduler.get_last_lr()[0]
         # a MultiOptimizer also logs each inner optimizer's lr of this step (lr_adamw, lr_muon)
         named = getattr(self.optimizer, "named_lrs", None)
         group_lrs = {f"lr_{name}": value for name, value in named().items()} if named else {}
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-            message = f"non-finite loss {loss} or grad norm {grad_norm} at step {self.global_step + 1}"
-            if not self.args.train.skip_nonfinite_steps:
-                raise NonFiniteError(message + " (set train.skip_nonfinite_steps to skip such steps)")
-            logger.warning(message + ": step skipped")
-        else:
-            self.optimizer.step()
+        self._guarded_optimizer_step(loss, grad_norm)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        moe = self.moe_metrics.step_metrics(loss, totals["loss_tokens"])
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped, **group_lrs, **moe}
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, **group_lrs, **self.moe_metrics.step_tensors()}
+
+    def _guarded_optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """The update, unless the loss or the grad norm is not finite. A fused AdamW skips it on the device (its
+        `found_inf` flag, as under GradScaler: parameters, moments and step count untouched), so nothing waits; the
+        loop reports the skip (or raises) when it reads the step's metrics, before anything is saved. Other
+        optimizers read the flag on the host first (a sync)."""
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm.to(loss.device))
+        if skips_on_found_inf(self.optimizer):
+            set_found_inf(self.optimizer, (~finite).to(torch.float32))
+            try:
+                self.optimizer.step()
+            finally:
+                set_found_inf(self.optimizer, None)
+        elif bool(finite):
+            self.optimizer.step()
 
     def evaluate(self) -> Dict[str, Any]:
         return self.evaluator.evaluate(self.global_step)
@@ -343,17 +375,37 @@ class BaseTrainer(StepCountMixin):
 
     def _fit(self) -> None:
         self._fire("on_train_begin")
+        pending = None  # the previous step's metrics, read once this step is queued: the device never waits
         for micro_batches, totals in self._steps():
-            metrics = self._timed_step(micro_batches, totals)
-            if self.evaluator is not None and self.evaluator.due(self.global_step, self.total_steps):
-                metrics.update(self.evaluate())
-            self._fire("on_step_end", metrics)
+            step = self._timed_step(micro_batches, totals)
+            if pending is not None:
+                self._publish(pending)
+            pending = step
             save_steps = self.args.train.checkpoint.save_steps
-            if save_steps > 0 and self.global_step % save_steps == 0:
+            save = save_steps > 0 and self.global_step % save_steps == 0
+            stop = totals["stop"] is not None and self.global_step < self.total_steps  # at the end: just finish
+            evaluate = self.evaluator is not None and self.evaluator.due(self.global_step, self.total_steps)
+            if save or stop or evaluate or self.global_step >= self.total_steps:  # read now: nothing waits behind it
+                pending, step = None, pending
+                self._publish(step, self.evaluate() if evaluate else {})
+            if save:
                 self.save_checkpoint()
-            if totals["stop"] is not None and self.global_step < self.total_steps:  # at the end: just finish
+            if stop:
                 self._stop_after_step(totals["stop"])
+        if pending is not None:  # the data ran out after it
+            self._publish(pending)
         self._finish()
+
+    def _publish(self, pending: PendingMetrics, extra: Optional[Dict[str, Any]] = None) -> None:
+        """A step's metrics read on the host: a non-finite step is reported (or raised) here, then the callbacks."""
+        metrics = pending.resolve()
+        metrics.update(extra or {})
+        if metrics["skipped"]:
+            message = f"non-finite loss {metrics['loss']} or grad norm {metrics['grad_norm']} at step {metrics['step']}"
+            if not self.args.train.skip_nonfinite_steps:
+                raise NonFiniteError(message + " (set train.skip_nonfinite_steps to skip such steps)")
+            logger.warning(message + ": step skipped")
+        self._fire("on_step_end", metrics)
 
     def _steps(self):
         """(micro-batches, totals) of every step left to run, epoch after epoch; an epoch ends at its planned steps
@@ -378,11 +430,11 @@ class BaseTrainer(StepCountMixin):
                 return
             state.epoch_step = 0
 
-    def _timed_step(self, micro_batches, totals) -> Dict[str, Any]:
-        tic = time.perf_counter()
+    def _timed_step(self, micro_batches, totals) -> PendingMetrics:
+        clock = StepClock(self.device)
+        clock.start()
         metrics = self.train_step(micro_batches, totals)
-        synchronize()
-        elapsed = time.perf_counter() - tic
+        seconds = clock.stop()
         state = self.state
         state.global_step += 1
         state.epoch_step += 1
@@ -393,10 +445,16 @@ class BaseTrainer(StepCountMixin):
             tokens=totals["tokens"],
             loss_tokens=totals["loss_tokens"],
             consumed_tokens=state.consumed_tokens,
-            step_time=elapsed,
-            tokens_per_sec=totals["tokens"] / elapsed,
         )
-        return metrics
+        device = {k: v for k, v in metrics.items() if torch.is_tensor(v)}
+        host = {k: v for k, v in metrics.items() if not torch.is_tensor(v)}
+        return PendingMetrics(host, device, seconds, lambda m: self._finish_metrics(m, totals))
+
+    def _finish_metrics(self, metrics: Dict[str, Any], totals: Dict[str, Any]) -> None:
+        """The values derived from a step's metrics once they are on the host, in place."""
+        metrics["skipped"] = not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]))
+        metrics["tokens_per_sec"] = totals["tokens"] / metrics["step_time"]
+        self.moe_metrics.finish(metrics, totals["loss_tokens"])
 
     def _finish(self) -> None:
         """After the last step: the final checkpoint, the HF export, the callbacks' end (every rank alike)."""
@@ -445,3 +503,8 @@ class BaseTrainer(StepCountMixin):
 
     def on_train_end(self) -> None:
         """Hook for subclasses, called on every rank before the callbacks' on_train_end."""
+
+
+def _host_loss_tokens(micro_batch: Dict[str, Any]) -> int:
+    """Loss tokens of a micro-batch as the loader gave it (its CPU labels: a host read, no device involved)."""
+    return count_loss_tokens(micro_batch["labels"])

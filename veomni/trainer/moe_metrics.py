@@ -2,7 +2,7 @@
 router spread its tokens over the experts.
 
 Counting: a forward pre-hook on every experts module (transformers 5's `use_experts_implementation` classes, called
-as `experts(hidden_states, top_k_index, top_k_weights)`) adds a bincount of the router's top-k indices to one
+as `experts(hidden_states, top_k_index, top_k_weights)`) adds a count of the router's top-k indices to one
 [MoE layers, experts] tensor on the device. That is what the router chose, counted on the rank that routed the token
 and before any expert-parallel dispatch, so each (token, choice) is counted once whatever the layout. Every routed
 token counts, padding included (Ulysses pads a sequence to a multiple of the SP size; the experts compute those
@@ -50,14 +50,15 @@ class RoutingCounter:
         ]
 
     def _hook(self, layer: int):
-        # compiled decoder layers run it eagerly: bincount's output shape depends on data
+        # compiled decoder layers run it eagerly (it reads whether autograd is in backward)
         @torch.compiler.disable
         def count(module, args, kwargs):
             if in_backward():  # a checkpoint recompute: these tokens were counted in the forward
                 return
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            routed = torch.bincount(index.reshape(-1), minlength=self.num_experts)
-            self.counts[layer] += routed.to(self.counts.device)
+            # a fixed-shape count (bincount's output size depends on the data: a device sync on CUDA)
+            flat = index.reshape(-1).to(self.counts.device)
+            self.counts[layer].index_add_(0, flat, torch.ones_like(flat))
 
         return count
 
@@ -112,21 +113,40 @@ class MoEMetrics:
         self.reduced = packed[1:]
         return packed[0]
 
-    def step_metrics(self, loss: float, loss_tokens: int) -> Dict[str, object]:
-        out: Dict[str, object] = {}
+    def step_tensors(self) -> Dict[str, torch.Tensor]:
+        """The step's MoE statistics as device tensors (read later, without stalling the step): `aux_sum`, the worst
+        layer's loads and entropy, and the per-layer lists; `finish` turns them into the logged metrics."""
+        out: Dict[str, torch.Tensor] = {}
         reduced = self.reduced
         if self.has_aux:
-            aux = reduced[0].item() / max(loss_tokens, 1)
-            out.update(aux_loss=aux, lm_loss=loss - self.aux_coef * aux)
+            out["aux_sum"] = reduced[0]
             reduced = reduced[1:]
         if self.counter.num_layers:
             stats = load_stats(reduced.view(self.counter.num_layers, self.counter.num_experts))
             out.update(
-                moe_max_load=stats["max_load"].max().item(),
-                moe_min_load=stats["min_load"].min().item(),
-                moe_entropy=stats["entropy"].min().item(),
+                moe_max_load=stats["max_load"].max(),
+                moe_min_load=stats["min_load"].min(),
+                moe_entropy=stats["entropy"].min(),
             )
-            out.update({f"moe_{name}_layers": [round(v, 4) for v in s.tolist()] for name, s in stats.items()})
+            out.update({f"moe_{name}_layers": s for name, s in stats.items()})
+        return out
+
+    def finish(self, metrics: Dict[str, object], loss_tokens: int) -> None:
+        """`step_tensors`' values read on the host (floats and lists) -> the logged metrics, in place."""
+        if "aux_sum" in metrics:
+            aux = metrics.pop("aux_sum") / max(loss_tokens, 1)
+            metrics.update(aux_loss=aux, lm_loss=metrics["loss"] - self.aux_coef * aux)
+        for name in ("max_load", "min_load", "entropy"):
+            if f"moe_{name}_layers" in metrics:
+                metrics[f"moe_{name}_layers"] = [round(v, 4) for v in metrics[f"moe_{name}_layers"]]
+
+    def step_metrics(self, loss: float, loss_tokens: int) -> Dict[str, object]:
+        """`step_tensors` read at once (tests and tools; the trainer reads them a step later)."""
+        out: Dict[str, object] = {"loss": loss}
+        for name, t in self.step_tensors().items():
+            out[name] = t.item() if t.dim() == 0 else t.tolist()
+        self.finish(out, loss_tokens)
+        del out["loss"]
         return out
 
     def last_counts(self) -> List[List[int]]:

@@ -126,13 +126,17 @@ class VLMTrainer(TextTrainer):
 
     # ---------------------------------------------------------------------------------------------- step
     def train_step(self, micro_batches, totals):
-        counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # visual, audio tokens on this rank
+        host = [0, 0]  # visual, audio tokens on this rank, counted on the loader's CPU masks (no device read)
         for mb in micro_batches:
             for key, kind in _TOKEN_MASKS.items():
                 if key in mb:
-                    counts[0 if kind == "visual" else 1] += int(mb[key].sum())
+                    host[0 if kind == "visual" else 1] += int(mb[key].sum())
+        counts = torch.tensor(host, dtype=torch.int64)
+        pin = self.device.type == "cuda"  # (pinned: the copy does not wait for the device)
+        counts = (counts.pin_memory() if pin else counts).to(self.device, non_blocking=True)
         metrics = super().train_step(micro_batches, totals)
         dist.all_reduce(counts, group=self.parallel_state.dp_group)  # every rank, every step: same collectives
-        visual, audio = int(counts[0]), int(counts[1])
+        # device values, read with the step's other metrics a step later
+        visual, audio = counts[0], counts[1]
         metrics.update(visual_tokens=visual, audio_tokens=audio, text_tokens=totals["tokens"] - visual - audio)
         return metrics
