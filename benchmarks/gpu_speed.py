@@ -410,6 +410,7 @@ def main():
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--stages", default=None, help="only the stages starting with these, comma-separated "
                         "(e.g. tests,speed:qwen3_1_7b,hf): a second, shorter loan")  # fmt: skip
+    parser.add_argument("--tests", default=None, help="a pytest -k expression: only these CUDA tests")
     parser.add_argument(
         "--variants", default=None, help=f"only these speed variants, comma-separated: {','.join(VARIANTS)}"
     )
