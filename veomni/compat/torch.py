@@ -38,6 +38,7 @@ __all__ = [
     "parameter_slots",
     "non_persistent_buffer_names",
     "reset_optimizer_step_hooks",
+    "unhooked_step",
     "DCP_PRIVATE_PICKLED",
     "open_dcp_metadata",
     "finish_dcp_metadata",
@@ -194,6 +195,16 @@ def reset_optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> None:
     """An Optimizer subclass that does not call `Optimizer.__init__` (MultiOptimizer) must still own the two hook
     dicts torch's `step` wrapper reads (`_optimizer_step_pre_hooks` / `_post_hooks`), or every step fails."""
     optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = {}, {}
+
+
+def unhooked_step(optimizer_class: type) -> Callable:
+    """`optimizer_class.step` without torch's hook wrapper (`Optimizer.profile_hook_step`, marked `hooked` and put on
+    the class by the first instance's `__init__`): a subclass's `step` that calls its parent's would otherwise run
+    every step pre/post hook twice. The wrapper keeps the wrapped function as `__wrapped__` (functools.wraps)."""
+    step = optimizer_class.step
+    while getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step
 
 
 # ------------------------------------------------------------------------------------------- DCP metadata
