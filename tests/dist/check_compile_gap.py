@@ -5,11 +5,13 @@ gloo rank, a tiny Qwen3, the decoder layers compiled with backend aot_eager). Ru
 
 Both loops are gpu_mfu's own (`time_trainer_model`, `time_bare_model`): its `profiled` step marker is replaced by a
 counter that records the step after the warm-up step. Per loop and step it writes:
-  * outside_ops: aten ops dispatched outside the compiled graphs (forward and backward graphs are wrapped by the
-    backend, so an op inside them is told apart), by name;
-  * dtensor_ops: those of them with a DTensor argument (each pays DTensor's sharding propagation on the host);
-  * optimizer_ops / optimizer_dtensor_ops: the ops dispatched inside `optimizer.step` (and on DTensors);
-  * hooks: module forward / backward hooks fired (the model's modules and the global ones);
+  * outside_ops: top-level aten ops dispatched outside the compiled graphs (the backend runs every forward and
+    backward graph inside a profiler range, so an op inside one is told apart), by name;
+  * ops_by_cause: the same ops by the innermost region they ran in: FSDP2's ranges (`fsdp`), `optimizer_step`,
+    `zero_grad`, the parts both loops share (`forward` with the loss, `backward`, `clip_grad_norm`), the trainer's
+    own (`step_totals`, `to_device`), and `step_rest` (the loop's code around them);
+  * dtensor_dispatches: ops dispatched on DTensors (each pays DTensor's sharding propagation on the host), by region;
+  * fsdp_ranges: FSDP2's hook work by kind; hooks: module forward / backward hooks fired (the model's and global);
   * optimizer_ms: host time of `optimizer.step` (a figure, not asserted: this box is shared).
 BREAK (for the test's red check) adds work the bare loop does not have to the trainer's step: `extra_op` one
 needless op per step, `extra_hook` a forward hook on every decoder layer.
@@ -38,7 +40,7 @@ CONFIG = {
     "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     "use_cache": False, "hidden_act": "silu",
 }  # fmt: skip
-KINDS = ("outside_ops", "dtensor_dispatches", "optimizer_ops", "optimizer_dtensor_dispatches", "fsdp_ranges", "hooks")
+KINDS = ("outside_ops", "ops_by_cause", "dtensor_dispatches", "fsdp_ranges", "hooks")
 
 
 MARK = "veomni::compiled_graph"  # a record_function around every compiled graph run
@@ -61,9 +63,23 @@ def marking_backend():
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
 
 
+def cause_of(ancestors):
+    """The innermost named region an op ran in: FSDP2's own ranges, the optimizer's, or a `veomni::` marker."""
+    for name in ancestors:
+        if name.startswith("FSDP::"):
+            return "fsdp"
+        if name.startswith("Optimizer.step#"):
+            return "optimizer_step"
+        if name.startswith("Optimizer.zero_grad#"):
+            return "zero_grad"
+        if name.startswith("veomni::") and name != MARK:
+            return name[len("veomni::") :]
+    return "step_rest"  # the loop's own code around these
+
+
 def tally_profile(events, tally):
-    """Top-level aten ops (not nested in another op) outside compiled graphs, by name; DTensor dispatches (the
-    profiler's `PythonSubclass` range); both also within `optimizer.step`; FSDP2's ranges (its hooks' work)."""
+    """Top-level aten ops (not nested in another op) outside compiled graphs, by name and by cause; DTensor
+    dispatches (the profiler's `PythonSubclass` range) by op and by cause; FSDP2's ranges (its hooks' work)."""
     for event in events:
         name, ancestors = event.name, []
         parent = event.cpu_parent
@@ -72,19 +88,38 @@ def tally_profile(events, tally):
             parent = parent.cpu_parent
         if MARK in ancestors:
             continue
-        in_optimizer = any(a.startswith("Optimizer.step#") for a in ancestors)
         nested = any(a.startswith("aten::") or a == "PythonSubclass" for a in ancestors)
         if name.startswith("aten::") and not nested:
             tally["outside_ops"][name[6:]] += 1
-            if in_optimizer:
-                tally["optimizer_ops"][name[6:]] += 1
+            tally["ops_by_cause"][cause_of(ancestors)] += 1
         elif name == "PythonSubclass":
-            op = event.cpu_parent.name if event.cpu_parent else "?"
-            tally["dtensor_dispatches"][op] += 1
-            if in_optimizer:
-                tally["optimizer_dtensor_dispatches"][op] += 1
+            tally["dtensor_dispatches"][cause_of(ancestors)] += 1
         elif name.startswith("FSDP::"):
-            tally["fsdp_ranges"][name] += 1
+            tally["fsdp_ranges"][name.split(" ")[0]] += 1
+
+
+def marked(label, fn):
+    """`fn` inside a `veomni::<label>` profiler range (names the cause of the ops it dispatches)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.profiler.record_function(f"veomni::{label}"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def mark_regions():
+    """Name the parts of a step in both loops (forward + loss, backward, grad clipping) and the trainer's own."""
+    from veomni.ops import CausalLMLoss
+    from veomni.trainer import base
+
+    CausalLMLoss.forward = marked("forward", CausalLMLoss.forward)
+    torch.Tensor.backward = marked("backward", torch.Tensor.backward)
+    base.clip_grad_norm = marked("clip_grad_norm", base.clip_grad_norm)
+    torch.nn.utils.clip_grad_norm_ = marked("clip_grad_norm", torch.nn.utils.clip_grad_norm_)
+    for method in ("_step_totals", "_to_device"):
+        setattr(base.BaseTrainer, method, marked(method.strip("_"), getattr(base.BaseTrainer, method)))
 
 
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -145,7 +180,7 @@ class StepCounter:
 
     def step(self):
         self.steps += 1
-        if self.steps == self.warmup:  # the warm-up step(s) done (compiled): count the next one
+        if self.steps == self.warmup:  # the warm-up step done (compiled, optimizer state made): count the next
             self.undo = count_hooks(StepCounter.model, self.tally)
             self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             self.prof.__enter__()
@@ -170,6 +205,7 @@ def main():
     gpu_mfu.profiled = StepCounter
     backend = marking_backend()
     torch.compile = functools.partial(torch.compile, backend=backend)
+    mark_regions()
 
     time_trainer, time_bare = gpu_mfu.time_trainer, gpu_mfu.time_bare
 
