@@ -6,8 +6,8 @@ What the counts showed (before -> after this allowance was set): the forward wit
 exactly the same ops outside the compiled graphs in both loops (235 and 163), so the model and loss path are not the
 gap. The optimizer was: torch's fused AdamW over FSDP2's DTensor parameters dispatched through DTensor (2 DTensor
 dispatches per step, one per parameter group, each a sharding propagation over every parameter, gradient and moment:
-~107 ms of host time per step on an H200 for ~13 ms of kernels, exposed behind the grad-norm sync that precedes it)
--> 0 (veomni.optim.LocalShardAdamW steps the local shards). What stays is listed below.
+on an H200, 308 parameters in Qwen3-1.7B's layout, 12.8 ms of host time per step against 1.6 ms over plain tensors)
+-> 0 (veomni.optim.LocalShardAdamW steps the local shards: 2.4 ms). What stays is listed below.
 """
 
 import json
