@@ -55,18 +55,19 @@ ALLOWANCE = {
 KINDS = ("ops_by_cause", "dtensor_dispatches", "hooks", "fsdp_ranges")
 
 
+def per_key(loop, kind):
+    if kind == "fsdp_ranges":  # one total: the ranges are per unit and kind
+        return {"*": sum(loop[kind].values())}
+    return loop[kind]
+
+
 def excess(counts):
     """Per (kind, region): trainer minus bare loop minus the allowance, where positive."""
-    trainer, bare = counts["trainer"], counts["bare"]
     over = {}
     for kind in KINDS:
-        if kind == "fsdp_ranges":  # one total: the ranges are per unit and kind
-            keys, total = ["*"], lambda loop: sum(loop[kind].values())  # noqa: E731
-        else:
-            keys, total = sorted(set(trainer[kind]) | set(bare[kind])), None
-        for key in keys:
-            got = total(trainer) if total else trainer[kind].get(key, 0)
-            base = total(bare) if total else bare[kind].get(key, 0)
+        trainer, bare = per_key(counts["trainer"], kind), per_key(counts["bare"], kind)
+        for key in sorted(set(trainer) | set(bare)):
+            got, base = trainer.get(key, 0), bare.get(key, 0)
             allowed = ALLOWANCE.get((kind, key), (0, ""))[0]
             if got > base + allowed:
                 over[f"{kind}:{key}"] = {"trainer": got, "bare": base, "allowed": allowed}

@@ -12,7 +12,9 @@ from veomni.optim.local_shards import LocalShardAdamW
 
 def sharded_model():
     torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)) for _ in range(3)]
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)) for _ in range(3)
+    ]
     model = torch.nn.Sequential(*blocks)
     for block in model:
         fully_shard(block)
@@ -44,7 +46,7 @@ def test_equal_to_torch_adamw_bit_for_bit(one_process_group, kernel):
     for cls in (torch.optim.AdamW, LocalShardAdamW):
         model = sharded_model()
         optimizer = cls(groups(model), lr=1e-2, **kernel)
-        optimizer.register_step_pre_hook(lambda *_: fired.append(cls))
+        optimizer.register_step_pre_hook(lambda *_, cls=cls: fired.append(cls))
         dispatches = []
         for _ in range(3):
             model(x).square().mean().backward()
