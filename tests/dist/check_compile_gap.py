@@ -29,11 +29,10 @@ from collections import Counter
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
 
+import gpu_mfu  # noqa: E402
 import torch  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
-
-import gpu_mfu  # noqa: E402
 
 CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96, "hidden_size": 32,
