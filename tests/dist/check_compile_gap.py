@@ -227,7 +227,7 @@ def main():
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(CONFIG, f)
     batch = gpu_mfu.micro_batch([40, 24], CONFIG["vocab_size"], seed=0)
-    args = type("Args", (), {"steps": 3, "warmup": 1, "compile": True})()
+    args = type("Args", (), {"steps": 2, "warmup": 1, "compile": True})()
     gpu_mfu.time_trainer_model(folder, False, batch, args)
     from veomni.distributed import destroy_parallel_state
 
