@@ -38,6 +38,7 @@ __all__ = [
     "parameter_slots",
     "non_persistent_buffer_names",
     "reset_optimizer_step_hooks",
+    "unhooked_step",
     "DCP_PRIVATE_PICKLED",
     "open_dcp_metadata",
     "finish_dcp_metadata",
@@ -205,6 +206,16 @@ def skips_on_found_inf(optimizer: torch.optim.Optimizer) -> bool:
 def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: Optional[torch.Tensor]) -> None:
     """The 0-dim float32 flag the fused kernels read on the device (`Adam.step` passes `self.found_inf` to them)."""
     optimizer.found_inf = found_inf
+
+
+def unhooked_step(optimizer_class: type) -> Callable:
+    """`optimizer_class.step` without torch's hook wrapper (`Optimizer.profile_hook_step`, marked `hooked` and put on
+    the class by the first instance's `__init__`): a subclass's `step` that calls its parent's would otherwise run
+    every step pre/post hook twice. The wrapper keeps the wrapped function as `__wrapped__` (functools.wraps)."""
+    step = optimizer_class.step
+    while getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step
 
 
 # ------------------------------------------------------------------------------------------- DCP metadata

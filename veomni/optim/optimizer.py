@@ -9,6 +9,7 @@ from torch import nn
 from ..compat.torch import fused_kernel_devices
 from ..utils.logging import get_logger
 from .anyprecision_adamw import AnyPrecisionAdamW
+from .local_shards import LocalShardAdamW
 from .multi_optimizer import MultiOptimizer
 from .muon import DEFAULT_NS_COEFFICIENTS, PATHS, DistributedMuon
 
@@ -42,7 +43,7 @@ def _kernel_choice(groups: List[Dict], fused: Optional[bool]) -> Dict[str, bool]
 
 def _adamw(model, lr, weight_decay, betas, eps, fused: Optional[bool] = None):
     groups = param_groups(model, weight_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **_kernel_choice(groups, fused))
+    return LocalShardAdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **_kernel_choice(groups, fused))
 
 
 def _anyprecision_adamw(model, lr, weight_decay, betas, eps, **kwargs):
@@ -125,7 +126,7 @@ def _muon(
     optimizers = {}
     rest = param_groups(model, weight_decay, exclude=taken)
     if rest:
-        optimizers["adamw"] = torch.optim.AdamW(rest, lr=lr, betas=tuple(betas), eps=eps, **_kernel_choice(rest, fused))
+        optimizers["adamw"] = LocalShardAdamW(rest, lr=lr, betas=tuple(betas), eps=eps, **_kernel_choice(rest, fused))
     if matrices:
         muon = DistributedMuon(
             matrices,
