@@ -14,12 +14,6 @@ experts), optim (optimizers, LR schedules), checkpoint (DCP save/resume, HF expo
 __version__ = "0.1.0"
 
 
-def _quiet_torchao_enum_notice() -> None:
-    """torchao (the fp8 extra; transformers imports it whenever it is installed) registers enums as pytree constants,
-    which torch >= 2.14 answers with a deprecation notice on every process: nothing a user of ours can act on."""
-    import logging
+from .compat.torch_runtime import quiet_torchao_enum_notice  # noqa: E402  (torch-free: no torch import here)
 
-    logging.getLogger("torch.utils._pytree").addFilter(lambda record: "is an Enum subclass" not in record.getMessage())
-
-
-_quiet_torchao_enum_notice()
+quiet_torchao_enum_notice()

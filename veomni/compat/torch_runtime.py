@@ -8,12 +8,21 @@ raises), so each adapter imports what it needs when called.
 import sys
 from typing import List, Tuple
 
-__all__ = ["bound_worker_close_grace", "default_store"]
+__all__ = ["bound_worker_close_grace", "default_store", "quiet_torchao_enum_notice"]
 
 PRIVATE_SYMBOLS: List[Tuple[str, str, str]] = [
     ("torch.distributed.elastic.multiprocessing.api", "PContext.close", "failure teardown grace (launch.py)"),
     ("torch.distributed.distributed_c10d", "_get_default_store", "the heartbeat's liveness keys"),
 ]
+
+
+def quiet_torchao_enum_notice() -> None:
+    """torchao (the fp8 extra; transformers imports it whenever it is installed) registers enums as pytree constants,
+    which torch >= 2.14 answers on every process with a deprecation notice through the logger of its private
+    `torch.utils._pytree`: nothing a user of ours can act on. A filter on that logger (by name: torch not imported)."""
+    import logging
+
+    logging.getLogger("torch.utils._pytree").addFilter(lambda record: "is an Enum subclass" not in record.getMessage())
 
 
 def bound_worker_close_grace(grace_s: int) -> bool:
