@@ -153,6 +153,8 @@ def test_auto_is_liger_on_cuda_when_installed_and_eager_otherwise(monkeypatch):
     assert kernels.resolve_kernels("auto", "cuda") == "liger"
     assert kernels.resolve_kernels("auto", "cpu") == "eager"
     assert kernels.resolve_kernels("auto", "cuda", tp_size=2) == "eager"
+    assert kernels.resolve_kernels("auto", "cuda", compiled=True) == "eager"  # inductor fuses better (H200)
+    assert kernels.resolve_kernels("liger", "cuda", compiled=True) == "liger"  # asked for: as asked
     assert kernels.resolve_kernels("eager", "cuda") == "eager"
     monkeypatch.setattr(kernels, "liger_available", lambda: False)
     assert kernels.resolve_kernels("auto", "cuda") == "eager"

@@ -50,8 +50,8 @@ class OpsImplementation:
     kernels: Literal["auto", "liger", "eager"] = _doc(
         "Fused Triton kernels (liger-kernel: RMSNorm, RoPE incl. Qwen-VL M-RoPE, SwiGLU) bound to this model instance "
         "only (transformers' classes and functions stay as they are, so another model in the process runs eager). "
-        "`auto`: liger on CUDA when liger-kernel is installed (`pip install veomni[kernels]`), eager otherwise (the "
-        "log says which, once); `liger`: refused where it cannot run (no CUDA, not installed, tp_size > 1); "
+        "`auto`: liger on CUDA when liger-kernel is installed (`pip install veomni[kernels]`) and `compile` is off "
+        "(inductor fuses compiled layers better), eager otherwise (the log says which, once); `liger`: refused where it cannot run (no CUDA, not installed, tp_size > 1); "
         "`eager`: transformers' modules. Families: llama, qwen2, qwen3, qwen3_moe, qwen2_5_vl, qwen3_vl.",
         default="auto",
     )

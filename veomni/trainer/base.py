@@ -139,7 +139,8 @@ class BaseTrainer(StepCountMixin):
         set_tf32(args.train.tf32, get_device_type())
         model = build_model_from_args(args, get_device_type(), args.train.init_device)
         # fused kernels on this instance only, before adapters, sharding and compile wrap its modules
-        bind_kernels(model, args.model.ops_implementation.kernels, get_device_type(), args.train.accelerator.tp_size)
+        ops = args.model.ops_implementation
+        bind_kernels(model, ops.kernels, get_device_type(), args.train.accelerator.tp_size, ops.compile)
         model = self.prepare_model(model)
         # LoRA adapters go in before sharding, so FSDP2/DDP wrap them with their layers; {} without LoRA
         adapters = attach_lora(model, args.model.lora, args.train.seed, args.model.model_path)
@@ -147,7 +148,6 @@ class BaseTrainer(StepCountMixin):
             self.model = parallelize(model, self.parallel_state, args)
         place_adapters(self.model, adapters)
         self.model.train()
-        ops = args.model.ops_implementation
         backend = resolve_loss_implementation(ops.loss_implementation, get_device_type(), self.parallel_state.tp_size)
         self.loss_module = CausalLMLoss(self.model, ops.loss_chunk_size, backend)
         self.moe_metrics = MoEMetrics(self.model, self.device)  # routing counts hooked on the experts modules

@@ -43,9 +43,11 @@ def _triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_kernels(choice: str, device_type: str, tp_size: int = 1) -> str:
+def resolve_kernels(choice: str, device_type: str, tp_size: int = 1, compiled: bool = False) -> str:
     """`liger` or `eager` for the configured `choice` on `device_type`; a choice that cannot run raises, naming
-    the key. Tensor parallel keeps eager (liger's kernels take plain tensors, not DTensors)."""
+    the key. Tensor parallel keeps eager (liger's kernels take plain tensors, not DTensors). `auto` under
+    `compile: true` is eager: inductor fuses the norms, RoPE and SwiGLU itself, and better than liger's kernels
+    inside its graphs (H200, Qwen3-1.7B 8k, benchmarks/gpu_speed.py: compile 37.7% MFU, compile + liger 33.8%)."""
     if choice not in CHOICES:
         raise ValueError(f"{KEY}={choice!r}: choose one of {', '.join(CHOICES)}")
     if choice == "eager":
@@ -58,6 +60,8 @@ def resolve_kernels(choice: str, device_type: str, tp_size: int = 1) -> str:
             reason = f"no CUDA device ({device_type})"
         elif tp_size > 1:
             reason = "tensor parallel (tp_size > 1) runs transformers' modules"
+        elif compiled:
+            reason = "ops_implementation.compile: inductor fuses these layers itself, faster than with liger inside"
         else:
             _said(choice, "liger", "liger-kernel RMSNorm, RoPE and SwiGLU on this model")
             return "liger"
@@ -96,10 +100,12 @@ def _said(choice: str, chosen: str, why: str) -> None:
         logger.info(f"{KEY}={choice}: {chosen} ({why})")
 
 
-def bind_kernels(model: nn.Module, choice: str, device_type: str, tp_size: int = 1) -> Dict[str, int]:
+def bind_kernels(
+    model: nn.Module, choice: str, device_type: str, tp_size: int = 1, compiled: bool = False
+) -> Dict[str, int]:
     """Bind the kernels `choice` resolves to onto `model` (this instance only); returns how many modules of each
     kind were bound ({} for eager). Call before sharding and compiling."""
-    if resolve_kernels(choice, device_type, tp_size) == "eager":
+    if resolve_kernels(choice, device_type, tp_size, compiled) == "eager":
         return {}
     from .liger import bind_liger
 
