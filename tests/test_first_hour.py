@@ -135,30 +135,34 @@ def test_zero_step_run_is_refused_before_the_model_is_built(tmp_path):
     assert "parameters" not in zero.stdout and not os.path.exists(f"{tmp}/zero/checkpoints")
 
 
-def test_max_steps_beyond_the_data_says_what_happens(tmp_path):
-    args = parse_args(VeOmniArguments, ["--train.max_steps", "20", "--train.dyn_bsz", "false"])
-    from veomni.trainer.base import BaseTrainer
-
-    class Probe(BaseTrainer):
-        def __init__(self):  # only the step computation, on a loader that yields 6 batches
-            self.args, self.train_dataset = args, []
-            self.train_dataloader = None
-
-        def _count_loader_steps(self, limit):
-            return 6
-
-    probe = Probe()
+def _step_plan(argv, epoch_batches):
+    """(trainer, what step_count logged): only the step computation of a BaseTrainer, on a loader that yields
+    `epoch_batches` batches an epoch."""
     import logging
 
-    records = []
-    handler = logging.Handler()
+    from veomni.trainer.base import BaseTrainer
+
+    args = parse_args(VeOmniArguments, argv)
+
+    class Probe(BaseTrainer):
+        def __init__(self):
+            self.args, self.train_dataset, self.train_dataloader = args, [], None
+
+        def _count_loader_steps(self, limit):
+            return min(epoch_batches, limit or epoch_batches)
+
+    probe, records, handler = Probe(), [], logging.Handler()
     handler.emit = records.append
     logging.getLogger("veomni.trainer.step_count").addHandler(handler)
     try:
         probe.compute_train_steps()
     finally:
         logging.getLogger("veomni.trainer.step_count").removeHandler(handler)
-    text = " ".join(r.getMessage() for r in records)
+    return probe, " ".join(r.getMessage() for r in records)
+
+
+def test_max_steps_beyond_the_data_says_what_happens(tmp_path):
+    probe, text = _step_plan(["--train.max_steps", "20", "--train.dyn_bsz", "false"], 6)
     assert probe.total_steps == 6 and "--train.num_train_epochs 4" in text and "the LR schedule spans 6" in text
     probe._count_loader_steps = lambda limit: 0  # data that fills no global batch: an error, not an empty run
     with pytest.raises(ConfigError, match="this run would train 0 steps"):
@@ -169,28 +173,8 @@ def test_max_steps_beyond_the_data_says_what_happens(tmp_path):
 def test_max_steps_is_the_total_of_the_run(max_steps, epochs):
     """`--train.max_steps 5` on a 2-epoch config trained 10 steps and spanned the LR schedule over 10 (a cap per
     epoch); HF Trainer, LLaMA-Factory and torchtitan mean the run's total. The start line says where it stops."""
-    import logging
-
-    from veomni.trainer.base import BaseTrainer
-
     argv = ["--train.num_train_epochs", "2", "--train.dyn_bsz", "false"]
-    args = parse_args(VeOmniArguments, argv + (["--train.max_steps", str(max_steps)] if max_steps else []))
-
-    class Probe(BaseTrainer):
-        def __init__(self):  # only the step computation, on a loader that yields 31 batches an epoch
-            self.args, self.train_dataset, self.train_dataloader = args, [], None
-
-        def _count_loader_steps(self, limit):
-            return min(31, limit or 31)
-
-    probe, records, handler = Probe(), [], logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("veomni.trainer.step_count").addHandler(handler)
-    try:
-        probe.compute_train_steps()
-    finally:
-        logging.getLogger("veomni.trainer.step_count").removeHandler(handler)
-    text = " ".join(r.getMessage() for r in records)
+    probe, text = _step_plan(argv + (["--train.max_steps", str(max_steps)] if max_steps else []), 31)
     assert probe.epoch_steps == epochs and probe.total_steps == sum(epochs), text
     assert f"the LR schedule spans {sum(epochs)}" in text
     assert ("train.max_steps 5 stops the run there" in text) == (max_steps == 5)
