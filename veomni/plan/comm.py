@@ -2,8 +2,8 @@
 
 Bytes per call as veomni/plan/collectives.py counts them (c: compute dtype bytes, r: gradient-reduce dtype bytes,
 T: this rank's tokens of a micro-batch, n: its loss tokens, h: hidden size; every line per micro-batch):
-    trainer       all_reduce dp_sp  8*(3 + stop signals) (token counts) once, 8 (loss) once, 8 per sharded
-                  mesh dim of each gradient (mesh, placements) group (the gradient norm) once
+    trainer       all_reduce world  8*(3 + stop signals) (token counts, in host memory) once; all_reduce dp_sp 8
+                  (loss) once; 8 per sharded mesh dim of each gradient (mesh, placements) group (the grad norm) once
     FSDP2         per unit over more than one rank: all_gather W*P*c (twice when resharded after forward: forward
                   and backward), reduce_scatter W*P*r, HSDP all_reduce P*r over dp_replicate (P: padded shard)
     tensor par.   all_reduce T*h*c: the embedding's and each layer's o_proj/down output in forward (o_proj's again
@@ -63,7 +63,7 @@ class _Book:
 
 
 def _trainer(book: _Book, step: StepShape) -> None:
-    book.add("all_reduce", "dp_sp", 8 * (3 + len(STOP_EXIT_CODES)))
+    book.add("all_reduce", "world", 8 * (3 + len(STOP_EXIT_CODES)))  # on the host, over every rank (gloo)
     book.add("all_reduce", "dp_sp", 8 * (1 + step.moe_metric_values))  # the loss, MoE metrics riding along
     for ranks in book.plan.grad_norm_ranks:
         book.add("all_reduce", "grad_norm", 8, ranks=ranks, size=len(ranks) if ranks else 1)

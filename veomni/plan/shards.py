@@ -132,7 +132,7 @@ def grad_norm_ranks(model: nn.Module) -> List[Ranks]:
 
 
 def _named_groups(state) -> Dict[str, Ranks]:
-    groups = {"dp_sp": _ranks(state.dp_sp_group)}
+    groups = {"dp_sp": _ranks(state.dp_sp_group), "world": _ranks(dist.group.WORLD)}
     if state.tp_enabled:
         groups["tp"] = _ranks(state.tp_group)
     if state.sp_enabled:
