@@ -222,9 +222,11 @@ def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_
     trainer.state, trainer.epoch_steps, trainer.total_steps = TrainState(), [2], 2
     trainer.train_dataloader, trainer.callbacks, trainer.evaluator = Loader(), [], None
     trainer._step_totals = lambda micro_batches: {"loss_tokens": 1, "tokens": 1, "stop": None}
-    trainer.train_step = lambda micro_batches, totals: {}
+    trainer.train_step = lambda micro_batches, totals: {"loss": torch.tensor(1.0), "grad_norm": torch.tensor(1.0)}
     trainer.save_checkpoint = lambda: saved.append((trainer.global_step, trainer.train_dataloader.closed))
     trainer.checkpointer = SimpleNamespace(wait=lambda: None)
+    trainer.device, trainer.run_dir = torch.device("cpu"), SimpleNamespace(release=lambda: None)
+    trainer.moe_metrics = SimpleNamespace(finish=lambda metrics, loss_tokens: None)
 
     previous = {sig: signal.getsignal(sig) for sig in lifecycle.STOP_EXIT_CODES}
     lifecycle.install_stop_handlers()
