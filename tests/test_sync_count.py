@@ -14,7 +14,7 @@ from helpers import REPO, tiny_run_config, torchrun, write_moe_config
 
 # site [what] -> (budget unit, reads per unit, why it stays)
 ALLOWED = {
-    "veomni/trainer/base.py:_host_loss_tokens [item]": (
+    "veomni/trainer/step_metrics.py:host_loss_tokens [item]": (
         "micro_batch",
         2,
         "host only: the loss tokens of the loader's CPU labels (the step's token all-reduce, and the chunked loss's "

@@ -44,7 +44,7 @@ DATA_DEPENDENT = {
     aten.argwhere.default,
 }
 # functions an allowance may name although the read happens in a helper they call
-SITES_OF_RECORD = ("veomni/trainer/base.py:_host_loss_tokens",)
+SITES_OF_RECORD = ("veomni/trainer/step_metrics.py:host_loss_tokens",)
 
 
 def site() -> str:

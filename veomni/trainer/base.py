@@ -23,7 +23,6 @@ The trainer is a set of named components, each built once and handed what it rea
 import dataclasses
 import math
 import os
-from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -39,7 +38,7 @@ from ..distributed.parallel_state import init_parallel_state_from_config
 from ..distributed.torch_parallelize import parallelize
 from ..models import build_foundation_model
 from ..models.lora import attach_lora, base_checkpoint_names, place_adapters
-from ..ops import CausalLMLoss, LossOutput, count_loss_tokens
+from ..ops import CausalLMLoss, LossOutput
 from ..ops.kernels import bind_kernels, resolve_loss_implementation
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
@@ -59,7 +58,7 @@ from .evaluation import Evaluator, build_eval_loader
 from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
 from .step_count import StepCountMixin, close_loader, set_epoch
-from .step_metrics import PendingMetrics, StepClock
+from .step_metrics import PendingMetrics, StepClock, host_group, host_loss_tokens
 
 logger = get_logger(__name__)
 
@@ -240,7 +239,7 @@ class BaseTrainer(StepCountMixin):
             if k != "shift_labels"  # (transformers' name for the labels: the trainer reads `labels`)
         }
         # counted on the loader's host copy, so the chunked loss selects its rows without a device sync
-        on_device["num_loss_tokens"] = _host_loss_tokens(micro_batch)
+        on_device["num_loss_tokens"] = host_loss_tokens(micro_batch)
         return on_device
 
     def lm_loss(self, micro_batch: Dict[str, Any]) -> LossOutput:
@@ -274,7 +273,7 @@ class BaseTrainer(StepCountMixin):
         # a short last batch (streamed data without drop_last) counts as out of data: each micro-batch's backward
         # issues its own FSDP reduce-scatters, so every rank must run the same number of them
         have = micro_batches is not None and len(micro_batches) == self.args.train.dataloader_batch_size
-        loss_tokens = sum(_host_loss_tokens(mb) for mb in micro_batches) if have else 0
+        loss_tokens = sum(host_loss_tokens(mb) for mb in micro_batches) if have else 0
         tokens = sum(mb["input_ids"].numel() for mb in micro_batches) if have else 0
         asked = lifecycle.stop_requested()
         stops = [int(asked == sig) for sig in lifecycle.STOP_EXIT_CODES]  # which stop signal this rank got
@@ -297,13 +296,8 @@ class BaseTrainer(StepCountMixin):
         }
 
     def _host_group(self) -> dist.ProcessGroup:
-        """A gloo group of every rank for the loop's host-side all-reduce (created on first use: every rank alike)."""
-        if getattr(self, "_gloo_group", None) is None:
-            if dist.get_backend() == "gloo":
-                self._gloo_group = dist.group.WORLD
-            else:
-                timeout = timedelta(minutes=self.args.train.accelerator.dist_timeout_minutes)
-                self._gloo_group = dist.new_group(backend="gloo", timeout=timeout)
+        if getattr(self, "_gloo_group", None) is None:  # created on first use, by every rank alike
+            self._gloo_group = host_group(self.args.train.accelerator.dist_timeout_minutes)
         return self._gloo_group
 
     def train_step(self, micro_batches: List[Dict[str, Any]], totals: Dict[str, Any]) -> Dict[str, Any]:
@@ -503,8 +497,3 @@ class BaseTrainer(StepCountMixin):
 
     def on_train_end(self) -> None:
         """Hook for subclasses, called on every rank before the callbacks' on_train_end."""
-
-
-def _host_loss_tokens(micro_batch: Dict[str, Any]) -> int:
-    """Loss tokens of a micro-batch as the loader gave it (its CPU labels: a host read, no device involved)."""
-    return count_loss_tokens(micro_batch["labels"])
