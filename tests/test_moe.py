@@ -1,7 +1,10 @@
 """Mixture-of-experts: fused vs eager, parity with transformers, expert parallel, moe_merge / moe_split."""
 
+import contextlib
+import io
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -91,27 +94,39 @@ def _tensors(folder):
     return out
 
 
-def _script(name, *args):
-    return subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", name), *args],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-    )
+def _script(name, *args, cli=False):
+    """Run scripts/NAME with ARGS: as its own process when `cli` (the command line users type), else in this process
+    (each launch imports torch and transformers again: seconds that the tool's own work does not need)."""
+    path = os.path.join(REPO, "scripts", name)
+    if cli:
+        return subprocess.run([sys.executable, path, *args], cwd=REPO, env=child_env(), capture_output=True, text=True)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv, sys.argv = sys.argv, [path, *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except Exception as error:  # what the process would print as its traceback's last line, and exit 1
+        err.write(f"{type(error).__name__}: {error}")
+        code = 1
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("layout", ["fused", "stacked"])
 def test_moe_merge_then_split_round_trips_bytes(checkpoint, tmp_path, layout):
     merged, split = str(tmp_path / "merged"), str(tmp_path / "split")
-    proc = _script("moe_merge.py", "--raw_hf_path", checkpoint, "--merge_hf_path", merged, "--layout", layout)
+    cli = layout == "fused" and os.path.basename(checkpoint).startswith("qwen3_moe")  # once through the command line
+    proc = _script("moe_merge.py", "--raw_hf_path", checkpoint, "--merge_hf_path", merged, "--layout", layout, cli=cli)
     assert proc.returncode == 0, proc.stderr
     assert "merged 2 MoE layers" in proc.stdout
     merged_keys = set(_tensors(merged))
     assert not any(".experts.0." in k for k in merged_keys)
     expected = {"fused": "gate_up_proj", "stacked": "gate_proj"}[layout]
     assert any(k.endswith(f"experts.{expected}") for k in merged_keys)
-    proc = _script("moe_split.py", "--merge_hf_path", merged, "--split_hf_path", split)
+    proc = _script("moe_split.py", "--merge_hf_path", merged, "--split_hf_path", split, cli=cli)
     assert proc.returncode == 0, proc.stderr
     original, back = _tensors(checkpoint), _tensors(split)
     assert original.keys() == back.keys()

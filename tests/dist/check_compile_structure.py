@@ -1,4 +1,4 @@
-"""What dynamo makes of a 28-layer tiny Qwen3 under FSDP2 (one gloo rank) with the bf16 policy, compiled per layer
+"""What dynamo makes of a 10-layer tiny Qwen3 under FSDP2 (one gloo rank) with the bf16 policy, compiled per layer
 as `model.ops_implementation.compile` does, with the kernels `eager` or `liger` (then under Triton's interpreter:
 run with TRITON_INTERPRET=1). Backend `aot_eager`: dynamo and AOT autograd trace for real, inductor's minutes-long
 CPU compile is left out. Run by tests/test_compile_structure.py.
@@ -33,7 +33,7 @@ from veomni.models import build_foundation_model  # noqa: E402
 from veomni.ops import lm_loss_sum  # noqa: E402
 from veomni.ops.kernels import bind_kernels  # noqa: E402
 
-LAYERS = 28
+LAYERS = 10  # more than dynamo's cache_size_limit (8): a per-layer recompile could not hide behind it
 CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96, "hidden_size": 32,
     "intermediate_size": 64, "num_hidden_layers": LAYERS, "num_attention_heads": 2, "num_key_value_heads": 1,
