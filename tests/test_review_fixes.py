@@ -227,6 +227,7 @@ def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_
     trainer.checkpointer = SimpleNamespace(wait=lambda: None)
     trainer.device, trainer.run_dir = torch.device("cpu"), SimpleNamespace(release=lambda: None)
     trainer.moe_metrics = SimpleNamespace(finish=lambda metrics, loss_tokens: None)
+    trainer.host_group = SimpleNamespace(close=lambda: None)
 
     previous = {sig: signal.getsignal(sig) for sig in lifecycle.STOP_EXIT_CODES}
     lifecycle.install_stop_handlers()
@@ -242,3 +243,25 @@ def test_a_stop_after_the_last_step_lets_the_final_save_and_teardown_finish(one_
         lifecycle._state.update(stop_signal=None, loop_active=False, exiting=False, training_done=False)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def test_host_group_is_the_gloo_world_or_one_made_and_freed(one_process_group):
+    """The trainer's host-side group: on a gloo world the world itself (nothing made); otherwise (NCCL) a gloo group
+    that `close()` frees, so trainers run one after another in one process do not pile groups up."""
+    import torch.distributed as dist
+
+    from veomni.utils.collectives import HostGroup
+
+    reused = HostGroup(reuse_gloo_world=True)
+    assert reused.get() is dist.group.WORLD
+    reused.close()
+    assert dist.is_initialized()  # the world is not the host group's to close
+    made = HostGroup(timeout_minutes=1)
+    group = made.get()
+    assert group is not dist.group.WORLD and made.get() is group  # made once, then reused
+    stats = torch.ones(2)
+    dist.all_reduce(stats, group=group)
+    made.close()
+    assert made.group is None
+    with pytest.raises(ValueError, match="not registered"):  # freed: torch no longer knows it
+        dist.get_rank(group)

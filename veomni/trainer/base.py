@@ -42,6 +42,7 @@ from ..ops import CausalLMLoss, LossOutput
 from ..ops.kernels import bind_kernels, resolve_loss_implementation
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
+from ..utils.collectives import HostGroup
 from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
 from . import lifecycle
@@ -58,7 +59,7 @@ from .evaluation import Evaluator, build_eval_loader
 from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
 from .step_count import StepCountMixin, close_loader, set_epoch
-from .step_metrics import PendingMetrics, StepClock, host_group, host_loss_tokens
+from .step_metrics import PendingMetrics, StepClock, host_loss_tokens
 
 logger = get_logger(__name__)
 
@@ -102,6 +103,7 @@ class BaseTrainer(StepCountMixin):
         self.parallel_state = init_parallel_state_from_config(train.accelerator)
         self.is_main = self.parallel_state.is_main_process
         self.device = get_device()
+        self.host_group = HostGroup(train.accelerator.dist_timeout_minutes, reuse_gloo_world=True)  # step totals
         # Everything a user can get wrong is checked before the model is built, so a mistake costs seconds.
         self.run_dir = RunDir(train.checkpoint)
         self.output_dir = self.run_dir.output_dir
@@ -279,7 +281,7 @@ class BaseTrainer(StepCountMixin):
         stops = [int(asked == sig) for sig in lifecycle.STOP_EXIT_CODES]  # which stop signal this rank got
         stats = torch.tensor([loss_tokens, tokens, int(have), *stops], dtype=torch.float64)  # in host memory
         lifecycle.set_progress(self.global_step + 1, "all-reduce of the step's token counts")
-        group = self._host_group()
+        group = self.host_group.get()  # made on first use, by every rank alike
         dist.all_reduce(stats, group=group)
         lifecycle.set_progress(self.global_step + 1, "forward/backward and optimizer step")
         # every rank of the group counted; tensor-parallel ranks hold copies of their data rank's tokens
@@ -294,11 +296,6 @@ class BaseTrainer(StepCountMixin):
             "tokens": int(tokens) // copies,
             "stop": seen[0] if seen else None,
         }
-
-    def _host_group(self) -> dist.ProcessGroup:
-        if getattr(self, "_gloo_group", None) is None:  # created on first use, by every rank alike
-            self._gloo_group = host_group(self.args.train.accelerator.dist_timeout_minutes)
-        return self._gloo_group
 
     def train_step(self, micro_batches: List[Dict[str, Any]], totals: Dict[str, Any]) -> Dict[str, Any]:
         """One optimizer step, queued on the device. Returns its metrics: host values, and device tensors that the
@@ -365,6 +362,7 @@ class BaseTrainer(StepCountMixin):
             raise
         finally:
             lifecycle.set_loop_active(False)
+            self.host_group.close()
             close_loader(self.train_dataloader)  # a stop or an error leaves the epoch's iterator mid-way
 
     def _fit(self) -> None:

@@ -12,11 +12,9 @@ needed; elsewhere the host clock around the step is the step time (a CPU runs it
 """
 
 import time
-from datetime import timedelta
 from typing import Any, Callable, Dict, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..ops.loss import count_loss_tokens
 
@@ -91,13 +89,6 @@ class PendingMetrics:
         if self.finish is not None:
             self.finish(out)
         return out
-
-
-def host_group(timeout_minutes: float):
-    """A gloo group of every rank for the loop's host-side all-reduce (the world group where that is gloo already)."""
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    return dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
 
 
 def host_loss_tokens(micro_batch: Dict[str, Any]) -> int:

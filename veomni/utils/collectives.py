@@ -5,7 +5,7 @@ when rank 0's work fails (a full disk, a permission). `on_rank0` broadcasts rank
 every rank returns the same value or raises the same error at once. `on_every_rank` does the same for work that
 every rank does (a share of a data cache): one rank's failure is raised on all, naming the rank.
 
-`host_group` is a gloo group over every rank, for CPU tensors and objects (NCCL carries only GPU tensors) and
+`HostGroup` (and `host_group` for a `with` block) is a gloo group over every rank, for CPU tensors and objects (NCCL carries only GPU tensors) and
 with its own timeout: data preparation may keep a rank busy for longer than a training collective should wait.
 """
 
@@ -42,6 +42,31 @@ def on_rank0(fn: Callable[[], Any], group: Optional[dist.ProcessGroup] = None) -
     return value
 
 
+class HostGroup:
+    """A gloo group over every rank, made on first `get()` (collective: every rank alike) and kept until `close()`.
+    With `reuse_gloo_world`, the world group itself where it is gloo already (nothing made, nothing to close)."""
+
+    def __init__(self, timeout_minutes: Optional[float] = None, reuse_gloo_world: bool = False):
+        if timeout_minutes is None:
+            timeout_minutes = float(os.environ.get("VEOMNI_HOST_TIMEOUT_MINUTES", 12 * 60))
+        self.timeout, self.reuse_gloo_world = timedelta(minutes=timeout_minutes), reuse_gloo_world
+        self.group: Optional[dist.ProcessGroup] = None
+
+    def get(self) -> dist.ProcessGroup:
+        if self.group is None:
+            if self.reuse_gloo_world and dist.get_backend() == "gloo":
+                self.group = dist.group.WORLD
+            else:
+                self.group = dist.new_group(backend="gloo", timeout=self.timeout)
+        return self.group
+
+    def close(self) -> None:
+        """Frees the group this made (a trainer per run in one process would otherwise pile them up)."""
+        if self.group is not None and self.group is not dist.group.WORLD and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
+
+
 @contextlib.contextmanager
 def host_group(timeout_minutes: Optional[float] = None) -> Iterator[Optional[dist.ProcessGroup]]:
     """A gloo group of every rank for the `with` block (None in a world of one). Collective to create: enter it on
@@ -49,13 +74,11 @@ def host_group(timeout_minutes: Optional[float] = None) -> Iterator[Optional[dis
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield None
         return
-    if timeout_minutes is None:
-        timeout_minutes = float(os.environ.get("VEOMNI_HOST_TIMEOUT_MINUTES", 12 * 60))
-    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+    group = HostGroup(timeout_minutes)
     try:
-        yield group
+        yield group.get()
     finally:
-        dist.destroy_process_group(group)
+        group.close()
 
 
 def on_every_rank(
