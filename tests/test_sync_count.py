@@ -38,13 +38,6 @@ ALLOWED = {
         "CPU (fp32) only: causal SDPA per document takes the document lengths as host ints; CUDA bf16/fp16 runs a "
         "varlen kernel on the collator's cu_seq_lens and max_length (host int) instead",
     ),
-    "veomni/ops/loss.py:forward [item]": (
-        "micro_batch",
-        1,
-        "inside transformers (masking_utils.find_packed_sequence_indices, called by create_causal_mask when "
-        "position_ids come without an attention mask): one per forward; avoiding it needs a compat hook around "
-        "transformers' mask preprocessing (veomni_varlen never uses that result)",
-    ),
     "veomni/ops/moe.py:_expert_parallel_mlp [tolist]": (
         "moe_layer_micro_batch",
         1,

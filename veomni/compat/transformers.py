@@ -34,6 +34,7 @@ __all__ = [
     "feat_extract_output_lengths",
     "forward_calls_global",
     "bind_forward_with_global",
+    "skip_packed_sequence_detection",
 ]
 
 PRIVATE_SYMBOLS: List[Tuple[str, str, str]] = [
@@ -53,6 +54,7 @@ PRIVATE_SYMBOLS: List[Tuple[str, str, str]] = [
     ("transformers.models.qwen2_5_omni.processing_qwen2_5_omni", "_get_feat_extract_output_lengths", "audio tokens"),
     ("transformers", "PreTrainedModel._no_split_modules", "FSDP units / compiled units"),
     ("transformers", "PreTrainedModel._keys_to_ignore_on_load_unexpected", "keys from_pretrained drops"),
+    ("transformers.masking_utils", "_preprocess_mask_arguments", "no packed-document search for veomni_varlen"),
     # the RoPE functions an attention forward calls by name: veomni.ops.kernels binds liger's in their place, per
     # instance (bind_forward_with_global); tests/test_kernels.py's canary checks each forward still calls them
     ("transformers.models.llama.modeling_llama", "apply_rotary_pos_emb", "liger RoPE per attention instance"),
@@ -269,3 +271,32 @@ def _version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+_MASK_PREPROCESSING_SKIPS_PACKING: set = set()
+
+
+def skip_packed_sequence_detection(attn_implementation: str) -> None:
+    """transformers' mask preprocessing (masking_utils._preprocess_mask_arguments) looks for packed documents in
+    `position_ids` when no 2-D mask is given: `find_packed_sequence_indices` branches on a device tensor, one host
+    read (a GPU sync) per forward. An attention that finds the documents itself never uses what it finds: for
+    `attn_implementation`, the preprocessing is handed no `position_ids` (they serve nothing else there)."""
+    import transformers.masking_utils as masking
+
+    _MASK_PREPROCESSING_SKIPS_PACKING.add(attn_implementation)
+    original = masking._preprocess_mask_arguments
+    if getattr(original, "__wrapped__", None) is not None:
+        return  # wrapped already: the set above is what it reads
+    parameters = list(inspect.signature(original).parameters)
+    position = parameters.index("position_ids")
+
+    def preprocess(config, *args, **kwargs):
+        if config._attn_implementation in _MASK_PREPROCESSING_SKIPS_PACKING:
+            if "position_ids" in kwargs:
+                kwargs["position_ids"] = None
+            elif len(args) >= position:  # args start after `config`
+                args = (*args[: position - 1], None, *args[position:])
+        return original(config, *args, **kwargs)
+
+    preprocess.__wrapped__ = original
+    masking._preprocess_mask_arguments = preprocess

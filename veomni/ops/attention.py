@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from ..compat.transformers import skip_packed_sequence_detection
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -272,3 +273,4 @@ def _varlen_mask(*args, **kwargs):
 
 AttentionInterface.register(VARLEN, varlen_attention_forward)
 AttentionMaskInterface.register(VARLEN, _varlen_mask)
+skip_packed_sequence_detection(VARLEN)  # it finds the documents itself: transformers' search would read the device
