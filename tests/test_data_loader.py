@@ -12,7 +12,6 @@ import torch
 import yaml
 
 from helpers import document_starts, token_dataset, token_loader
-from veomni.compat.torchdata import shutdown_iterator_workers
 from veomni.data import build_dataset
 from veomni.data.data_loader import MicroBatchLoader
 from veomni.data.data_report import data_report, dropped_samples, skipped_samples
@@ -130,22 +129,18 @@ def test_state_taken_right_after_a_resume_is_the_loaded_position(files, kind):
         assert [r for step in again for mb in step for r in _record_ids(mb)] == rest, workers
 
 
-def _normal_shutdown_bound(loader) -> float:
-    """3x what torch's own shutdown of a live iterator's workers takes now (see the test using it), in [1 s, 4 s]."""
-    it = iter(loader)
-    next(it)
-    tic = time.monotonic()
-    shutdown_iterator_workers(it)
-    assert _stopped_within(it._workers, 5.0)
-    return min(4.0, max(1.0, 3 * (time.monotonic() - tic)))
-
-
 def _stopped_within(workers, seconds=1.0):
     """True once every worker process has exited (checked for up to `seconds`)."""
     deadline = time.monotonic() + seconds
     while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
         time.sleep(0.02)
     return not any(w.is_alive() for w in workers)
+
+
+def _stopped_cleanly(workers, seconds=30.0):
+    """Every worker exited by itself (exit code 0): told to stop, not terminated by torch after its 5 s join timeout
+    (exit code -SIGTERM). The wait is generous: a loaded box is slow, a worker left running waits it out and fails."""
+    return _stopped_within(workers, seconds) and all(w.exitcode == 0 for w in workers)
 
 
 def test_abandoned_iterator_workers_stop_at_once(files):
@@ -155,12 +150,10 @@ def test_abandoned_iterator_workers_stop_at_once(files):
     5 s per worker). A closed loader still gives the position reached. A second iter() leaves the first iterator
     working: a DataLoader may be iterated twice at once (stopping it there cut its epoch short, silently).
 
-    The bound: 3x the time torch's own shutdown of a live iterator takes in this run (at least 1 s: a quiet box
-    stops them in ~0.1 s; a loaded one took ~1.4 s), capped at 4 s, below torch's 5 s join timeout per worker, so
-    the failures it guards against (workers left running, or killed after the timeout) still fail it."""
+    Stopped means exited by itself, which torch's own shutdown does at once: a worker terminated by torch after its
+    5 s join timeout, or one left running, fails (no timing bound: a loaded box made any bound flaky)."""
     folder, _ = files
     loader = _loader(_dataset(folder, "mapping"), workers=2)
-    bound = _normal_shutdown_bound(_loader(_dataset(folder, "mapping"), workers=2))
 
     def abandon_mid_epoch(loader):
         it = iter(loader)
@@ -176,23 +169,20 @@ def test_abandoned_iterator_workers_stop_at_once(files):
     del old
     state = loader.state_dict()
     loader.load_state_dict(state)
-    assert _stopped_within(new._workers, bound), "load_state_dict left the abandoned iterator's workers running"
+    assert _stopped_cleanly(new._workers), "load_state_dict left the abandoned iterator's workers running"
 
     it = abandon_mid_epoch(loader)  # resumes the loaded position; a trainer that stops here calls close()
     position = loader.state_dict()
     loader.close()
-    assert _stopped_within(it._workers, bound), "close() left the workers running"
+    assert _stopped_cleanly(it._workers), "close() left the workers running"
     assert loader.state_dict() == position  # what the final checkpoint saves after close()
 
     loader.cycle = loader  # a loader reachable only through a cycle is freed by the garbage collector
     it = abandon_mid_epoch(loader)
     workers = it._workers
     del it, loader
-    tic = time.monotonic()
     gc.collect()
-    assert _stopped_within(workers, bound) and time.monotonic() - tic < bound, (
-        "collecting the loader was slow to stop them"
-    )
+    assert _stopped_cleanly(workers), "collecting the loader did not stop them"
 
 
 def test_loader_still_iterated_or_closed_keeps_its_data(files):
