@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..data.preference import PreferenceCollator, pair_key
 from ..distributed.torch_parallelize import parallelize
 from ..models.lora import lora_layers
+from ..ops.loss import IGNORE_INDEX
 from ..ops.preference_loss import SequenceLogps
 from ..utils.device import get_device_type
 from ..utils.logging import get_logger
@@ -100,22 +101,25 @@ class PrecomputedReference:
     """Per-pair (chosen, rejected) reference log-probs by pair content, computed once before training."""
 
     def __init__(self, trainer, logps: SequenceLogps):
-        path = _store_path(trainer)
-        self.table = torch.load(path) if os.path.isfile(path) else _precompute(trainer, logps, path)
+        self.table: Dict[str, List[float]] = {}
+        eval_data = getattr(trainer, "eval_data", None)  # the held-out pairs too, with the same initial model
+        for dataset in [trainer.train_dataset] + ([eval_data[0]] if eval_data else []):
+            path = _store_path(trainer, dataset)
+            self.table.update(torch.load(path) if os.path.isfile(path) else _precompute(trainer, logps, dataset, path))
+        del logps.model  # the frozen copy is no longer needed: its memory goes back
         self.device = trainer.device
 
     def __call__(self, micro_batch, inputs) -> torch.Tensor:
         missing = [k for k in micro_batch["pair_keys"] if k not in self.table]
-        if missing:
+        if missing and bool((micro_batch["labels"] != IGNORE_INDEX).any()):  # (a masked evaluation batch scores 0)
             raise RuntimeError(f"dpo.reference=precomputed: {len(missing)} pairs of this batch were not precomputed")
-        values = [v for k in micro_batch["pair_keys"] for v in self.table[k]]
+        values = [v for k in micro_batch["pair_keys"] for v in self.table.get(k, (0.0, 0.0))]
         return torch.tensor(values, dtype=torch.float64, device=self.device)
 
 
-def _store_path(trainer) -> str:
-    """`dpo_reference-<key>.pt` beside the data cache (the run's output folder for data without one)."""
+def _store_path(trainer, dataset) -> str:
+    """`dpo_reference-<key>.pt` beside `dataset`'s data cache (the run's output folder for data without one)."""
     args = trainer.args
-    dataset = trainer.train_dataset
     cache = dataset.prepare() if hasattr(dataset, "prepare") else None
     folder = getattr(cache, "folder", None) or trainer.output_dir
     weights = args.model.model_path
@@ -132,10 +136,10 @@ def _store_path(trainer) -> str:
     return os.path.join(folder, f"dpo_reference-{key}.pt")
 
 
-def _precompute(trainer, logps: SequenceLogps, path: str) -> Dict[str, List[float]]:
+def _precompute(trainer, logps: SequenceLogps, dataset, path: str) -> Dict[str, List[float]]:
     """Every training pair through the frozen initial model, the data-parallel ranks sharing the pairs (all in
     lockstep: a rank with fewer forwards a masked pair), the tables merged over the ranks; rank 0 writes the file."""
-    state, dataset = trainer.parallel_state, trainer.train_dataset
+    state = trainer.parallel_state
     cache = dataset.prepare()
     collate: PreferenceCollator = trainer.build_collator()
     samples = list(range(cache.num_samples))
@@ -161,5 +165,4 @@ def _precompute(trainer, logps: SequenceLogps, path: str) -> Dict[str, List[floa
         torch.save(table, tmp)
         os.replace(tmp, path)
     dist.barrier(group=trainer._host_group())
-    del logps.model  # the frozen copy is no longer needed: its memory goes back
     return table

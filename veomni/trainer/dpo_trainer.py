@@ -60,7 +60,10 @@ class DPOTrainer(TextTrainer):
     def build_eval_data(self):
         if not self.args.data.eval_path:
             return None
-        return build_eval_loader(self.args, self.build_data_transform(), self.collate_fn_kwargs(), self.build_collator())
+        self.eval_data = build_eval_loader(
+            self.args, self.build_data_transform(), self.collate_fn_kwargs(), self.build_collator()
+        )  # (kept: dpo.reference=precomputed scores the held-out pairs too)
+        return self.eval_data
 
     def build_evaluator(self, dataset, loader, collate):
         def stats(micro_batch):
