@@ -1,0 +1,149 @@
+"""DPO through the trainer (tasks/train_dpo.py's DPOTrainer), on tiny Qwen3 / Qwen3-MoE models and real-text pairs:
+
+- one process: `dpo.reference: precomputed` equals `model`, and `adapters_off` (a LoRA policy) equals the frozen
+  base copy (`model`), per step to 1e-6; the TRL metrics are logged; the held-out pairs are evaluated;
+- 2 ranks (one launch): FSDP2, TP 2, Ulysses 2 and EP 2 (MoE) equal one process over 5 steps to 1e-5;
+- SIGKILL after the step-3 checkpoint, then the same command resumes: steps 4-5 bit-exact.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from helpers import (
+    REPO,
+    assert_close_series,
+    child_env,
+    kill_tree,
+    launch_sequence,
+    read_metrics,
+    torchrun_cmd,
+    write_model_config,
+    write_moe_config,
+    write_tokenizer,
+)
+
+SCENARIOS = os.path.join(REPO, "tests", "dist", "trainer_scenarios.py")
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16, vocab_size=320)
+STEPS = 5
+TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected")  # fmt: skip
+EP = ["--train.accelerator.extra_parallel_sizes", "2", "--train.accelerator.extra_parallel_names", "ep"]
+LORA = ["--model.lora.enable", "true", "--model.lora.r", "4", "--train.optimizer.lr", "1e-2"]
+
+
+def write_pairs(path: str, n: int, seed: int) -> str:
+    """Pairs whose chosen reply repeats the prompt's words in order and whose rejected reply is other words."""
+    words = "the quick brown fox jumps over the lazy dog to be or not to be that is the question".split()
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            prompt = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
+            rejected = " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))
+            f.write(json.dumps({"prompt": prompt, "chosen": " " + " ".join(sorted(prompt.split())),
+                                "rejected": " " + rejected}) + "\n")  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("dpo"))
+    write_tokenizer(os.path.join(tmp, "tok"))
+    config = {
+        "model": {"config_path": write_model_config(os.path.join(tmp, "dense"), **QWEN3),
+                  "tokenizer_path": os.path.join(tmp, "tok")},
+        "data": {"train_path": write_pairs(os.path.join(tmp, "pairs.jsonl"), 64, 0),
+                 "eval_path": write_pairs(os.path.join(tmp, "eval.jsonl"), 12, 1), "max_seq_len": 128},
+        "train": {"seed": 0, "micro_batch_size": 2, "global_batch_size": 8, "dyn_bsz": False, "max_steps": STEPS,
+                  "eval_steps": STEPS, "optimizer": {"lr": 2e-3}, "log_steps": 100,
+                  "accelerator": {"fsdp_config": {"mixed_precision": {"enable": False}}},
+                  "checkpoint": {"output_dir": os.path.join(tmp, "out"), "save_steps": 3}},
+        "dpo": {"beta": 0.1},
+    }  # fmt: skip
+    path = os.path.join(tmp, "dpo.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    moe = write_moe_config(os.path.join(tmp, "moe"), vocab_size=320)
+    return tmp, path, ["--model.config_path", moe]
+
+
+def _runs(tmp, config, runs):
+    return [("dpo", config, os.path.join(tmp, name), flags) for name, flags in runs.items()]
+
+
+@pytest.fixture(scope="module")
+def one_process(setup):
+    tmp, config, moe = setup
+    runs = {
+        "model": [],
+        "precomputed": ["--dpo.reference", "precomputed"],
+        "lora_model": LORA,
+        "lora_adapters_off": LORA + ["--dpo.reference", "adapters_off"],
+        "moe": moe,
+    }
+    launch_sequence(1, _runs(tmp, config, runs))
+    return {name: read_metrics(os.path.join(tmp, name)) for name in runs}
+
+
+def _same(a, b, rtol, label, keys=("loss", "grad_norm") + TRL_METRICS):
+    assert len(a) == len(b) == STEPS
+    for key in keys:
+        assert_close_series([m[key] for m in a], [m[key] for m in b], rtol, f"{label} {key}")
+
+
+def test_references_agree_and_metrics_are_logged(one_process):
+    model = one_process["model"]
+    _same(model, one_process["precomputed"], 1e-6, "precomputed vs model")
+    _same(one_process["lora_model"], one_process["lora_adapters_off"], 1e-6, "adapters_off vs model")
+    assert model[0]["rewards/margins"] == 0.0 and model[0]["loss"] == pytest.approx(0.6931471805599453)
+    assert model[-1]["loss"] < model[0]["loss"] and model[-1]["rewards/margins"] > 0  # it learns the preference
+    assert model[-1]["pairs"] == 8
+    assert model[-1]["eval_pairs"] == 12 and 0.0 <= model[-1]["eval_rewards/accuracies"] <= 1.0
+    assert one_process["lora_model"][-1]["rewards/margins"] != 0.0  # the adapters moved away from the base
+
+
+def test_parallel_layouts_equal_one_process(setup, one_process):
+    tmp, config, moe = setup
+    runs = {
+        "fsdp2": [],
+        "tp2": ["--train.accelerator.tp_size", "2"],
+        "ulysses2": ["--train.accelerator.ulysses_size", "2"],
+        "ep2": moe + EP,
+    }
+    launch_sequence(2, _runs(tmp, config, runs))
+    for name in runs:
+        reference = one_process["moe" if name == "ep2" else "model"]
+        _same(reference, read_metrics(os.path.join(tmp, name)), 1e-5, name)
+        assert read_metrics(os.path.join(tmp, name))[-1]["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], 1e-5)
+
+
+def test_sigkill_then_resume_is_bit_exact(setup, one_process):
+    tmp, config, _ = setup
+    out = os.path.join(tmp, "killed")
+    argv = [config, "--train.checkpoint.output_dir", out]
+    proc = subprocess.Popen(
+        torchrun_cmd(1, SCENARIOS, "dpo_stall_at_4", *argv), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if "STALLING" in line:
+                break
+        assert os.path.isdir(os.path.join(out, "checkpoints", "global_step_3"))
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL or proc.returncode != 0
+    time.sleep(0.1)
+    launch_sequence(1, [("dpo", config, out, [])])  # the same command: output_dir's newest checkpoint resumes
+    resumed = read_metrics(out)
+    tail = {m["step"]: m for m in resumed if m["step"] > 3}
+    for step in (4, 5):
+        for key in ("loss", "grad_norm") + TRL_METRICS:
+            assert tail[step][key] == one_process["model"][step - 1][key], (step, key)
