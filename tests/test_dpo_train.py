@@ -32,6 +32,7 @@ from helpers import (
 SCENARIOS = os.path.join(REPO, "tests", "dist", "trainer_scenarios.py")
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16, vocab_size=320)
 STEPS = 5
+BETA = 0.1
 TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")  # fmt: skip
 EP = ["--train.accelerator.extra_parallel_sizes", "2", "--train.accelerator.extra_parallel_names", "ep"]
@@ -64,7 +65,7 @@ def setup(tmp_path_factory):
                   "eval_steps": STEPS, "optimizer": {"lr": 2e-3}, "log_steps": 100,
                   "accelerator": {"fsdp_config": {"mixed_precision": {"enable": False}}},
                   "checkpoint": {"output_dir": os.path.join(tmp, "out"), "save_steps": 3}},
-        "dpo": {"beta": 0.1},
+        "dpo": {"beta": BETA},
     }  # fmt: skip
     path = os.path.join(tmp, "dpo.yaml")
     with open(path, "w") as f:
@@ -92,9 +93,16 @@ def one_process(setup):
 
 
 def _same(a, b, rtol, label, keys=("loss", "grad_norm") + TRL_METRICS):
+    """Per step to `rtol`; a reward is beta * (log-prob - reference log-prob), a difference of numbers ~100x larger:
+    it is held to `rtol` of beta * |log-probs| (the log-probs themselves to `rtol`)."""
     assert len(a) == len(b) == STEPS
     for key in keys:
-        assert_close_series([m[key] for m in a], [m[key] for m in b], rtol, f"{label} {key}")
+        if not key.startswith("rewards/") or key == "rewards/accuracies":
+            assert_close_series([m[key] for m in a], [m[key] for m in b], rtol, f"{label} {key}")
+            continue
+        for step, (x, y) in enumerate(zip(a, b), 1):
+            scale = BETA * max(abs(x["logps/chosen"]), abs(x["logps/rejected"]), 1.0)
+            assert abs(x[key] - y[key]) <= rtol * scale, f"{label} {key} differs at step {step}: {x[key]} vs {y[key]}"
 
 
 def test_references_agree_and_metrics_are_logged(one_process):
