@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .data_collator import DataCollateInfo, MainCollator
-from .data_transform import _SHAREGPT_ROLES, IGNORE_INDEX, DataFormatError, _messages_of
+from .data_transform import _SHAREGPT_ROLES, IGNORE_INDEX, DataFormatError
 
 PAIR_KEYS = ("chosen", "rejected")
 
@@ -85,7 +85,11 @@ def _encode_messages(example: Dict[str, Any], chat_template, text_keys) -> List[
         prompt = example["prompt"]
         history = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _as_messages(prompt, "prompt")
     else:
-        history = _messages_of({k: v for k, v in example.items() if k not in PAIR_KEYS}, text_keys, "messages")
+        keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
+        key = next((k for k in keys + ["messages", "conversations"] if k in example), None)
+        if key is None:
+            raise DataFormatError(f"no prompt: neither 'prompt' nor a conversation under {keys} in {sorted(example)}")
+        history = _as_messages(example[key], key)
     out = []
     for key in PAIR_KEYS:
         response = _as_messages(example[key], key)
