@@ -173,9 +173,7 @@ class PreferenceCollator:
     main: MainCollator
 
     def __post_init__(self):
-        self.main.collate_infos.setdefault(
-            SEQUENCE_INDEX, DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=-1)
-        )
+        self.main.collate_infos.setdefault(SEQUENCE_INDEX, DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=-1))
 
     def __call__(self, samples: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         docs = []

@@ -21,7 +21,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from ..data.preference import PreferenceCollator, pair_key
+from ..data.preference import PreferenceCollator
 from ..distributed.torch_parallelize import parallelize
 from ..models.lora import lora_layers
 from ..ops.loss import IGNORE_INDEX

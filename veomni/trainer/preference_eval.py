@@ -74,6 +74,3 @@ class PreferenceEvaluator(Evaluator):
         out = {f"eval_{name}": value / pairs for name, value in zip(STAT_NAMES, sums[:-1].tolist())}
         out["eval_pairs"] = int(sums[-1].item())
         return out
-
-
-
