@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -23,7 +24,6 @@ from helpers import (
     kill_tree,
     launch_sequence,
     read_metrics,
-    torchrun_cmd,
     write_model_config,
     write_moe_config,
     write_tokenizer,
@@ -64,7 +64,7 @@ def setup(tmp_path_factory):
         "train": {"seed": 0, "micro_batch_size": 2, "global_batch_size": 8, "dyn_bsz": False, "max_steps": STEPS,
                   "eval_steps": STEPS, "optimizer": {"lr": 2e-3}, "log_steps": 100,
                   "accelerator": {"fsdp_config": {"mixed_precision": {"enable": False}}},
-                  "checkpoint": {"output_dir": os.path.join(tmp, "out"), "save_steps": 3}},
+                  "checkpoint": {"output_dir": os.path.join(tmp, "out")}},
         "dpo": {"beta": BETA},
     }  # fmt: skip
     path = os.path.join(tmp, "dpo.yaml")
@@ -134,9 +134,9 @@ def test_parallel_layouts_equal_one_process(setup, one_process):
 def test_sigkill_then_resume_is_bit_exact(setup, one_process):
     tmp, config, _ = setup
     out = os.path.join(tmp, "killed")
-    argv = [config, "--train.checkpoint.output_dir", out]
+    argv = [config, "--train.checkpoint.output_dir", out, "--train.checkpoint.save_steps", "3"]
     proc = subprocess.Popen(
-        torchrun_cmd(1, SCENARIOS, "dpo_stall_at_4", *argv), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+        [sys.executable, SCENARIOS, "dpo_stall_at_4", *argv],  # a world of one: no launcher needed cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -149,7 +149,7 @@ def test_sigkill_then_resume_is_bit_exact(setup, one_process):
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL or proc.returncode != 0
     time.sleep(0.1)
-    launch_sequence(1, [("dpo", config, out, [])])  # the same command: output_dir's newest checkpoint resumes
+    launch_sequence(1, [("dpo", config, out, argv[3:])])  # the same command: output_dir's newest checkpoint resumes
     resumed = read_metrics(out)
     tail = {m["step"]: m for m in resumed if m["step"] > 3}
     for step in (4, 5):

@@ -35,8 +35,15 @@ logger = get_logger(__name__)
 def build_reference(trainer, chunk_size: int):
     kind = trainer.args.dpo.reference
     if kind == "adapters_off":
+        logger.info("dpo.reference=adapters_off: the policy with its LoRA adapters disabled, no second copy")
         return AdaptersOffReference(trainer.sequence_logps, trainer.model)
+    if kind == "precomputed" and not hasattr(trainer.train_dataset, "prepare"):
+        from ..arguments import ConfigError
+
+        raise ConfigError("dpo.reference=precomputed needs map-style data (data.datasets_type: mapping)")
     model = frozen_copy(trainer)
+    held = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    logger.info(f"dpo.reference={kind}: a frozen copy of the initial policy, {held / 2**20:.1f} MiB on this rank")
     logps = SequenceLogps(model, chunk_size, trainer.sp_group)
     if kind == "model":
         return ModelReference(logps)
@@ -54,12 +61,15 @@ def frozen_copy(trainer):
     policy = {name.replace(".base_layer", ""): p for name, p in trainer.model.named_parameters()}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            source = policy[name]
-            local = source.to_local() if hasattr(source, "to_local") else source
-            (param.to_local() if hasattr(param, "to_local") else param).copy_(local)
+            _local(param).copy_(_local(policy[name]))
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor parameter, or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _sequence_logps(logps: SequenceLogps, micro_batch: Dict[str, Any], inputs: Dict[str, Any]) -> torch.Tensor:
