@@ -20,7 +20,6 @@ import yaml
 from helpers import (
     REPO,
     assert_close_series,
-    child_env,
     kill_tree,
     launch_sequence,
     read_metrics,
