@@ -20,6 +20,7 @@ import yaml
 from helpers import (
     REPO,
     assert_close_series,
+    child_env,
     kill_tree,
     launch_sequence,
     read_metrics,
@@ -135,8 +136,8 @@ def test_sigkill_then_resume_is_bit_exact(setup, one_process):
     out = os.path.join(tmp, "killed")
     argv = [config, "--train.checkpoint.output_dir", out, "--train.checkpoint.save_steps", "3"]
     proc = subprocess.Popen(
-        [sys.executable, SCENARIOS, "dpo_stall_at_4", *argv],  # a world of one: no launcher needed cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [sys.executable, SCENARIOS, "dpo_stall_at_4", *argv],  # a world of one: no launcher needed
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         for line in proc.stdout:
