@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -79,8 +78,38 @@ def _runs(tmp, config, runs):
 
 
 @pytest.fixture(scope="module")
-def one_process(setup):
+def killed(setup):
+    """A run SIGKILLed while step 4 runs, after its step-3 checkpoint: (output_dir, its flags)."""
+    tmp, config, _ = setup
+    out = os.path.join(tmp, "killed")
+    flags = ["--train.checkpoint.save_steps", "3"]
+    proc = subprocess.Popen(
+        [sys.executable, SCENARIOS, "dpo_stall_at_4", config, "--train.checkpoint.output_dir", out, *flags],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )  # fmt: skip  (a world of one: no launcher needed)
+    try:
+        for line in proc.stdout:
+            if "STALLING" in line:
+                break
+        assert os.path.isdir(os.path.join(out, "checkpoints", "global_step_3"))
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    return out, flags
+
+
+@pytest.fixture(scope="module")
+def one_process(setup, killed):
+    """One launch of one process: first the killed run resumed by the same command (a fresh process: nothing ran
+    in it before), then the runs the other tests compare."""
     tmp, config, moe = setup
+    out, flags = killed
     runs = {
         "model": [],
         "precomputed": ["--dpo.reference", "precomputed"],
@@ -88,7 +117,7 @@ def one_process(setup):
         "lora_adapters_off": LORA + ["--dpo.reference", "adapters_off"],
         "moe": moe,
     }
-    launch_sequence(1, _runs(tmp, config, runs))
+    launch_sequence(1, [("dpo", config, out, flags)] + _runs(tmp, config, runs))
     return {name: read_metrics(os.path.join(tmp, name)) for name in runs}
 
 
@@ -131,27 +160,9 @@ def test_parallel_layouts_equal_one_process(setup, one_process):
         assert read_metrics(os.path.join(tmp, name))[-1]["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], 1e-5)
 
 
-def test_sigkill_then_resume_is_bit_exact(setup, one_process):
-    tmp, config, _ = setup
-    out = os.path.join(tmp, "killed")
-    argv = [config, "--train.checkpoint.output_dir", out, "--train.checkpoint.save_steps", "3"]
-    proc = subprocess.Popen(
-        [sys.executable, SCENARIOS, "dpo_stall_at_4", *argv],  # a world of one: no launcher needed
-        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        for line in proc.stdout:
-            if "STALLING" in line:
-                break
-        assert os.path.isdir(os.path.join(out, "checkpoints", "global_step_3"))
-    finally:
-        kill_tree(proc.pid)
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL or proc.returncode != 0
-    time.sleep(0.1)
-    launch_sequence(1, [("dpo", config, out, argv[3:])])  # the same command: output_dir's newest checkpoint resumes
-    resumed = read_metrics(out)
-    tail = {m["step"]: m for m in resumed if m["step"] > 3}
+def test_sigkill_then_resume_is_bit_exact(killed, one_process):
+    resumed = {m["step"]: m for m in read_metrics(killed[0])}
+    assert sorted(resumed) == [1, 2, 3, 4, 5]  # steps 1-3 before the kill, 4-5 after the resume
     for step in (4, 5):
         for key in ("loss", "grad_norm") + TRL_METRICS:
-            assert tail[step][key] == one_process["model"][step - 1][key], (step, key)
+            assert resumed[step][key] == one_process["model"][step - 1][key], (step, key)
