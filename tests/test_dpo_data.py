@@ -85,3 +85,28 @@ def test_bad_pairs_are_named_by_file_and_line_or_skipped(tmp_path, transform, on
     else:
         with pytest.raises(DataFormatError, match=r"pairs.jsonl:2.*identical"):
             dataset.prepare()
+
+
+def test_token_logps_of_vocab_sharded_logits_equal_the_plain_ones(one_process_group):
+    """The per-token log-probs of a tensor-parallel head (vocab-sharded DTensor logits) and their gradient equal
+    log_softmax's; the summed loss SFT uses is their negated sum."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from veomni.ops.preference_loss import token_logps
+    from veomni.ops.vocab_parallel_loss import vocab_parallel_cross_entropy_sum
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 32, generator=g)
+    targets = torch.tensor([3, -100, 31, 0, 7, -100])
+    plain = logits.clone().requires_grad_(True)
+    expected = torch.log_softmax(plain, -1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1) * (targets >= 0)
+    expected.sum().backward()
+    sharded = distribute_tensor(logits.clone(), init_device_mesh("cpu", (1,)), [Shard(1)]).requires_grad_(True)
+    got = token_logps(sharded, targets)
+    got.sum().backward()
+    torch.testing.assert_close(got, expected.detach())
+    torch.testing.assert_close(sharded.grad.full_tensor(), plain.grad)
+    total = vocab_parallel_cross_entropy_sum(sharded.detach(), targets)
+    torch.testing.assert_close(total, -expected.detach().sum())
