@@ -109,9 +109,9 @@ def _our_side(setup, tokenized, loss_type):
     samples = [process_preference_example(r, None, None, max_seq_len=512)[0] for r in tokenized]
     batch = PreferenceCollator(MainCollator(sp_size=1, sp_rank=0))(samples)
     assert batch["input_ids"].shape[0] == 1  # one packed row: 8 documents
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", "sequence_index", "num_pairs",
-                                                          "loss_units", "pair_keys")}  # fmt: skip
-    args = (batch["labels"], batch["sequence_index"], 2 * batch["num_pairs"])
+    skip = ("labels", "shift_labels", "sequence_index", "num_pairs", "loss_units", "pair_keys", "num_targets")
+    inputs = {k: v for k, v in batch.items() if k not in skip}
+    args = (batch["labels"], batch["sequence_index"], 2 * batch["num_pairs"], batch["num_targets"])
     logps, tokens, _ = SequenceLogps(model)(*args, **inputs, use_cache=False)
     with torch.no_grad():
         ref_logps = SequenceLogps(reference)(*args, **inputs, use_cache=False)[0]

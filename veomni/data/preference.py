@@ -186,4 +186,5 @@ class PreferenceCollator:
         batch["num_pairs"] = pairs
         batch["pair_keys"] = [pair_key(sample) for sample in samples]
         batch["loss_units"] = pairs if self.main.sp_rank == 0 else 0
+        batch["num_targets"] = int((batch["labels"] != IGNORE_INDEX).sum())  # this rank's scored tokens (host)
         return batch

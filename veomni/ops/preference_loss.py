@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from .loss import IGNORE_INDEX, _capture_head_input, supports_chunked_loss
+from .loss import IGNORE_INDEX, _capture_head_input, _target_positions, supports_chunked_loss
 from .vocab_parallel_loss import vocab_parallel_token_cross_entropy
 
 LOSS_TYPES = ("sigmoid", "ipo")
@@ -90,11 +90,18 @@ class SequenceLogps(nn.Module):
         self.group = group  # the sequence-parallel group the sequences are split over, or None
 
     def forward(
-        self, labels: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int, **inputs
+        self,
+        labels: torch.Tensor,
+        sequence_index: torch.Tensor,
+        num_sequences: int,
+        num_targets: Optional[int] = None,
+        **inputs,
     ) -> Tuple[torch.Tensor, torch.Tensor, object]:
+        """`num_targets`: the labels' scored tokens counted on the host (the collator's), so nothing waits for the
+        device."""
         targets = labels.reshape(-1)
         index = sequence_index.reshape(-1).to(targets.device)
-        keep = torch.nonzero(targets != IGNORE_INDEX).squeeze(1)
+        keep = _target_positions(targets, num_targets)
         if not self.chunk_size:
             outputs = self.model(**inputs)
             logits = outputs.logits

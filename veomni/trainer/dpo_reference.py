@@ -74,7 +74,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _sequence_logps(logps: SequenceLogps, micro_batch: Dict[str, Any], inputs: Dict[str, Any]) -> torch.Tensor:
     labels, index = micro_batch["labels"], micro_batch["sequence_index"]
-    return logps(labels, index, 2 * micro_batch["num_pairs"], **inputs, use_cache=False)[0]
+    targets = micro_batch.get("num_targets")
+    return logps(labels, index, 2 * micro_batch["num_pairs"], targets, **inputs, use_cache=False)[0]
 
 
 class ModelReference:

@@ -37,7 +37,9 @@ from .text_trainer import TextTrainer
 class DPOTrainer(TextTrainer):
     """`args` is a DPOVeOmniArguments (its `dpo` group: beta, loss_type, label_smoothing, reference)."""
 
-    non_model_keys = TextTrainer.non_model_keys + ("sequence_index", "num_pairs", "loss_units", "pair_keys")
+    non_model_keys = TextTrainer.non_model_keys + (
+        "sequence_index", "num_pairs", "loss_units", "pair_keys", "num_targets",
+    )  # fmt: skip
 
     def build_data_transform(self):
         data = self.args.data
@@ -90,7 +92,8 @@ class DPOTrainer(TextTrainer):
         inputs = {k: v for k, v in micro_batch.items() if k not in self.non_model_keys}
         labels, index = micro_batch["labels"], micro_batch["sequence_index"]
         num_sequences = 2 * micro_batch["num_pairs"]
-        logps, tokens, _ = self.sequence_logps(labels, index, num_sequences, **inputs, use_cache=False)
+        targets = micro_batch["num_targets"]
+        logps, tokens, _ = self.sequence_logps(labels, index, num_sequences, targets, **inputs, use_cache=False)
         with torch.no_grad():
             ref_logps = self.reference(micro_batch, inputs)
         chosen, rejected = split_pairs(logps)
