@@ -45,7 +45,9 @@ class DPOTrainer(TextTrainer):
         data = self.args.data
         self.tokenizer = build_tokenizer(self.args.model.tokenizer_path, self.args.model.trust_remote_code)
         # the response is the last assistant turn: only it carries log-probs
-        chat_template = build_chat_template(data.chat_template, self.tokenizer, last_turn_only=True)
+        chat_template = build_chat_template(
+            data.chat_template, self.tokenizer, last_turn_only=True, think_loss=data.think_loss
+        )
         self.training_chat_template = chat_template.get_jinja_template() or None
         text_keys = "messages" if data.text_keys == "text" else data.text_keys
         return partial(
