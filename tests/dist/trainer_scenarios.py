@@ -9,6 +9,7 @@ sequence       `sequence SCENARIO ARGV... :: SCENARIO ARGV... ...`: the runs one
                process group stays; each trainer builds its own meshes), which saves a launch's start-up per run
 evaluate       no training: the trainer built, its held-out set evaluated once at the initial weights; every rank
                writes what it got to <output_dir>/eval_rank<r>.json
+dpo            the DPOTrainer (tasks/train_dpo.py's); dpo_stall_at_4: step 4 never ends (SIGKILL window)
 same_batches   every world size trains on one process's global batches (rank r takes micro-batches r, r+dp, ...);
                `same_batches:fsdp2,ddp` trains once per mode in this launch, into <output_dir>/<mode>
 """
@@ -194,8 +195,27 @@ def evaluate_only(argv):
         json.dump(result, f)
 
 
+def build_dpo_trainer(scenario, argv):
+    """`dpo`: the DPOTrainer as tasks/train_dpo.py runs it; `dpo_stall_at_4`: the same, step 4 never ends."""
+    from veomni.arguments.dpo_arguments import DPOVeOmniArguments
+    from veomni.trainer.dpo_trainer import DPOTrainer
+
+    class StallingDPO(DPOTrainer):
+        def train_step(self, micro_batches, totals):
+            if self.global_step + 1 == 4:
+                self.checkpointer.wait()  # the step-3 checkpoint complete on disk: now SIGKILL may come
+                print("STALLING", flush=True)
+                time.sleep(3600)
+            return super().train_step(micro_batches, totals)
+
+    trainer_class = StallingDPO if scenario == "dpo_stall_at_4" else DPOTrainer
+    return trainer_class(parse_args(DPOVeOmniArguments, argv))
+
+
 def build_trainer(scenario, argv):
     trainer_class = {"nan_at_3": NanAtStep3, "stall_at_11": StallAtStep11, "same_batches": SameGlobalBatches}
+    if scenario.startswith("dpo"):
+        return build_dpo_trainer(scenario, argv)
     if scenario == "crash_in_save":
         crash_in_the_middle_of_step_20()
     trainer = trainer_class.get(scenario, TextTrainer)(parse_args(VeOmniArguments, argv))

@@ -32,7 +32,9 @@ def vocab_shard(logits: DTensor) -> Tuple[torch.Tensor, object, int]:
     return local, logits.device_mesh.get_group(mesh_dim), start
 
 
-class _VocabParallelCrossEntropySum(torch.autograd.Function):
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy (0 where the target is IGNORE_INDEX) of vocab-sharded logits."""
+
     @staticmethod
     def forward(ctx, local_logits, targets, group, vocab_start):
         logits = local_logits.float()
@@ -49,7 +51,7 @@ class _VocabParallelCrossEntropySum(torch.autograd.Function):
         target_logit = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - row_max
         target_logit = torch.where(here, target_logit, torch.zeros_like(target_logit))
         dist.all_reduce(target_logit, group=group)
-        loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit)).sum()
+        loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit))
         ctx.save_for_backward(exp, sum_exp, index, here, valid)
         ctx.input_dtype = local_logits.dtype
         return loss
@@ -66,6 +68,12 @@ class _VocabParallelCrossEntropySum(torch.autograd.Function):
 def vocab_parallel_cross_entropy_sum(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy (fp32) of [..., V] logits sharded on V against [...] targets (the same on every tp
     rank). Returns a plain scalar, identical on every rank of the tp group."""
+    return vocab_parallel_token_cross_entropy(logits, targets).sum()
+
+
+def vocab_parallel_token_cross_entropy(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy (fp32, [N]; 0 where the target is IGNORE_INDEX) of [..., V] logits sharded on V
+    against [...] targets: the same on every rank of the tp group (the preference loss sums it per sequence)."""
     local, group, start = vocab_shard(logits)
     flat = local.reshape(-1, local.shape[-1])
-    return _VocabParallelCrossEntropySum.apply(flat, targets.reshape(-1).to(local.device), group, start)
+    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1).to(local.device), group, start)

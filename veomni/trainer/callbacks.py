@@ -101,7 +101,13 @@ class ProgressCallback(Callback):
                 f"lr {metrics['lr']:.3e}{moe_summary(metrics)} {metrics['tokens_per_sec']:.0f} tok/s | "
                 f"{_clock(elapsed)} elapsed, ETA {_clock(self.eta(step, total))}"
             )
-        if "eval_loss" in metrics:  # said whenever it is measured, whatever log_steps
+        if "eval_pairs" in metrics:  # a preference run's held-out pairs (veomni.trainer.preference_eval)
+            self.bar.write(
+                f"step {step}/{total}: eval loss {metrics['eval_loss']:.4f} reward accuracy "
+                f"{metrics['eval_rewards/accuracies']:.3f} margin {metrics['eval_rewards/margins']:.4f} "
+                f"({metrics['eval_pairs']:,} held-out pairs)"
+            )
+        elif "eval_loss" in metrics:  # said whenever it is measured, whatever log_steps
             self.bar.write(
                 f"step {step}/{total}: eval loss {metrics['eval_loss']:.4f} ppl {metrics['eval_ppl']:.2f} "
                 f"({metrics['eval_tokens']:,} held-out tokens)"
@@ -163,6 +169,15 @@ class LossPlotCallback(Callback):
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
         ax.legend()
+        if "rewards/accuracies" in self.metrics.history[0]:  # a preference run: its reward accuracy, right axis
+            right = ax.twinx()
+            right.plot(steps, [m["rewards/accuracies"] for m in self.metrics.history], "g:", label="reward accuracy")
+            if evaluated:
+                right.plot([m["step"] for m in evaluated], [m["eval_rewards/accuracies"] for m in evaluated], "gs-",
+                           label="eval reward accuracy")  # fmt: skip
+            right.set_ylabel("reward accuracy")
+            right.set_ylim(0, 1)
+            right.legend(loc="lower right")
         fig.tight_layout()
         fig.savefig(self.path, dpi=100)
         plt.close(fig)

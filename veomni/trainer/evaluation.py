@@ -14,7 +14,7 @@ they are not summed. The same number on 1, 2 or 4 ranks and under SP, TP and EP,
 """
 
 import math
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,9 @@ from ..ops import count_loss_tokens
 from . import lifecycle
 
 
-def build_eval_loader(args, transform, collate_fn_kwargs: Dict[str, Any]):
+def build_eval_loader(args, transform, collate_fn_kwargs: Dict[str, Any], collate_fn: Optional[Callable] = None):
     """(dataset, loader, collator) of `data.eval_path`: one process's plan, every micro-batch of it (dealt
-    round-robin to the ranks by the Evaluator)."""
+    round-robin to the ranks by the Evaluator). `collate_fn`: the collator, when not MainCollator(collate_fn_kwargs)."""
     skip = ("dataloader", "mm_configs", "train_path", "datasets_type")
     data = {k: v for k, v in vars(args.data).items() if k not in skip}
     dataset = build_dataset(
@@ -44,10 +44,11 @@ def build_eval_loader(args, transform, collate_fn_kwargs: Dict[str, Any]):
         shuffle=False,
         seed=args.train.seed,
         collate_fn_kwargs=collate_fn_kwargs,
+        collate_fn=collate_fn,
         dp_rank=0,
         dp_size=1,
     )
-    return dataset, loader, MainCollator(max_seq_len=args.data.max_seq_len, **collate_fn_kwargs)
+    return dataset, loader, collate_fn or MainCollator(max_seq_len=args.data.max_seq_len, **collate_fn_kwargs)
 
 
 class Evaluator:

@@ -97,6 +97,13 @@ def _row(micro_batch: Dict[str, Any], key: str) -> List[int]:
     return [IGNORE_INDEX] + row[:-1] if key == "labels" else row
 
 
+def _pair_side(micro_batch: Dict[str, Any], d: int) -> str:
+    """`, pair P chosen|rejected` for document `d` of a preference micro-batch (veomni.data.preference), else ''."""
+    if "sequence_index" not in micro_batch:
+        return ""
+    return f", pair {d // 2 + 1} {'chosen' if d % 2 == 0 else 'rejected'}"
+
+
 # ------------------------------------------------------------------------------------------------- preview
 def _bare_trainer(build_trainer: Callable[[Any], Any], args):
     """The task's trainer object with its `args` only: `build_trainer` is called with BaseTrainer's set-up (model,
@@ -191,8 +198,8 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
                 shown += 1
                 loss = sum(loss_flags(labels[start:end]))
                 lines.append(
-                    f"--- sample {shown} (step {s + 1}, micro-batch {m + 1}, document {d + 1}): {end - start} tokens, "
-                    f"{loss} carry loss ---"
+                    f"--- sample {shown} (step {s + 1}, micro-batch {m + 1}, document {d + 1}{_pair_side(mb, d)}): "
+                    f"{end - start} tokens, {loss} carry loss ---"
                 )
                 lines.append(render_sample(tok, ids[start:end], labels[start:end], color))
     if shown < n:

@@ -92,5 +92,7 @@ class PendingMetrics:
 
 
 def host_loss_tokens(micro_batch: Dict[str, Any]) -> int:
-    """Loss tokens of a micro-batch as the loader gave it (its CPU labels: a host read, no device involved)."""
-    return count_loss_tokens(micro_batch["labels"])
+    """Loss tokens of a micro-batch as the loader gave it (its CPU labels: a host read, no device involved), or its
+    `loss_units` where its collator counts another unit than the token (a preference loss: its pairs)."""
+    units = micro_batch.get("loss_units")
+    return int(units) if units is not None else count_loss_tokens(micro_batch["labels"])

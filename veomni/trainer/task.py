@@ -13,13 +13,14 @@ A task script (tasks/train_text.py, tasks/train_vlm.py) says only which trainer 
 from typing import Any, Callable, List, Optional
 
 
-def run_task(build_trainer: Callable[[Any], Any]) -> None:
+def run_task(build_trainer: Callable[[Any], Any], arguments_class: Optional[type] = None) -> None:
     """Run `build_trainer(args).fit()` on this rank under `run_worker` (stop signals, errors said once, exit codes).
 
     The arguments are parsed before anything heavy is imported, so `--help` and config mistakes answer at once;
     `build_trainer` should import its trainer class inside itself for the same reason. `--preview N` (taken out of
     argv before parsing) shows N samples as trained, the packing and the step counts, then exits without a model
-    (veomni.trainer.preview).
+    (veomni.trainer.preview). `arguments_class`: the task's configuration tree (default VeOmniArguments; DPO adds
+    its `dpo` group with DPOVeOmniArguments).
     """
     from .lifecycle import run_worker
 
@@ -29,7 +30,9 @@ def run_task(build_trainer: Callable[[Any], Any]) -> None:
         from ..arguments import VeOmniArguments, parse_args
 
         preview = take_preview_flag(sys.argv)  # `--preview N`: show the data as trained, build no model, exit 0
-        args = parse_args(VeOmniArguments)  # --help and config mistakes answer before the model is built
+        args = parse_args(
+            arguments_class or VeOmniArguments
+        )  # --help and config mistakes answer before the model is built
         if preview is not None:
             from ..trainer.preview import run_preview
 

@@ -84,7 +84,7 @@ class TextTrainer(BaseTrainer):
         loader = args.data.dataloader
         return build_loader(
             self.train_dataset,
-            MainCollator(max_seq_len=args.data.max_seq_len, **self.collate_fn_kwargs()),
+            self.build_collator(),
             batching,
             state.dp_rank,
             state.dp_size,
@@ -94,6 +94,10 @@ class TextTrainer(BaseTrainer):
             seed=train.seed,
             allow_changed_data=args.data.allow_changed_data,
         )
+
+    def build_collator(self):
+        """Samples -> one packed micro-batch (the DPO trainer packs pairs with its own)."""
+        return MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs())
 
     def collate_fn_kwargs(self):
         """MainCollator's keyword arguments (VLMTrainer adds its per-key collate infos)."""

