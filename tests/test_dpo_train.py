@@ -2,7 +2,8 @@
 
 - one process: `dpo.reference: precomputed` equals `model`, and `adapters_off` (a LoRA policy) equals the frozen
   base copy (`model`), per step to 1e-6; the TRL metrics are logged; the held-out pairs are evaluated;
-- 2 ranks (one launch): FSDP2, TP 2, Ulysses 2 and EP 2 (MoE) equal one process over 5 steps to 1e-5;
+- 2 ranks (one launch): FSDP2, TP 2, Ulysses 2 and EP 2 (MoE) equal one process over 5 steps to 1e-5; 4 ranks:
+  HSDP 2x2 (2 replicas of 2 shards, micro-batch 1 so that the global batch of 8 splits over them) the same;
 - SIGKILL after the step-3 checkpoint, then the same command resumes: steps 4-5 bit-exact.
 """
 
@@ -158,6 +159,14 @@ def test_parallel_layouts_equal_one_process(setup, one_process):
         reference = one_process["moe" if name == "ep2" else "model"]
         _same(reference, read_metrics(os.path.join(tmp, name)), 1e-5, name)
         assert read_metrics(os.path.join(tmp, name))[-1]["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], 1e-5)
+
+
+def test_hsdp_two_by_two_equals_one_process(setup, one_process):
+    tmp, config, _ = setup
+    hsdp = ["--train.accelerator.dp_replicate_size", "2", "--train.accelerator.dp_shard_size", "2",
+            "--train.micro_batch_size", "1"]  # fmt: skip
+    launch_sequence(4, _runs(tmp, config, {"hsdp2x2": hsdp}))
+    _same(one_process["model"], read_metrics(os.path.join(tmp, "hsdp2x2")), 1e-5, "hsdp2x2")
 
 
 def test_sigkill_then_resume_is_bit_exact(killed, one_process):

@@ -168,12 +168,12 @@ def _precompute(trainer, logps: SequenceLogps, dataset, path: str) -> Dict[str, 
         if r < len(mine):
             table[batch["pair_keys"][0]] = values
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, table, group=trainer._host_group())
+    dist.all_gather_object(gathered, table, group=trainer.host_group.get())
     for part in gathered:
         table.update(part)
     if trainer.is_main:
         tmp = f"{path}.tmp-{os.getpid()}"
         torch.save(table, tmp)
         os.replace(tmp, path)
-    dist.barrier(group=trainer._host_group())
+    dist.barrier(group=trainer.host_group.get())
     return table
