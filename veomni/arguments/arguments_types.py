@@ -28,7 +28,11 @@ class DataloaderArguments:
 class DataArguments:
     """The training data and how records become token sequences."""
 
-    train_path: Optional[str] = _doc("Training data: a file, a glob, a folder, or a dataset.yaml.", default=None)
+    train_path: Optional[str] = _doc(
+        "Training data: a file, a glob, a folder, a dataset.yaml, or a hub dataset "
+        "`hf://datasets/org/name[@rev][/path/in/repo]` (its files, fetched into the huggingface_hub cache).",
+        default=None,
+    )
     eval_path: Optional[str] = _doc(
         "Held-out data (same format and transform as train_path): its token-weighted loss and perplexity are "
         "logged every train.eval_steps and after the last step (metrics.jsonl eval_loss / eval_ppl). Read in full, "
