@@ -40,6 +40,13 @@ def check_paths(args) -> None:
     if data.eval_path and not any(c in data.eval_path for c in "*?[") and not os.path.exists(data.eval_path):
         hint = _DEMO_HINT if ".assets" in data.eval_path else ""
         raise ConfigError(f"data.eval_path: {data.eval_path} does not exist{hint}")
+    train = args.train
+    for key, asked in (
+        ("checkpoint.keep_best", train.checkpoint.keep_best),
+        ("early_stopping_patience", train.early_stopping_patience),
+    ):
+        if asked and not data.eval_path:
+            raise ConfigError(f"train.{key} compares eval losses: it needs data.eval_path (held-out data)")
 
 
 def resolve_hub_names(args) -> None:
