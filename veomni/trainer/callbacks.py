@@ -1,4 +1,5 @@
-"""What a run shows and leaves behind: a progress bar, metrics.jsonl, optional wandb/TensorBoard, loss.png.
+"""What a run shows and leaves behind: a progress bar, metrics.jsonl, optional wandb/TensorBoard, loss.png (loss,
+LR and resume points).
 
 Every callback is a no-op on ranks other than 0, so the trainer calls them unconditionally.
 """
@@ -123,6 +124,7 @@ class MetricsFileCallback(Callback):
         self.history: List[Dict[str, Any]] = []
 
     def on_train_begin(self, trainer):
+        self.resumed_from = trainer.global_step or None  # marked on the first step after a resume (loss.png)
         if self.enabled and os.path.isfile(self.path):
             with open(self.path) as f:
                 self.history = [json.loads(line) for line in f if line.strip()]
@@ -134,13 +136,16 @@ class MetricsFileCallback(Callback):
     def on_step_end(self, trainer, metrics):
         if not self.enabled:
             return
+        if getattr(self, "resumed_from", None):
+            metrics["resumed_from"], self.resumed_from = self.resumed_from, None
         self.history.append(metrics)
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
 
 
 class LossPlotCallback(Callback):
-    """loss.png beside metrics.jsonl at the end of training."""
+    """loss.png beside metrics.jsonl at the end of training: train and eval loss, the LR (right axis) and the steps
+    where the run was resumed."""
 
     def __init__(self, enabled: bool, metrics: MetricsFileCallback, path: str):
         self.enabled, self.metrics, self.path = enabled, metrics, path
@@ -148,25 +153,39 @@ class LossPlotCallback(Callback):
     def on_train_end(self, trainer):
         if not self.enabled or not self.metrics.history:
             return
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        steps = [m["step"] for m in self.metrics.history]
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, [m["loss"] for m in self.metrics.history], label="train loss")
-        evaluated = [m for m in self.metrics.history if "eval_loss" in m]
-        if evaluated:
-            ax.plot([m["step"] for m in evaluated], [m["eval_loss"] for m in evaluated], "o-", label="eval loss")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(self.path, dpi=100)
-        plt.close(fig)
+        draw_loss_plot(self.metrics.history, self.path)
         logger.info(f"loss curve written to {self.path}")
+
+
+def draw_loss_plot(history: List[Dict[str, Any]], path: str) -> List[str]:
+    """Draw `history` (metrics.jsonl records) into `path`; returns the legend's labels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in history]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(steps, [m["loss"] for m in history], label="train loss")
+    evaluated = [m for m in history if "eval_loss" in m]
+    if evaluated:
+        ax.plot([m["step"] for m in evaluated], [m["eval_loss"] for m in evaluated], "o-", label="eval loss")
+    for m in history:
+        if "resumed_from" in m:
+            ax.axvline(m["resumed_from"], color="gray", linestyle=":", label=f"resumed at step {m['resumed_from']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    lr_ax = ax.twinx()
+    lr_ax.plot(steps, [m.get("lr", float("nan")) for m in history], "--", color="tab:green", alpha=0.6, label="lr")
+    lr_ax.set_ylabel("learning rate")
+    handles, labels = ax.get_legend_handles_labels()
+    lr_handles, lr_labels = lr_ax.get_legend_handles_labels()
+    ax.legend(handles + lr_handles, labels + lr_labels, fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return labels + lr_labels
 
 
 class WandbCallback(Callback):
