@@ -26,3 +26,13 @@ def test_the_tp_redistribution_notice_is_said_once_on_rank_0_with_what_it_means_
     assert _emit_twice(caplog, rank=0) == [REDISTRIBUTE_NOTE, "another notice"]
     assert _emit_twice(caplog, rank=1) == ["another notice"]  # (the filter of the call before is replaced)
     assert "rounding-level differences only" in REDISTRIBUTE_NOTE and "once, on rank 0" in REDISTRIBUTE_NOTE
+
+
+def test_a_dataset_yaml_source_path_is_said_normalised(tmp_path):
+    from veomni.data.dataset import load_interleave_spec
+
+    folder = tmp_path / "configs" / "multimodal" / "data"
+    folder.mkdir(parents=True)
+    (folder / "mix.yaml").write_text("sources:\n  - path: ../../../.assets/vlm/easy_vqa.jsonl\n")
+    (source,) = load_interleave_spec(str(folder / "mix.yaml"))["sources"]
+    assert source["path"] == str(tmp_path / ".assets" / "vlm" / "easy_vqa.jsonl")  # no `configs/.../../../..`
