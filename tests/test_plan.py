@@ -132,7 +132,8 @@ def test_cli_plans_and_suggests_layouts(capsys):
 
     assert main([DEMO, "--nnodes", "2", "--nproc-per-node", "8", "--top", "1"]) == 0
     out = capsys.readouterr().out
-    assert "rank 0:" in out and "rank 15:" in out and "predicted peak" in out
+    # ranks predicted alike share one block (they were printed twice, identical)
+    assert "ranks 0 and 15:" in out and "rank 0:" not in out and out.count("predicted peak") == 1
     assert "all_gather      fsdp" in out and "layouts that fit" in out and "real plan" in out
 
 

@@ -21,12 +21,12 @@ def describe(layout: Layout) -> str:
 
 
 def _memory_lines(result: PlanResult) -> List[str]:
-    lines = []
+    """One block per distinct memory prediction: ranks predicted alike share theirs (`ranks 0 and 7:`)."""
+    blocks: List[tuple] = []  # (rank numbers, lines without the header)
     for report in result.ranks:
         m = report.memory
         verdict = "fits" if m.peak <= result.capacity else "DOES NOT FIT"
-        lines += [
-            f"rank {report.rank}:",
+        body = [
             f"  parameters          {_gib(m.params)}",
             f"  gradients           {_gib(m.grads)}",
             f"  optimizer state     {_gib(m.optimizer)}",
@@ -35,6 +35,17 @@ def _memory_lines(result: PlanResult) -> List[str]:
             f"  backward / loss     {_gib(m.transient)}  (one layer's backward or the output head, the larger)",
             f"  predicted peak      {_gib(m.peak)}  of {result.capacity / GIB:.1f} GiB usable: {verdict}",
         ]
+        same = next((ranks for ranks, lines in blocks if lines == body), None)
+        if same is not None:
+            same.append(report.rank)
+        else:
+            blocks.append(([report.rank], body))
+    lines = []
+    for ranks, body in blocks:
+        names = (
+            f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+        )
+        lines += [f"{names}:", *body]
     return lines
 
 
