@@ -61,7 +61,8 @@ def _candidate_lines(result: PlanResult) -> List[str]:
     if not result.candidates:
         return ["no layout of this world fits the GPU: more GPUs, a larger GPU, or a smaller micro-batch"]
     header = "  dp_rep dp_shard ulysses tp  ep ckpt  mb_tokens  peak GiB  step s  tok/s/GPU  checked"
-    lines = ["layouts that fit, by predicted step time (and the nearest to the configured one):", header]
+    mfu = f"at MFU {result.hardware.mfu:.2f}"
+    lines = [f"layouts that fit, by predicted step time {mfu} (and the nearest to the configured one):", header]
     for c in result.candidates:
         lay, checked = c.layout, result.validated.get(c.layout)
         tokens = c.micro_batches * lay.mb_tokens * lay.dp / lay.world
