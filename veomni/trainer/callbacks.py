@@ -207,6 +207,11 @@ class WandbCallback(Callback):
             lists = {k for k, v in metrics.items() if isinstance(v, list)}  # per-layer lists: one scalar per layer
             flat = {k: v for k, v in metrics.items() if k not in lists}
             flat.update((k, v) for k, v in scalar_items({k: metrics[k] for k in lists}))
+            if metrics.get("samples"):  # train.eval_prompts: a table of prompt / response
+                import wandb
+
+                rows = [[s["prompt"], s["response"]] for s in metrics["samples"]]
+                flat["samples"] = wandb.Table(columns=["prompt", "response"], data=rows)
             self.run.log(flat, step=metrics["step"])
 
     def on_train_end(self, trainer):
@@ -231,6 +236,8 @@ class TensorBoardCallback(Callback):
             for key, value in scalar_items(metrics):
                 name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
                 self.writer.add_scalar(name, value, metrics["step"])
+            for i, sample in enumerate(metrics.get("samples") or []):  # train.eval_prompts
+                self.writer.add_text(f"samples/{i}", f"**{sample['prompt']}**\n\n{sample['response']}", metrics["step"])
 
     def on_train_end(self, trainer):
         if self.writer is not None:
