@@ -18,6 +18,8 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .models.generate import reply  # noqa: F401  (the chat's turn; also train.eval_prompts')
+
 
 class ChatError(ValueError):
     """A MODEL that cannot be loaded, said in one line."""
@@ -73,26 +75,6 @@ def load(path: str, scratch: str, device: Optional[str] = None):
     if not tokenizer.chat_template:
         raise ChatError(f"{folder}: its tokenizer has no chat template (tokenizer_config.json chat_template)")
     return model.to(device).eval(), tokenizer
-
-
-def reply(
-    model, tokenizer, messages: List[Dict[str, str]], max_new_tokens: int = 128, chat_template=None, **generate_kwargs
-) -> str:
-    """The model's next assistant turn after `messages` (through `chat_template`, default the tokenizer's), greedy
-    unless `generate_kwargs` say otherwise."""
-    import torch
-
-    ids = tokenizer.apply_chat_template(
-        messages, chat_template=chat_template, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-    )
-    device = next(model.parameters()).device
-    ids = {k: v.to(device) for k, v in ids.items()}
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    if kwargs["pad_token_id"] is None:
-        kwargs["pad_token_id"] = tokenizer.eos_token_id
-    with torch.no_grad():
-        out = model.generate(**ids, **{**kwargs, **generate_kwargs})
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 def read_prompts(path: str) -> List[List[Dict[str, str]]]:

@@ -8,6 +8,7 @@ from typing import Any, Dict, List
 
 import torch.distributed as dist
 
+from ..models.generate import reply
 from ..utils.logging import get_logger
 from .callbacks import Callback
 
@@ -32,8 +33,6 @@ class SampleGenerationCallback(Callback):
     def on_step_end(self, trainer, metrics):
         if not self.due(trainer, metrics):
             return
-        from ..chat import reply
-
         model = trainer.model
         model.eval()
         try:
