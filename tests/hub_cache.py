@@ -109,3 +109,57 @@ def offline_env(cache):
     env = child_env()
     env.update(HF_HUB_CACHE=cache, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
     return env
+
+
+PROMPTS = ["What is 3 plus 3?", "Who are you?"]
+NEW_TOKENS = 10
+_CHATS = {"data_type": "conversation", "chat_template": "auto", "max_seq_len": 64, "datasets_type": "mapping"}
+_TRAIN = {"seed": 0, "micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "init_device": "cpu"}
+
+
+def trained_runs(tmp_path_factory) -> dict:
+    """Two trainings by hub name from the offline cache, on 2 ranks in ONE launch (a launch's imports cost more than
+    these runs), built once a session:
+    - "lora": weights by `org/name`, tokenizer by `org/name@commit`, data by `hf://datasets/...`; LoRA, adapter export;
+    - "full": full fine-tuning with held-out data, eval_prompts samples, keep_best, the HF export.
+    Returns {"cache", "lora", "full" (output dirs), "log" (the launch's stdout + stderr)}."""
+    import subprocess
+
+    import yaml
+
+    from helpers import REPO, torchrun_cmd
+
+    if "runs" in _built:
+        return _built["runs"]
+    cache = build_hub_cache(tmp_path_factory)
+    tmp = tmp_path_factory.mktemp("hub_runs")
+    data = {"train_path": "hf://datasets/tiny-org/chats", **_CHATS}
+    samples = {"eval_prompts": PROMPTS, "eval_max_new_tokens": NEW_TOKENS}
+    configs = {
+        "lora": {
+            "model": {
+                "model_path": "tiny-org/qwen3-tiny",
+                "tokenizer_path": f"tiny-org/qwen3-tiny@{COMMIT}",
+                "lora": {"enable": True, "export": "adapter"},
+            },
+            "data": data,
+            "train": {**_TRAIN, **samples, "checkpoint": {"save_hf_weights": True}},
+        },
+        "full": {
+            "model": {"model_path": "tiny-org/qwen3-tiny"},
+            "data": {**data, "eval_path": "hf://datasets/tiny-org/chats"},
+            "train": {**_TRAIN, **samples, "checkpoint": {"save_hf_weights": True, "keep_best": True}},
+        },
+    }
+    argv, runs = ["sequence"], {"cache": cache}
+    for name, config in configs.items():
+        path, runs[name] = str(tmp / f"{name}.yaml"), str(tmp / name)
+        with open(path, "w") as f:
+            yaml.safe_dump(config, f)
+        argv += (["::"] if len(argv) > 1 else []) + ["plain", path, "--train.checkpoint.output_dir", runs[name]]
+    cmd = torchrun_cmd(2, os.path.join(REPO, "tests", "dist", "trainer_scenarios.py"), *argv)
+    proc = subprocess.run(cmd, cwd=REPO, env=offline_env(cache), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs["log"] = proc.stdout + proc.stderr
+    _built["runs"] = runs
+    return runs

@@ -7,12 +7,9 @@ import subprocess
 import sys
 
 import pytest
-import yaml
-from hub_cache import COMMIT, DATA_COMMIT, build_hub_cache, offline_env
+from hub_cache import COMMIT, DATA_COMMIT, NEW_TOKENS, PROMPTS, build_hub_cache, offline_env, trained_runs
 
 from helpers import REPO, read_metrics, torchrun_cmd
-
-PROMPTS = ["What is 3 plus 3?", "Who are you?"]
 
 
 @pytest.fixture(scope="module")
@@ -45,37 +42,14 @@ def test_download_runs_on_local_rank_0_while_the_other_waits(tmp_path):
         assert cache in missing and "HF_HUB_OFFLINE=1" in missing
 
 
-def test_trains_by_hub_name_and_revision_on_two_ranks(hub_cache, tmp_path):
+def test_trains_by_hub_name_and_revision_on_two_ranks(tmp_path_factory, tmp_path):
     """`org/name` weights, an `org/name@commit` tokenizer and `hf://datasets/org/name` data, all from the offline
-    cache; LoRA, whose adapter records the hub name (not the cache path) as its base."""
-    out = str(tmp_path / "run")
-    config = {
-        "model": {
-            "model_path": "tiny-org/qwen3-tiny",
-            "tokenizer_path": f"tiny-org/qwen3-tiny@{COMMIT}",
-            "lora": {"enable": True, "export": "adapter"},
-        },
-        "data": {
-            "train_path": "hf://datasets/tiny-org/chats",
-            "data_type": "conversation",
-            "chat_template": "auto",
-            "max_seq_len": 64,
-            "datasets_type": "mapping",
-        },
-        "train": {
-            "seed": 0, "micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "init_device": "cpu",
-            "eval_prompts": PROMPTS, "eval_max_new_tokens": 8,
-            "checkpoint": {"output_dir": out, "save_hf_weights": True},
-        },
-    }  # fmt: skip
-    path = str(tmp_path / "config.yaml")
-    yaml.safe_dump(config, open(path, "w"))
-    cmd = torchrun_cmd(2, os.path.join(REPO, "tasks", "train_text.py"), path)
-    proc = subprocess.run(cmd, cwd=REPO, env=offline_env(hub_cache), capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    snapshot = os.path.join(hub_cache, "models--tiny-org--qwen3-tiny", "snapshots", COMMIT)
-    assert f"loaded weights from {snapshot}" in proc.stdout + proc.stderr
-    assert "datasets--tiny-org--chats" in proc.stdout + proc.stderr  # the first sample, read from the parquet
+    cache, on 2 ranks; LoRA, whose adapter records the hub name (not the cache path) as its base."""
+    runs = trained_runs(tmp_path_factory)
+    out, cache = runs["lora"], runs["cache"]
+    snapshot = os.path.join(cache, "models--tiny-org--qwen3-tiny", "snapshots", COMMIT)
+    assert f"loaded weights from {snapshot}" in runs["log"]
+    assert "data cache built: " in runs["log"] and DATA_COMMIT in runs["log"]  # the snapshot's commit keys the cache
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
     adapter = json.load(open(os.path.join(out, "hf", "adapter_config.json")))
     assert adapter["base_model_name_or_path"] == "tiny-org/qwen3-tiny"
@@ -83,14 +57,8 @@ def test_trains_by_hub_name_and_revision_on_two_ranks(hub_cache, tmp_path):
     prompts, answers = str(tmp_path / "prompts.txt"), str(tmp_path / "answers.jsonl")
     open(prompts, "w").write("\n".join(PROMPTS) + "\n")
     chat = [sys.executable, "-m", "veomni.chat", os.path.join(out, "hf"), "--prompt-file", prompts, "--output", answers]
-    proc = subprocess.run(
-        [*chat, "--max-new-tokens", "8"],
-        cwd=REPO,
-        env=offline_env(hub_cache),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    chat += ["--max-new-tokens", str(NEW_TOKENS)]
+    proc = subprocess.run(chat, cwd=REPO, env=offline_env(cache), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     samples = read_metrics(out)[-1]["samples"]
     assert [json.loads(line) for line in open(answers)] == samples and len(samples) == len(PROMPTS)
