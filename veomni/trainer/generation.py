@@ -29,6 +29,9 @@ class SampleGenerationCallback(Callback):
         if self.prompts and (state.tp_size > 1 or state.sp_size > 1):
             logger.warning("train.eval_prompts: not generated with tp_size or sp_size > 1 (each rank holds a part)")
             self.prompts = []
+        if self.prompts and getattr(trainer, "tokenizer", None) is None:
+            logger.warning("train.eval_prompts: this trainer has no text tokenizer (e.g. a processor): not generated")
+            self.prompts = []
 
     def on_step_end(self, trainer, metrics):
         if not self.due(trainer, metrics):

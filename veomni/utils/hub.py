@@ -8,7 +8,9 @@ A name that is not a local path is fetched with `huggingface_hub.snapshot_downlo
 `HF_HUB_CACHE` and `HF_HUB_OFFLINE` (offline, only the cache is read: `models--org--name/snapshots/<commit>/` found
 through `refs/<rev>`). Under torch.distributed, local rank 0 of each node downloads while the node's other ranks
 wait in a collective; every rank then reads the path its node's local rank 0 got (the cache is per node), and an
-error on any node ends every rank with the same one line.
+error on any node ends every rank with the same one line. Which paths are hub names is decided by each rank from
+the config and its filesystem: a folder named like `org/name` that exists on some nodes only would split the ranks
+(give such folders as ./org/name or an absolute path).
 """
 
 import os
