@@ -80,3 +80,18 @@ def test_without_them_the_run_goes_on_and_retention_keeps_the_newest(tmp_path, k
 def test_a_new_best_between_scheduled_saves_is_saved(tmp_path):
     _, kept = run(str(tmp_path / "run"), [5.0, 4.0, 3.0, 3.5, 3.6], keep_best=True, patience=0, total_steps=5)
     assert kept == [3, 5]  # step 3 is no scheduled save (every 2): saved for being the best
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("train.checkpoint.keep_best", "true"), ("train.early_stopping_patience", "2")]
+)
+def test_they_need_held_out_data_and_say_so_before_anything_is_built(flag, value):
+    from helpers import REPO
+    from veomni.arguments import ConfigError, VeOmniArguments, parse_args
+    from veomni.trainer.preflight import check_paths
+
+    here = os.path.join(REPO, "README.md")  # paths that exist: only the missing eval data is wrong
+    argv = [os.path.join(REPO, "configs/text/demo.yaml"), "--model.tokenizer_path", REPO, "--data.train_path", here]
+    args = parse_args(VeOmniArguments, argv + ["--data.eval_path", "null", f"--{flag}", value])
+    with pytest.raises(ConfigError, match=f"^{flag} compares eval losses: it needs data.eval_path"):
+        check_paths(args)
