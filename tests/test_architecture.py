@@ -106,7 +106,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("distributed", "checkpoint"),
     ("data",),
     ("trainer",),
-    ("plan", "launch"),
+    ("plan", "launch", "chat"),
 )
 
 

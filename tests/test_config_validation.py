@@ -36,6 +36,8 @@ BAD = [
     ("train.dyn_bsz_buffer_size", "0"),
     ("train.log_steps", "0"),
     ("train.eval_steps", "-1"),
+    ("train.eval_max_new_tokens", "0"),
+    ("train.early_stopping_patience", "-1"),
     ("train.accelerator.dist_timeout_minutes", "0"),
     ("model.ops_implementation.loss_chunk_size", "-1"),
     ("model.lora.r", "0"),

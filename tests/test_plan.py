@@ -129,10 +129,20 @@ def test_shape_model_sizes_shards_as_the_real_plan(config, world, sizes):
 
 def test_cli_plans_and_suggests_layouts(capsys):
     from veomni.plan.__main__ import main
+    from veomni.plan.cost import GPUS
+    from veomni.plan.measured import measured_mfu
 
     assert main([DEMO, "--nnodes", "2", "--nproc-per-node", "8", "--top", "1"]) == 0
     out = capsys.readouterr().out
-    assert "rank 0:" in out and "rank 15:" in out and "predicted peak" in out
+    # ranks predicted alike share one block (they were printed twice, identical)
+    assert "ranks 0 and 15:" in out and "rank 0:" not in out and out.count("predicted peak") == 1
+    # the demo's global batch does not split over 16 ranks: said as the trainer says it, not re-planned silently
+    assert "THE TRAINER REFUSES THIS CONFIG ON 16 RANKS: train.global_batch_size=8 does not split over 16" in out
+    # the MFU is the newest measured H100 record of the nearest benchmarked size, and stands by the throughputs
+    mfu, source = measured_mfu("h100", 0.01, GPUS["h100"].tflops)
+    assert source.startswith("measured: qwen3_0_6b") and 0.05 < mfu < 0.5
+    assert f"MFU {mfu:.2f} ({source}; --mfu to assume another)" in out
+    assert f"by predicted step time at MFU {mfu:.2f}" in out and f"at MFU {mfu:.2f} of 989 TFLOP/s" in out
     assert "all_gather      fsdp" in out and "layouts that fit" in out and "real plan" in out
 
 
@@ -166,3 +176,26 @@ def test_cli_bad_input_is_one_line_naming_the_flag(capsys, argv, said):
     assert main([DEMO, *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m veomni.plan: ") and said in err[0], err
+
+
+def test_the_default_mfu_is_the_newest_record_of_the_nearest_size(tmp_path):
+    from veomni.plan.measured import MEASURED_FLOOR, measured_mfu
+
+    rows = [
+        {"kind": "step", "model": "qwen3_1_7b", "tokens": 8192, "flops": 2e14, "trainer_s": 1.0},  # 0.2 of 1000
+        {"kind": "step", "model": "qwen3_4b", "tokens": 8192, "oom": True},
+        {"kind": "step", "model": "qwen3_4b", "tokens": 8192, "mfu": 0.25},
+        {"kind": "step", "model": "qwen3_4b", "tokens": 32768, "mfu": 0.27},  # newest of 4B
+        {"kind": "loss", "model": "qwen3_8b", "mfu": 0.9},  # not a step record
+    ]
+    (tmp_path / "h100_2026-01-01.jsonl").write_text("{}\n")  # older file: not read
+    (tmp_path / "h100_2026-02-01.jsonl").write_text("\n".join(map(__import__("json").dumps, rows)) + "\n")
+    assert measured_mfu("h100", 8.2, 1000.0, str(tmp_path))[0] == 0.27
+    assert measured_mfu("h100", 1.5, 1000.0, str(tmp_path)) == (
+        0.2,
+        "measured: qwen3_1_7b, 8,192 tokens a step, in benchmarks/results/h100_2026-02-01.jsonl",
+    )
+    assert measured_mfu("a100", 1.5, 312.0, str(tmp_path)) == (
+        MEASURED_FLOOR,
+        f"no benchmarks/results/a100_*.jsonl: assumed {MEASURED_FLOOR}",
+    )

@@ -27,6 +27,7 @@ RECIPES = {
         for kind in ("sft", "pretrain")
     },
     "configs/text/qwen3_moe_muon.yaml": 30.53,
+    "configs/text/qwen3_8b_lora_sft.yaml": 8.19,
     "configs/multimodal/qwen2_5_vl/qwen2_5_vl_3b_sft.yaml": 3.75,
     "configs/multimodal/qwen2_5_vl/qwen2_5_vl_7b_sft.yaml": 8.29,
     "configs/multimodal/qwen3_vl/qwen3_vl_moe.yaml": 31.07,
@@ -51,7 +52,8 @@ def test_recipe_parses_builds_on_meta_and_says_what_it_was_measured_at(recipe, m
     assert args.data.train_path.startswith("/path/to/") and "PLACEHOLDER" in open(path).read()
     # SFT: the released weights; pretraining: the tokenizer of one
     weights = args.model.model_path or args.model.tokenizer_path
-    assert weights.startswith("/path/to/"), recipe  # the user's own copy, never a hub download
+    # the user's own copy; the LoRA recipe names the released weights on the hub (veomni.utils.hub)
+    assert weights.startswith("/path/to/") or (args.model.lora.enable and weights == "Qwen/Qwen3-8B"), recipe
     size = _billions(os.path.join(REPO, args.model.config_path), args.model.ops_implementation.moe_implementation)
     assert abs(size - RECIPES[recipe]) <= 0.01 * RECIPES[recipe], (recipe, size)
     if "pretrain" in recipe:  # from scratch: no weights, and a token budget the step count follows

@@ -28,7 +28,11 @@ class DataloaderArguments:
 class DataArguments:
     """The training data and how records become token sequences."""
 
-    train_path: Optional[str] = _doc("Training data: a file, a glob, a folder, or a dataset.yaml.", default=None)
+    train_path: Optional[str] = _doc(
+        "Training data: a file, a glob, a folder, a dataset.yaml, or a hub dataset "
+        "`hf://datasets/org/name[@rev][/path/in/repo]` (its files, fetched into the huggingface_hub cache).",
+        default=None,
+    )
     eval_path: Optional[str] = _doc(
         "Held-out data (same format and transform as train_path): its token-weighted loss and perplexity are "
         "logged every train.eval_steps and after the last step (metrics.jsonl eval_loss / eval_ppl). Read in full, "
@@ -243,6 +247,11 @@ class CheckpointArguments:
     output_dir: str = _doc("Where metrics, the resolved config, plots and checkpoints go.", default="outputs")
     save_steps: int = _doc("Save every N optimizer steps; 0 saves only at the end.", default=0)
     save_total_limit: int = _doc("Keep the newest N checkpoints; 0 keeps all.", default=0)
+    keep_best: bool = _doc(
+        "Besides the newest save_total_limit checkpoints, keep the one of the lowest eval loss (data.eval_path): "
+        "output_dir/best_checkpoint.json names it.",
+        default=False,
+    )
     load_path: Optional[str] = _doc(
         "Checkpoint to resume from. `auto` (default): the newest complete checkpoint in output_dir, if any, so "
         "re-running the same command resumes. A path: that checkpoint. null/`none`: never resume (refused when "
@@ -303,6 +312,17 @@ class TrainingArguments:
     )
     num_train_epochs: int = _doc("Passes over the data.", default=1)
     eval_steps: int = _doc("Evaluate data.eval_path every this many steps (0: only after the last step).", default=0)
+    eval_prompts: List[str] = _doc(
+        "Prompts answered by the model (greedy, through the training chat template) at each eval, each checkpoint "
+        "save and the last step: metrics.jsonl `samples` [{prompt, response}] and the log. Not with tp/sp > 1.",
+        default_factory=list,
+    )
+    eval_max_new_tokens: int = _doc("Tokens generated at most per train.eval_prompts answer.", default=64)
+    early_stopping_patience: int = _doc(
+        "Stop after this many evaluations in a row without a new lowest eval loss (needs data.eval_path; the run "
+        "saves, exports and says so). 0: never.",
+        default=0,
+    )
     max_steps: Optional[int] = _doc(
         "Optimizer steps of the whole run, over all epochs (as in HF Trainer and torchtitan): training stops there, "
         "in whichever epoch it falls, and the LR schedule spans it. When num_train_epochs of the data hold fewer "

@@ -91,9 +91,17 @@ class LoraArguments:
 class ModelArguments:
     """The model: its HF config, weights (none: from scratch) and tokenizer."""
 
-    config_path: Optional[str] = _doc("HF config.json or folder holding it; defaults to model_path.", default=None)
-    model_path: Optional[str] = _doc("Folder of HF weights (safetensors). None trains from scratch.", default=None)
-    tokenizer_path: Optional[str] = _doc("Tokenizer folder; defaults to model_path, then config_path.", default=None)
+    config_path: Optional[str] = _doc(
+        "HF config.json or folder holding it, or a hub name (org/name[@rev]); defaults to model_path.", default=None
+    )
+    model_path: Optional[str] = _doc(
+        "Folder of HF weights (safetensors), or a hub name `org/name[@revision]` fetched into the huggingface_hub "
+        "cache (HF_HOME, HF_HUB_OFFLINE honoured; local rank 0 of each node downloads). None trains from scratch.",
+        default=None,
+    )
+    tokenizer_path: Optional[str] = _doc(
+        "Tokenizer folder or hub name (org/name[@rev]); defaults to model_path, then config_path.", default=None
+    )
     basic_modules: List[str] = _doc("Extra module class names to wrap as FSDP units.", default_factory=list)
     trust_remote_code: bool = _doc(
         "Let a model or tokenizer folder whose config names custom Python (`auto_map`) run that code. Off: such "

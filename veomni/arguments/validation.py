@@ -78,6 +78,8 @@ RULES: Dict[str, Rule] = {
     "train.dyn_bsz_buffer_size": at_least(1),
     "train.log_steps": at_least(1),
     "train.eval_steps": at_least(0),
+    "train.eval_max_new_tokens": at_least(1),
+    "train.early_stopping_patience": at_least(0),
     "train.accelerator.dist_timeout_minutes": positive(),
     "model.ops_implementation.loss_chunk_size": at_least(0),
     "model.lora.r": at_least(1),

@@ -229,6 +229,7 @@ class Checkpointer:
         self.storage_patience_s = 10.0  # how long a network filesystem may take to show rank 0's probe file
         self._warned_abandoned = False  # checkpoints numbered after this run's saves were reported once
         self._base_records = BaseRecords()  # a LoRA run's base model, checksummed once
+        self.protected_steps = set()  # kept whatever save_total_limit says (train.checkpoint.keep_best)
 
     # ------------------------------------------------------------------------------------------ save
     def save(
@@ -337,7 +338,7 @@ class Checkpointer:
                 "abandoned timeline): kept, not counted by save_total_limit; this run replaces each when it saves "
                 "that step"
             )
-        for step in mine[: -self.save_total_limit]:
+        for step in [s for s in mine if s not in self.protected_steps][: -self.save_total_limit]:
             _delete(os.path.join(self.root, f"global_step_{step}"))
         for name in os.listdir(self.root):  # what a crash left while deleting
             if name.endswith(_DELETING):

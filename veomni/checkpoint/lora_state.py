@@ -13,6 +13,7 @@ from torch import nn
 
 from ..models.loader import safetensors_files
 from ..models.lora import ADAPTER, base_name, is_lora_model
+from ..utils.hub import folder_of_hub_name
 from .integrity import shared_crcs
 
 BASE = "lora_base_model"  # meta.json's record: {"path": folder, "checksums": {weight file: CRC-32}}
@@ -23,6 +24,7 @@ def lora_base(model: nn.Module) -> Optional[str]:
     if not is_lora_model(model):
         return None
     path = model.peft_config[ADAPTER].base_model_name_or_path
+    path = folder_of_hub_name(path) or path  # a base that came by hub name: its folder in the hub cache
     return os.path.abspath(path) if path and os.path.isdir(path) else None
 
 

@@ -8,12 +8,20 @@ raises), so each adapter imports what it needs when called.
 import sys
 from typing import List, Tuple
 
-__all__ = ["bound_worker_close_grace", "default_store", "quiet_torchao_enum_notice"]
+__all__ = ["bound_worker_close_grace", "default_store", "explain_redistribute_notice", "quiet_torchao_enum_notice"]
 
 PRIVATE_SYMBOLS: List[Tuple[str, str, str]] = [
     ("torch.distributed.elastic.multiprocessing.api", "PContext.close", "failure teardown grace (launch.py)"),
     ("torch.distributed.distributed_c10d", "_get_default_store", "the heartbeat's liveness keys"),
+    ("torch.distributed.tensor._redistribute", "logger", "its sequential-redistribution notice (tensor parallel)"),
 ]
+
+REDISTRIBUTE_NOTE = (
+    "tensor parallel: DTensor redistributes some tensors over several mesh dimensions in sequential collectives "
+    '(torch warns that their reduction order "may give inconsistent results between ranks"). Here that means '
+    "rounding-level differences only (fp32 TP runs match one process to 1e-5, tests/test_tensor_parallel.py) and an "
+    "extra collective's latency; said once, on rank 0"
+)
 
 
 def quiet_torchao_enum_notice() -> None:
@@ -23,6 +31,29 @@ def quiet_torchao_enum_notice() -> None:
     import logging
 
     logging.getLogger("torch.utils._pytree").addFilter(lambda record: "is an Enum subclass" not in record.getMessage())
+
+
+def explain_redistribute_notice(rank: int) -> None:
+    """torch's DTensor logs its "sequential collectives ... may give inconsistent results between ranks" warning
+    once per rank and mesh: under TP every rank printed the same alarming paragraph. A filter on that private
+    logger says once, on rank 0, what it means here, and drops the rest."""
+    import logging
+
+    said = []
+
+    def once_on_rank0(record) -> bool:
+        if "inconsistent results between ranks" not in record.getMessage():
+            return True
+        if rank != 0 or said:
+            return False
+        said.append(True)
+        record.msg, record.args = REDISTRIBUTE_NOTE, None
+        return True
+
+    target = logging.getLogger("torch.distributed.tensor._redistribute")
+    for old in [f for f in target.filters if getattr(f, "__name__", "") == "once_on_rank0"]:
+        target.removeFilter(old)  # one filter per process, whatever the number of models built
+    target.addFilter(once_on_rank0)
 
 
 def bound_worker_close_grace(grace_s: int) -> bool:

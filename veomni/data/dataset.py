@@ -109,7 +109,7 @@ def load_interleave_spec(path: str) -> Dict[str, Any]:
         unknown = set(src) - {"path", "weight", "name"}
         if unknown:
             raise ValueError(f"{path}: sources[{i}] has unknown keys {sorted(unknown)}; allowed: path, weight, name")
-        src["path"] = src["path"] if os.path.isabs(src["path"]) else os.path.join(base, src["path"])
+        src["path"] = src["path"] if os.path.isabs(src["path"]) else os.path.normpath(os.path.join(base, src["path"]))
     return {"sources": sources, "stopping_strategy": spec.get("stopping_strategy", "all_exhausted")}
 
 

@@ -21,6 +21,7 @@ the list of patterns that matched nothing.
 import fnmatch
 from typing import Dict, List
 
+import torch.distributed
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -33,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..compat.torch import ColwiseParallelPassingPlainOutputs
+from ..compat.torch_runtime import explain_redistribute_notice
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -135,6 +137,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             f"{missing}. Plans exist for {sorted(TP_PLANS)}; add one to veomni.distributed.tensor_parallel.TP_PLANS"
         )
     shared = _shared_parameters(model)
+    explain_redistribute_notice(torch.distributed.get_rank())  # torch's per-rank notice: once, with its meaning
     parallelize_module(model, tp_mesh, plan)
     for group in shared:  # each style made its own DTensor of a tied weight: point every owner at the first one
         module, attr = group[0]

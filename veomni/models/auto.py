@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from ..ops.attention import VARLEN, resolve_attn_implementation
 from ..ops.moe import experts_implementation
 from ..utils.demo_assets import missing_asset_hint
+from ..utils.hub import download
 from ..utils.logging import get_logger
 from .loader import init_empty_weights, load_weights, num_experts_of
 from .multimodal import (
@@ -62,10 +63,11 @@ def _refuse_custom_code(path: str, file_name: str, trust_remote_code: bool) -> N
 
 
 def build_config(config_path: str, trust_remote_code: bool = False, **config_kwargs) -> PretrainedConfig:
-    """An HF config from a local folder or file. `trust_remote_code` (model.trust_remote_code) stays False unless the
+    """An HF config from a local folder or file, or a hub name (veomni.utils.hub). `trust_remote_code` (model.trust_remote_code) stays False unless the
     user asks: a folder whose config names custom Python code (`auto_map`) is refused instead of imported."""
     if config_path is None:
         raise ValueError("build_foundation_model needs config_path or weights_path")
+    config_path = download(config_path, "model.config_path")  # a hub name: its folder in the hub cache
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"model config not found: {config_path}{missing_asset_hint(config_path)}")
     _refuse_custom_code(config_path, "config.json", trust_remote_code)
@@ -73,8 +75,9 @@ def build_config(config_path: str, trust_remote_code: bool = False, **config_kwa
 
 
 def build_tokenizer(tokenizer_path: str, trust_remote_code: bool = False, **kwargs):
-    """An HF fast tokenizer from a local folder (tokenizer.json + tokenizer_config.json); custom tokenizer code
+    """An HF fast tokenizer from a local folder (tokenizer.json + tokenizer_config.json) or a hub name; custom tokenizer code
     only with `trust_remote_code=True` (a folder naming it is refused otherwise)."""
+    tokenizer_path = download(tokenizer_path, "model.tokenizer_path")  # a hub name: its folder in the hub cache
     if tokenizer_path is None or not os.path.exists(tokenizer_path):
         raise FileNotFoundError(f"tokenizer not found: {tokenizer_path}{missing_asset_hint(tokenizer_path or '')}")
     _refuse_custom_code(tokenizer_path, "tokenizer_config.json", trust_remote_code)
@@ -167,6 +170,7 @@ def build_foundation_model(
         with torch.device(init_device):
             model = auto_class.from_config(config, **kwargs)
         if weights_path is not None:
+            weights_path = download(weights_path)
             load_weights(model, weights_path)
             logger.info(f"loaded weights from {weights_path}")
     if is_multimodal(config):

@@ -36,6 +36,13 @@ def lora_config(args, base_model_path: Optional[str] = None):
     """PEFT's `LoraConfig` for the `model.lora` group (veomni/arguments/arguments_types.py `LoraArguments`)."""
     from peft import LoraConfig
 
+    from ..utils.hub import hub_name_of
+
+    # absolute, so `AutoPeftModelForCausalLM.from_pretrained(adapter)` finds the base from any directory; a base
+    # that came by hub name (resolved into the hub cache) records that name, and any other name stays as given
+    hub_name = hub_name_of(base_model_path)
+    if hub_name is None and _is_folder(base_model_path):
+        base_model_path = os.path.abspath(base_model_path)
     return LoraConfig(
         r=args.r,
         lora_alpha=args.alpha,
@@ -43,9 +50,7 @@ def lora_config(args, base_model_path: Optional[str] = None):
         target_modules=peft_target_modules(args.target_modules),
         bias="none",
         task_type="CAUSAL_LM",  # PeftModel.from_pretrained then builds PeftModelForCausalLM around the base model
-        # absolute, so `AutoPeftModelForCausalLM.from_pretrained(adapter)` finds the base from any directory; a name
-        # that is no local folder (a hub id) stays as given
-        base_model_name_or_path=os.path.abspath(base_model_path) if _is_folder(base_model_path) else base_model_path,
+        base_model_name_or_path=hub_name or base_model_path,
     )
 
 

@@ -20,7 +20,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--nproc-per-node", type=int, default=8, help="GPUs per node")
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100")
-    parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        help="model FLOPs utilisation assumed (default: the newest benchmarks/results record for this GPU and the "
+        "nearest benchmarked model size)",
+    )
     parser.add_argument("--intra-node-gbps", type=float, help="GB/s (bytes) per GPU per direction within a node")
     parser.add_argument("--inter-node-gbps", type=float, help="GB/s (bytes) per GPU per direction between nodes")
     parser.add_argument("--tokens", type=int, help="tokens per micro-batch (default micro_batch_size * max_seq_len)")
@@ -54,7 +59,7 @@ def _bad_flag(options: argparse.Namespace) -> Optional[str]:
     ):
         if value < 1:
             return f"{flag} takes a count >= 1, got {value}"
-    if not 0 < options.mfu <= 1:
+    if options.mfu is not None and not 0 < options.mfu <= 1:
         return f"--mfu takes a fraction in (0, 1], got {options.mfu}"
     positive = (("--intra-node-gbps", options.intra_node_gbps), ("--inter-node-gbps", options.inter_node_gbps),
                 ("--tokens", options.tokens))  # fmt: skip

@@ -8,6 +8,7 @@ from ..distributed.torch_parallelize import no_split_module_names
 from .analytic import Layout, ShapeModel
 from .comm import Collective, step_collectives
 from .cost import GPUS, Hardware, StepTime, step_time
+from .measured import measured_mfu, model_billions
 from .memory import Memory, predict_memory
 from .model_shape import ModelShape
 from .real_plan import (
@@ -59,12 +60,13 @@ def _parse(argv: List[str], world: int, notes: List[str]):
     tokens = (base.train.global_batch_size or base.train.micro_batch_size) * base.data.max_seq_len
     try:
         return load_args(argv, world), tokens
-    except ValueError:
+    except ValueError as refusal:
         acc = base.train.accelerator
         dp = world // (acc.ulysses_size * acc.tp_size)
         notes.append(
-            f"train.global_batch_size ({tokens:,} tokens) does not split over {dp} data-parallel ranks: planned "
-            "with at least one micro-batch per rank, layouts ranked by step time per token"
+            f"THE TRAINER REFUSES THIS CONFIG ON {world} RANKS: {refusal} -- planned below as if "
+            f"train.global_batch_size were {base.train.micro_batch_size * dp} (one micro-batch per data-parallel "
+            "rank), layouts ranked by step time per token"
         )
         return load_args(argv + ["--train.global_batch_size", str(base.train.micro_batch_size * dp)], world), tokens
 
@@ -89,7 +91,7 @@ def plan(
     nnodes: int,
     nproc_per_node: int,
     gpu: str = "h100",
-    mfu: float = 0.4,
+    mfu: Optional[float] = None,
     intra_gbps: Optional[float] = None,
     inter_gbps: Optional[float] = None,
     tokens: Optional[int] = None,
@@ -97,8 +99,11 @@ def plan(
 ) -> PlanResult:
     world, notes = nnodes * nproc_per_node, []
     args, global_tokens = _parse(argv, world, notes)
-    hardware = Hardware(GPUS[gpu], nproc_per_node, mfu, intra_gbps, inter_gbps)
     shape = model_shape(args)
+    if mfu is None:  # measured on this GPU for the nearest benchmarked size, said beside the throughputs
+        mfu, source = measured_mfu(gpu, model_billions(shape), GPUS[gpu].tflops)
+        notes.append(f"MFU {mfu:.2f} ({source}; --mfu to assume another)")
+    hardware = Hardware(GPUS[gpu], nproc_per_node, mfu, intra_gbps, inter_gbps)
     layout = layout_of(args, world)
     if tokens:
         layout = replace(layout, mb_tokens=tokens)

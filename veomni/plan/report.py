@@ -21,12 +21,12 @@ def describe(layout: Layout) -> str:
 
 
 def _memory_lines(result: PlanResult) -> List[str]:
-    lines = []
+    """One block per distinct memory prediction: ranks predicted alike share theirs (`ranks 0 and 7:`)."""
+    blocks: List[tuple] = []  # (rank numbers, lines without the header)
     for report in result.ranks:
         m = report.memory
         verdict = "fits" if m.peak <= result.capacity else "DOES NOT FIT"
-        lines += [
-            f"rank {report.rank}:",
+        body = [
             f"  parameters          {_gib(m.params)}",
             f"  gradients           {_gib(m.grads)}",
             f"  optimizer state     {_gib(m.optimizer)}",
@@ -35,6 +35,17 @@ def _memory_lines(result: PlanResult) -> List[str]:
             f"  backward / loss     {_gib(m.transient)}  (one layer's backward or the output head, the larger)",
             f"  predicted peak      {_gib(m.peak)}  of {result.capacity / GIB:.1f} GiB usable: {verdict}",
         ]
+        same = next((ranks for ranks, lines in blocks if lines == body), None)
+        if same is not None:
+            same.append(report.rank)
+        else:
+            blocks.append(([report.rank], body))
+    lines = []
+    for ranks, body in blocks:
+        names = (
+            f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+        )
+        lines += [f"{names}:", *body]
     return lines
 
 
@@ -50,7 +61,8 @@ def _candidate_lines(result: PlanResult) -> List[str]:
     if not result.candidates:
         return ["no layout of this world fits the GPU: more GPUs, a larger GPU, or a smaller micro-batch"]
     header = "  dp_rep dp_shard ulysses tp  ep ckpt  mb_tokens  peak GiB  step s  tok/s/GPU  checked"
-    lines = ["layouts that fit, by predicted step time (and the nearest to the configured one):", header]
+    mfu = f"at MFU {result.hardware.mfu:.2f}"
+    lines = [f"layouts that fit, by predicted step time {mfu} (and the nearest to the configured one):", header]
     for c in result.candidates:
         lay, checked = c.layout, result.validated.get(c.layout)
         tokens = c.micro_batches * lay.mb_tokens * lay.dp / lay.world

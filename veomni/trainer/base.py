@@ -46,18 +46,12 @@ from ..utils.collectives import HostGroup
 from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
 from . import lifecycle
-from .callbacks import (
-    Callback,
-    LossPlotCallback,
-    MetricsFileCallback,
-    ProgressCallback,
-    TensorBoardCallback,
-    WandbCallback,
-)
+from .callbacks import Callback
 from .checkpointing import RunDir, TrainCheckpointer, TrainState
 from .evaluation import Evaluator, build_eval_loader
 from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
+from .run_callbacks import standard_callbacks
 from .step_count import StepCountMixin, close_loader, set_epoch
 from .step_metrics import PendingMetrics, StepClock, host_loss_tokens
 
@@ -218,18 +212,7 @@ class BaseTrainer(StepCountMixin):
         )
 
     def build_callbacks(self) -> List[Callback]:
-        train, main, out = self.args.train, self.is_main, self.output_dir
-        metrics = MetricsFileCallback(main, os.path.join(out, "metrics.jsonl"))
-        wandb = train.wandb
-        return [
-            metrics,
-            ProgressCallback(main, train.log_steps),
-            LossPlotCallback(main, metrics, os.path.join(out, "loss.png")),
-            WandbCallback(
-                main and wandb.enable, wandb.project, wandb.name, wandb.mode, dataclasses.asdict(self.args), out
-            ),
-            TensorBoardCallback(main and train.use_tensorboard, os.path.join(out, "tensorboard")),
-        ]
+        return standard_callbacks(self)  # metrics.jsonl, progress, plots, samples, best eval, wandb/TensorBoard
 
     # -------------------------------------------------------------------------------------------- step
     def _to_device(self, micro_batch: Dict[str, Any]) -> Dict[str, Any]:

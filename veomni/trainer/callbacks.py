@@ -1,4 +1,5 @@
-"""What a run shows and leaves behind: a progress bar, metrics.jsonl, optional wandb/TensorBoard, loss.png.
+"""What a run shows and leaves behind: a progress bar, metrics.jsonl, optional wandb/TensorBoard, loss.png (loss,
+LR and resume points).
 
 Every callback is a no-op on ranks other than 0, so the trainer calls them unconditionally.
 """
@@ -129,6 +130,7 @@ class MetricsFileCallback(Callback):
         self.history: List[Dict[str, Any]] = []
 
     def on_train_begin(self, trainer):
+        self.resumed_from = trainer.global_step or None  # marked on the first step after a resume (loss.png)
         if self.enabled and os.path.isfile(self.path):
             with open(self.path) as f:
                 self.history = [json.loads(line) for line in f if line.strip()]
@@ -140,13 +142,16 @@ class MetricsFileCallback(Callback):
     def on_step_end(self, trainer, metrics):
         if not self.enabled:
             return
+        if getattr(self, "resumed_from", None):
+            metrics["resumed_from"], self.resumed_from = self.resumed_from, None
         self.history.append(metrics)
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
 
 
 class LossPlotCallback(Callback):
-    """loss.png beside metrics.jsonl at the end of training."""
+    """loss.png beside metrics.jsonl at the end of training: train and eval loss, the LR (right axis) and the steps
+    where the run was resumed."""
 
     def __init__(self, enabled: bool, metrics: MetricsFileCallback, path: str):
         self.enabled, self.metrics, self.path = enabled, metrics, path
@@ -154,34 +159,53 @@ class LossPlotCallback(Callback):
     def on_train_end(self, trainer):
         if not self.enabled or not self.metrics.history:
             return
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        steps = [m["step"] for m in self.metrics.history]
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, [m["loss"] for m in self.metrics.history], label="train loss")
-        evaluated = [m for m in self.metrics.history if "eval_loss" in m]
-        if evaluated:
-            ax.plot([m["step"] for m in evaluated], [m["eval_loss"] for m in evaluated], "o-", label="eval loss")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        if "rewards/accuracies" in self.metrics.history[0]:  # a preference run: its reward accuracy, right axis
-            right = ax.twinx()
-            right.plot(steps, [m["rewards/accuracies"] for m in self.metrics.history], "g:", label="reward accuracy")
-            if evaluated:
-                right.plot([m["step"] for m in evaluated], [m["eval_rewards/accuracies"] for m in evaluated], "gs-",
-                           label="eval reward accuracy")  # fmt: skip
-            right.set_ylabel("reward accuracy")
-            right.set_ylim(0, 1)
-            right.legend(loc="lower right")
-        fig.tight_layout()
-        fig.savefig(self.path, dpi=100)
-        plt.close(fig)
+        draw_loss_plot(self.metrics.history, self.path)
         logger.info(f"loss curve written to {self.path}")
+
+
+def draw_loss_plot(history: List[Dict[str, Any]], path: str) -> List[str]:
+    """Draw `history` (metrics.jsonl records) into `path`; returns the legend's labels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in history]
+    preference = "rewards/accuracies" in history[0]  # a DPO run: its reward accuracy in a panel below
+    fig, axes = plt.subplots(2 if preference else 1, 1, figsize=(8, 6 if preference else 4), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(steps, [m["loss"] for m in history], label="train loss")
+    evaluated = [m for m in history if "eval_loss" in m]
+    if evaluated:
+        ax.plot([m["step"] for m in evaluated], [m["eval_loss"] for m in evaluated], "o-", label="eval loss")
+    for m in history:
+        if "resumed_from" in m:
+            ax.axvline(m["resumed_from"], color="gray", linestyle=":", label=f"resumed at step {m['resumed_from']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    lr_ax = ax.twinx()
+    lr_ax.plot(steps, [m.get("lr", float("nan")) for m in history], "--", color="tab:green", alpha=0.6, label="lr")
+    lr_ax.set_ylabel("learning rate")
+    handles, labels = ax.get_legend_handles_labels()
+    lr_handles, lr_labels = lr_ax.get_legend_handles_labels()
+    ax.legend(handles + lr_handles, labels + lr_labels, fontsize="small")
+    if preference:
+        below = axes[1][0]
+        below.plot(steps, [m["rewards/accuracies"] for m in history], ":", label="reward accuracy")
+        if evaluated:
+            below.plot([m["step"] for m in evaluated], [m["eval_rewards/accuracies"] for m in evaluated], "s-",
+                       label="eval reward accuracy")  # fmt: skip
+        below.set_xlabel("step")
+        below.set_ylabel("reward accuracy")
+        below.set_ylim(0, 1)
+        below.grid(alpha=0.3)
+        below.legend(fontsize="small")
+        labels += below.get_legend_handles_labels()[1]
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return labels + lr_labels
 
 
 class WandbCallback(Callback):
@@ -203,6 +227,11 @@ class WandbCallback(Callback):
             lists = {k for k, v in metrics.items() if isinstance(v, list)}  # per-layer lists: one scalar per layer
             flat = {k: v for k, v in metrics.items() if k not in lists}
             flat.update((k, v) for k, v in scalar_items({k: metrics[k] for k in lists}))
+            if metrics.get("samples"):  # train.eval_prompts: a table of prompt / response
+                import wandb
+
+                rows = [[s["prompt"], s["response"]] for s in metrics["samples"]]
+                flat["samples"] = wandb.Table(columns=["prompt", "response"], data=rows)
             self.run.log(flat, step=metrics["step"])
 
     def on_train_end(self, trainer):
@@ -227,6 +256,8 @@ class TensorBoardCallback(Callback):
             for key, value in scalar_items(metrics):
                 name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
                 self.writer.add_scalar(name, value, metrics["step"])
+            for i, sample in enumerate(metrics.get("samples") or []):  # train.eval_prompts
+                self.writer.add_text(f"samples/{i}", f"**{sample['prompt']}**\n\n{sample['response']}", metrics["step"])
 
     def on_train_end(self, trainer):
         if self.writer is not None:

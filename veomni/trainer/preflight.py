@@ -1,6 +1,7 @@
 """Checks that run before the model is built, so that a user's mistake fails in seconds, not after set-up.
 
-- `check_paths`: every path the config names exists (model config, weights, tokenizer, data).
+- `check_paths`: hub names resolved into the hub cache (veomni.utils.hub), then every path the config names exists
+  (model config, weights, tokenizer, data).
 - `check_first_records`: the data transform on the first records of each source. When they all fail the same
   way, the message says so and names the fix (for a missing text key: the fields the records do hold).
 - `check_vocab`: a tokenizer with more tokens than the model's embedding has rows, before the model is built.
@@ -12,20 +13,23 @@ from typing import Any, List, Optional, Tuple
 
 from ..arguments import ConfigError
 from ..data.data_transform import DataFormatError
+from ..utils.hub import HubNameError, resolve_on_every_rank
 
 _DEMO_HINT = " (the demo's assets are built by `python -m veomni.utils.demo_assets`; train.sh does it)"
 
 
 def check_paths(args) -> None:
-    """Raise ConfigError naming the key of the first path that does not exist."""
+    """Resolve the hub names among the paths (in place, on every rank alike), then raise ConfigError naming the key
+    of the first path that does not exist."""
     model, data = args.model, args.data
+    resolve_hub_names(args)
     checks = [
         ("model.config_path", model.config_path),
         ("model.model_path", model.model_path),
         ("model.tokenizer_path", model.tokenizer_path),
     ]
     for key, path in checks:
-        if path and not os.path.exists(path) and not _looks_like_hub_id(path):
+        if path and not os.path.exists(path):
             hint = _DEMO_HINT if ".assets" in path else ""
             raise ConfigError(f"{key}: {path} does not exist{hint}")
     if not data.train_path:
@@ -36,11 +40,28 @@ def check_paths(args) -> None:
     if data.eval_path and not any(c in data.eval_path for c in "*?[") and not os.path.exists(data.eval_path):
         hint = _DEMO_HINT if ".assets" in data.eval_path else ""
         raise ConfigError(f"data.eval_path: {data.eval_path} does not exist{hint}")
+    train = args.train
+    for key, asked in (
+        ("checkpoint.keep_best", train.checkpoint.keep_best),
+        ("early_stopping_patience", train.early_stopping_patience),
+    ):
+        if asked and not data.eval_path:
+            raise ConfigError(f"train.{key} compares eval losses: it needs data.eval_path (held-out data)")
 
 
-def _looks_like_hub_id(path: str) -> bool:
-    """`org/name` with no such local folder: left to the loader (which says what it tried)."""
-    return path.count("/") == 1 and not path.startswith((".", "/")) and not os.path.splitext(path)[1]
+def resolve_hub_names(args) -> None:
+    """`org/name[@rev]` model paths and `hf://datasets/...` data paths replaced by their folders in the hub cache
+    (downloaded by local rank 0 of each node); the hub name stays known for what records it (a LoRA adapter)."""
+    keys = [("model", k, False) for k in ("config_path", "model_path", "tokenizer_path")]
+    keys += [("data", k, True) for k in ("train_path", "eval_path")]
+    items = [(f"{group}.{k}", getattr(getattr(args, group), k), data) for group, k, data in keys]
+    try:
+        found = resolve_on_every_rank(items)
+    except HubNameError as err:
+        raise ConfigError(str(err)) from None
+    for dotted, local in found.items():
+        group, key = dotted.split(".")
+        setattr(getattr(args, group), key, local)
 
 
 # ------------------------------------------------------------------------------------------- first records

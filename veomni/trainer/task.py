@@ -72,8 +72,9 @@ def user_error_types():
     from ..data.data_transform import DataFormatError
     from ..models.auto import CustomCodeError
     from ..models.loader import WeightsMismatchError
+    from ..utils.hub import HubNameError
 
     return (
         ConfigError, DataFormatError, ChatTemplateError, WeightsMismatchError, CustomCodeError, CheckpointError,
-        RunDirError,
+        RunDirError, HubNameError,
     )  # fmt: skip
