@@ -194,7 +194,9 @@ def test_bad_record_on_one_rank_is_said_at_once_and_ends_the_job(tmp_path):
     said = [(t, line) for t, line in lines_at if line.startswith("error: ") and expected in line]
     assert rc == 1 and len(said) == 1, output[-4000:]
     print(f"\nbad record on rank 1: every process ended {ended - said[0][0]:.1f} s after the message")
-    assert ended - said[0][0] < 10
+    # a barrier in teardown would hold the others for the collective timeout (minutes); a loaded box (two test
+    # workers beside other work) took over 10 s for the launcher's own teardown
+    assert ended - said[0][0] < 60
     root = output.split("Root Cause (first observed failure):")[1]
     assert re.search(r"rank\s+: [01] ", root) and "DataFormatError: " + expected in root, root
 
