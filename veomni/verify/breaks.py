@@ -1,6 +1,6 @@
 """Deliberate breaks, for the tests that prove `verify` catches them (never set in a real run).
 
-VEOMNI_VERIFY_BREAK names one; the worker applies it to each trainer whose layout has that parallelism, by
+VEOMNI_VERIFY_BREAK names one or several (comma-separated); the worker applies each to each trainer whose layout has that parallelism, by
 patching the running process only (the library's code is untouched):
   sp_gather  Ulysses: the key projection's exchange carries no gradient back (its all-to-all backward dropped)
   tp_norm    tensor parallel: layer 0's q_norm weight gradient (a TP-replicated norm) scaled by 1.001
@@ -53,10 +53,10 @@ def _skip_expert_gradient_scale(model) -> None:
 
 def apply_break(trainer) -> None:
     """The break VEOMNI_VERIFY_BREAK names, when this trainer's layout has the parallelism it breaks."""
-    kind, state = os.environ.get(ENV), trainer.parallel_state
-    if kind == "sp_gather" and state.sp_size > 1:
+    kinds, state = os.environ.get(ENV, "").split(","), trainer.parallel_state
+    if "sp_gather" in kinds and state.sp_size > 1:
         _drop_key_gradient_exchange()
-    elif kind == "tp_norm" and state.tp_size > 1:
+    if "tp_norm" in kinds and state.tp_size > 1:
         _scale_q_norm_gradient(trainer.model)
-    elif kind == "ep_scale" and state.ep_size > 1:
+    if "ep_scale" in kinds and state.ep_size > 1:
         _skip_expert_gradient_scale(trainer.model)

@@ -22,7 +22,7 @@ class Row:
     loss: Optional[float] = None  # max relative loss difference over the steps
     grad_norm: Optional[float] = None
     worst_grad: Optional[Tuple[float, str, int]] = None  # (relative difference, parameter, step)
-    first_failing: Optional[Tuple[str, int]] = None  # the first parameter (model order) over GRAD_RTOL, its step
+    first_failing: Optional[Tuple[str, int]] = None  # the first failing step's worst parameter, and the step
     error: Optional[str] = None
     tolerance: str = f"loss/grad norm {LOSS_RTOL:.0e}, grads {GRAD_RTOL:.0e}"
 
@@ -53,11 +53,14 @@ def compare_series(ref: List[dict], got: List[dict], layout: str, grad_diffs: Di
     row.loss = max(rel(r["loss"], g["loss"]) for r, g in zip(ref, got))
     row.grad_norm = max(rel(r["grad_norm"], g["grad_norm"]) for r, g in zip(ref, got))
     for step in sorted(grad_diffs, key=int):
-        for name, diff in grad_diffs[step].items():
+        diffs = grad_diffs[step]
+        for name, diff in diffs.items():
             if row.worst_grad is None or diff > row.worst_grad[0]:
                 row.worst_grad = (diff, name, int(step))
-            if row.first_failing is None and diff > GRAD_RTOL:
-                row.first_failing = (name, int(step))
+        # at the first step that fails, the parameter furthest off: a wrong gradient also moves the gradients
+        # of the layers below it a little, its own the most
+        if row.first_failing is None and diffs and max(diffs.values()) > GRAD_RTOL:
+            row.first_failing = (max(diffs, key=diffs.get), int(step))
     return row
 
 
