@@ -122,6 +122,7 @@ class ProbedTrainer(SameGlobalBatches):
     """The trainer a verify run uses: one process's global batches, a gradient probe before each step, no plot."""
 
     probe: Optional[GradProbe] = None
+    step_watch = None  # (trainer, micro_batches) -> a context around the first optimizer step (veomni.verify.measure)
 
     def build_callbacks(self):  # no loss.png: matplotlib costs a second a run, and the plot is not under test
         return [c for c in super().build_callbacks() if type(c).__name__ != "LossPlotCallback"]
@@ -139,4 +140,7 @@ class ProbedTrainer(SameGlobalBatches):
     def train_step(self, micro_batches, totals):
         if self.probe is not None:
             self.probe.run(self, micro_batches, totals)
-        return super().train_step(micro_batches, totals)
+        if self.step_watch is None or self.global_step > 0:
+            return super().train_step(micro_batches, totals)
+        with self.step_watch(self, micro_batches):
+            return super().train_step(micro_batches, totals)

@@ -11,15 +11,16 @@ MIB = 2**20
 
 
 def render_plans(plans: Dict[str, dict]) -> str:
-    """Per layout, the largest rank's predicted / measured MiB of parameters and optimizer state."""
-    lines = ["planner, per rank (largest rank), predicted / measured MiB:"]
+    """Per layout, the largest rank's predicted / measured MiB of parameters, gradients, optimizer state, and of
+    the collectives of one optimizer step."""
+    lines = ["planner, per rank (largest rank), predicted / measured MiB (collectives: one step's bytes):"]
     for name, plan in plans.items():
         predicted, measured = plan.get("predicted", {}), plan.get("measured", {})
         if "error" in predicted:
             lines.append(f"  {name}: no prediction ({predicted['error']})")
             continue
         parts = []
-        for key in ("params", "grads", "optimizer"):
+        for key in ("params", "grads", "optimizer", "collectives"):
             if key in predicted:
                 seen = f"{measured[key] / MIB:.3f}" if key in measured else "-"
                 parts.append(f"{key} {predicted[key] / MIB:.3f} / {seen}")

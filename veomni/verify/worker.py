@@ -29,6 +29,7 @@ def one_run(run: dict, ref_dir: str) -> None:
     apply_break(trainer)
     measure = PlanMeasure(trainer)
     trainer.callbacks.append(measure)
+    trainer.step_watch = measure.watch
     error = None
     try:
         trainer.fit()
