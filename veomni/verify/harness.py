@@ -123,6 +123,11 @@ class ProbedTrainer(SameGlobalBatches):
 
     probe: Optional[GradProbe] = None
     step_watch = None  # (trainer, micro_batches) -> a context around the first optimizer step (veomni.verify.measure)
+    keep_checkpoints = True  # False: a run no resume reads saves nothing (seconds per layout)
+
+    def save_checkpoint(self):
+        if self.keep_checkpoints:
+            super().save_checkpoint()
 
     def build_callbacks(self):  # no loss.png: matplotlib costs a second a run, and the plot is not under test
         return [c for c in super().build_callbacks() if type(c).__name__ != "LossPlotCallback"]

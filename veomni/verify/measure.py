@@ -26,7 +26,7 @@ class PlanMeasure(Callback):
             self.predicted = {"error": f"{type(err).__name__}: {err}"}
 
     def on_step_end(self, trainer, metrics) -> None:
-        if self.measured:
+        if "params" in self.measured:
             return
         from ..plan.runlog import _tensor_bytes
         from ..plan.shards import nbytes

@@ -104,7 +104,10 @@ class Verify:
 
     def layouts(self, layouts: List[Layout]) -> Outcome:
         ref = _read(self.run_dir("one process"), "metrics.jsonl")
-        runs = [{"name": lay.name, "argv": self.argv(lay.flags, self.run_dir(lay.name))} for lay in layouts]
+        runs = [
+            {"name": lay.name, "argv": self.argv(lay.flags, self.run_dir(lay.name)), "save": lay.kind == "fsdp2"}
+            for lay in layouts  # the FSDP2 layout's checkpoint is the one the reshard resume reads
+        ]
         if runs:
             launch(self.workdir, "layouts", self.nproc, runs, self.ref_dir, self.log)
         rows, plans = [], {}
@@ -133,7 +136,8 @@ class Verify:
         runs = []
         for label, source, _ in sources:
             load = ["--train.checkpoint.load_path", os.path.join(source, "checkpoints", f"global_step_{self.save_at}")]
-            runs.append({"name": label, "argv": self.argv(_sizes(), self.run_dir(label)) + load, "resume": True})
+            argv = self.argv(_sizes(), self.run_dir(label)) + load
+            runs.append({"name": label, "argv": argv, "resume": True, "save": False})
         launch(self.workdir, "resume", 1, runs, self.ref_dir, self.log)
         ref = _read(self.run_dir("one process"), "metrics.jsonl")
         rows = []

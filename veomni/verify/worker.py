@@ -24,6 +24,7 @@ from .measure import PlanMeasure
 def one_run(run: dict, ref_dir: str) -> None:
     args = parse_args(VeOmniArguments, run["argv"])
     trainer = ProbedTrainer(args)
+    trainer.keep_checkpoints = run.get("save", True)
     if not run.get("resume"):
         trainer.probe = GradProbe(ref_dir, record=run.get("record", False))
     apply_break(trainer)
