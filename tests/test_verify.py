@@ -56,7 +56,6 @@ def dense(tmp_path_factory):
 
 def test_clean_layout_and_resumes_pass(dense):
     proc, _ = dense
-    assert "Traceback" not in proc.stderr[-2000:] or proc.returncode == 1, proc.stderr[-4000:]
     assert _row(proc.stdout, "FSDP2 2").endswith("ok [loss/grad norm 1e-05, grads 1e-04]"), proc.stdout
     assert "ok [bit-identical]" in _row(proc.stdout, "resume 1 -> 1"), proc.stdout
     assert " ok [" in _row(proc.stdout, "reshard resume 2 -> 1"), proc.stdout

@@ -40,6 +40,23 @@ def _bad_flag(options) -> Optional[str]:
     return f"--layouts: unknown {', '.join(unknown)} (known: auto, {', '.join(KINDS)})" if unknown else None
 
 
+def _split_batches(train, nproc: int) -> List[str]:
+    """Every layout must split the same global batch over its data-parallel ranks (at most nproc): the largest
+    micro-batch that does, for every run alike (the one process too), when the config's own does not."""
+    micro, global_batch = train.micro_batch_size, train.global_batch_size
+    if not global_batch or global_batch % (micro * nproc) == 0:
+        return []
+    fitting = [m for m in range(micro, 0, -1) if global_batch % (m * nproc) == 0]
+    if not fitting:
+        raise ValueError(
+            f"train.global_batch_size={global_batch} does not split over {nproc} data-parallel ranks at any "
+            f"micro-batch size: give --train.global_batch_size a multiple of {nproc}"
+        )
+    print(f"verify: train.micro_batch_size {micro} -> {fitting[0]} for every run, so that the global batch of "
+          f"{global_batch} splits over {nproc} ranks")  # fmt: skip
+    return ["--train.micro_batch_size", str(fitting[0])]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     options, overrides = _parser().parse_known_args(argv)
     bad = _bad_flag(options)
@@ -62,6 +79,7 @@ def _verify(options, overrides: List[str]) -> int:
     args = parse_args(VeOmniArguments, [options.config, *overrides])
     facts = ModelFacts.from_config(build_config(args.model.config_path))
     layouts, skipped = choose_layouts(args, facts, options.nproc, options.layouts.split(","))
+    overrides = overrides + _split_batches(args.train, options.nproc)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="veomni_verify_") as tmp:
         workdir = options.workdir or tmp

@@ -32,7 +32,7 @@ class PlanMeasure(Callback):
         from ..plan.shards import nbytes
 
         params = sum(nbytes(p) for p in trainer.model.parameters())
-        self.measured = {"params": params, "optimizer": _tensor_bytes(trainer) - params}
+        self.measured.update(params=params, optimizer=_tensor_bytes(trainer) - params)
 
     @contextlib.contextmanager
     def watch(self, trainer, micro_batches: List[dict]):

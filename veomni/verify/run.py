@@ -118,7 +118,7 @@ class Verify:
                 rows.append(Row(lay.name, error=f"did not finish: see {os.path.join(self.workdir, 'layouts.log')}"))
                 continue
             row = compare_series(ref, metrics, lay.name, result["grad_diffs"])
-            row.error = row.error or result["error"]
+            row.error = result["error"] or row.error
             rows.append(row)
             plans[lay.name] = result["plan"]
         ref_result = _read(self.run_dir("one process"), "verify.json") or {}

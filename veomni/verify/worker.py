@@ -21,9 +21,21 @@ from .harness import GradProbe, ProbedTrainer
 from .measure import PlanMeasure
 
 
+def _write(out_dir: str, result: dict) -> None:
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "verify.json"), "w") as f:
+            json.dump(result, f)
+
+
 def one_run(run: dict, ref_dir: str) -> None:
     args = parse_args(VeOmniArguments, run["argv"])
-    trainer = ProbedTrainer(args)
+    try:
+        trainer = ProbedTrainer(args)
+    except ValueError as err:  # a layout the config cannot take (the same verdict on every rank): its row says why
+        traceback.print_exc()
+        _write(args.train.checkpoint.output_dir, {"name": run["name"], "error": str(err), "plan": {}, "grad_diffs": {}})
+        return
     trainer.keep_checkpoints = run.get("save", True)
     if not run.get("resume"):
         trainer.probe = GradProbe(ref_dir, record=run.get("record", False))
@@ -37,11 +49,8 @@ def one_run(run: dict, ref_dir: str) -> None:
     except Exception as err:  # a layout that fails to train is a row of the table, not the end of the check
         error = f"{type(err).__name__}: {err}"
         traceback.print_exc()
-    if dist.get_rank() == 0:
-        result = {"name": run["name"], "error": error, "plan": measure.result()}
-        result["grad_diffs"] = {str(k): v for k, v in (trainer.probe.diffs if trainer.probe else {}).items()}
-        with open(os.path.join(trainer.output_dir, "verify.json"), "w") as f:
-            json.dump(result, f)
+    diffs = {str(k): v for k, v in (trainer.probe.diffs if trainer.probe else {}).items()}
+    _write(trainer.output_dir, {"name": run["name"], "error": error, "plan": measure.result(), "grad_diffs": diffs})
     if error is not None:
         raise SystemExit(1)  # collectives may be out of step now: the launch ends here, the parent reports it
     trainer.checkpointer.wait()
