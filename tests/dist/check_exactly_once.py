@@ -17,9 +17,8 @@ def main(folder, n):
     init_parallel_state()
     transform = partial(process_pretrain_example, tokenizer=None, max_seq_len=64)
     dataset = build_dataset(train_path=folder, datasets_type="iterable", transform=transform, shuffle_buffer_size=16)
-    loader = build_dataloader(
-        dataset=dataset, micro_batch_size=2, max_seq_len=64, dyn_bsz=True, num_workers=2, drop_last=False
-    )  # dp rank and size come from the parallel state
+    loader = build_dataloader(dataset=dataset, micro_batch_size=2, max_seq_len=64, dyn_bsz=True, num_workers=2,
+                              drop_last=False)  # dp rank and size come from the parallel state
     loader.set_epoch(0)
     mine = []
     for step in loader:

@@ -30,9 +30,7 @@ LAYOUTS = {
 
 
 def full_state(model):
-    return {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()
-    }
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
 
 
 def folder_tensors(folder: str):

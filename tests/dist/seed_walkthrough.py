@@ -74,7 +74,10 @@ if __name__ == "__main__":
         )
 
     train_dataset = build_dataset(
-        dataset_name=args.data.dataset_name, transform=transform, seed=args.train.seed, **asdict(args.data)
+        dataset_name=args.data.dataset_name,
+        transform=transform,
+        seed=args.train.seed,
+        **asdict(args.data)
     )
 
     dataset_length = None if not hasattr(train_dataset, "__len__") else len(train_dataset)
