@@ -71,6 +71,7 @@ class Verify:
 
     def argv(self, layout_flags, out: str, extra=()) -> List[str]:
         flags = ["--train.max_steps", str(self.steps), "--train.checkpoint.save_steps", str(self.save_at)]
+        flags += ["--train.checkpoint.save_total_limit", "0"]  # the step-k checkpoint the resume reads stays
         flags += [
             "--data.eval_path",
             "null",
