@@ -107,6 +107,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("data",),
     ("trainer",),
     ("plan", "launch", "chat"),
+    ("verify",),  # python -m veomni.verify: runs the trainer and reads the planner
 )
 
 

@@ -14,7 +14,6 @@ same_batches   every world size trains on one process's global batches (rank r t
                `same_batches:fsdp2,ddp` trains once per mode in this launch, into <output_dir>/<mode>
 """
 
-import dataclasses
 import json
 import os
 import signal
@@ -25,7 +24,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import veomni.checkpoint.checkpointer as checkpointer_module
-import veomni.trainer.text_trainer as text_trainer_module
 from veomni.arguments import VeOmniArguments, parse_args
 from veomni.distributed import destroy_parallel_state
 from veomni.distributed.offload import (
@@ -38,6 +36,7 @@ from veomni.distributed.offload import (
 )
 from veomni.trainer import TextTrainer
 from veomni.utils import get_device
+from veomni.verify.harness import SameGlobalBatches
 
 
 class MoveSpy:
@@ -116,44 +115,6 @@ class StallAtStep11(TextTrainer):
         while self.global_step == 10:  # step 10 and its checkpoint are done; wait here for the SIGKILL
             time.sleep(1)
         return super().forward_loss_sum(micro_batch)
-
-
-class RankShare:
-    """A one-process loader seen by one data-parallel rank: its share of each global batch's micro-batches."""
-
-    def __init__(self, loader, dp_rank: int, dp_size: int):
-        self.loader, self.dp_rank, self.dp_size = loader, dp_rank, dp_size
-
-    def __iter__(self):
-        for micro_batches in self.loader:
-            yield micro_batches[self.dp_rank :: self.dp_size]
-
-    def set_epoch(self, epoch, first_step=0):
-        self.loader.set_epoch(epoch, first_step)
-
-    def state_dict(self):
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state):
-        self.loader.load_state_dict(state)
-
-
-class SameGlobalBatches(TextTrainer):
-    """Identical global batches whatever the number of ranks, so parity with one process tests the parallelism
-    alone (how the real loader deals data out over ranks is tested in test_data_loader.py)."""
-
-    def build_dataloader(self):
-        real, dp = text_trainer_module.build_loader, self.parallel_state.dp_size
-
-        def one_process_loader(dataset, collate_fn, batching, dp_rank, dp_size, **kwargs):
-            batching = dataclasses.replace(batching, dataloader_batch_size=batching.dataloader_batch_size * dp)
-            return real(dataset, collate_fn, batching, 0, 1, **kwargs)
-
-        text_trainer_module.build_loader = one_process_loader
-        try:
-            return RankShare(super().build_dataloader(), self.parallel_state.dp_rank, dp)
-        finally:
-            text_trainer_module.build_loader = real
 
 
 def crash_in_the_middle_of_step_20():

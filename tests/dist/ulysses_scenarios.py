@@ -15,20 +15,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from trainer_scenarios import SameGlobalBatches  # noqa: E402
-
-from veomni.arguments import VeOmniArguments, parse_args  # noqa: E402
-from veomni.distributed import destroy_parallel_state, init_parallel_state  # noqa: E402
-from veomni.ops.attention import varlen_attention_forward  # noqa: E402
-from veomni.trainer import TextTrainer  # noqa: E402
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from veomni.arguments import VeOmniArguments, parse_args
+from veomni.distributed import destroy_parallel_state, init_parallel_state
+from veomni.ops.attention import varlen_attention_forward
+from veomni.trainer import TextTrainer
+from veomni.verify.harness import ProbedTrainer as Trainer
+from veomni.verify.harness import full as _full
 
 
 def final_state(trainer) -> dict:
@@ -100,11 +93,6 @@ def check_attention(state, heads: int, kv_heads: int) -> None:
         if rank == 0:
             report = {"attention": inner, "heads": heads, "kv_heads": kv_heads, "max_err": err, "grad_err": gerr}
             print(json.dumps(report), flush=True)
-
-
-class Trainer(SameGlobalBatches):
-    def build_callbacks(self):  # no loss.png: matplotlib costs a second a run, and the plot is not under test
-        return [c for c in super().build_callbacks() if type(c).__name__ != "LossPlotCallback"]
 
 
 def main():

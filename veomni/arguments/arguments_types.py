@@ -341,6 +341,16 @@ class TrainingArguments:
     enable_full_determinism: bool = _doc("Deterministic kernels (slower).", default=False)
     log_steps: int = _doc("Print a metrics line every N steps.", default=1)
     skip_nonfinite_steps: bool = _doc("Skip a step with non-finite loss/grad instead of stopping.", default=False)
+    plan_check: Literal["refuse", "warn", "off"] = _doc(
+        "The planner's memory check of the task's PlanCheckCallback (tasks/train_text.py): a layout predicted to "
+        "exceed plan_check_memory_gib is refused before the first step (one line naming the largest term and the "
+        "layouts that fit), or only warned about; off: no check.",
+        default="refuse",
+    )
+    plan_check_memory_gib: Optional[float] = _doc(
+        "Device memory the plan check holds the predicted peak to; null: 95% of the GPU's memory (no check on CPU).",
+        default=None,
+    )
     use_tensorboard: bool = _doc("Write TensorBoard scalars under output_dir/tensorboard.", default=False)
     tf32: bool = _doc(
         "On CUDA, fp32 matmuls and convolutions use TensorFloat-32 tensor cores (10-bit mantissa inputs, fp32 "

@@ -1,9 +1,16 @@
-"""The planner's figures checked on every run: rank 0 logs the predicted memory when training starts, and after
-its second step the measured peak beside the prediction (torch.cuda.max_memory_allocated on CUDA; on CPU, where
-no allocator keeps a peak, the bytes of parameters and optimizer state, against their exact prediction)."""
+"""The planner's figures checked on every run: before the first step every rank predicts its peak memory, and a
+layout whose largest rank exceeds the device's memory (`train.plan_check_memory_gib`, or 95% of the GPU's) is
+refused in one line naming the largest term and the layouts that fit (`train.plan_check: refuse`), or warned about
+(`warn`); rank 0 logs the prediction, and after the second step the measured peak beside it
+(torch.cuda.max_memory_allocated on CUDA; on CPU, where no allocator keeps a peak, the bytes of parameters and
+optimizer state, against their exact prediction)."""
+
+from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 
+from ..arguments import ConfigError
 from ..trainer.callbacks import Callback
 from ..utils.device import get_device_type
 from ..utils.logging import get_logger
@@ -38,6 +45,74 @@ def _tensor_bytes(trainer) -> int:
     return sum(nbytes(p) for p in trainer.model.parameters()) + sum(nbytes(v) for v in states)
 
 
+class PlanRefused(ConfigError):
+    """The layout is predicted not to fit the device's memory (said in one line, like a config mistake)."""
+
+
+def device_budget(args) -> Optional[float]:
+    """Bytes the predicted peak must fit: train.plan_check_memory_gib, else 95% of the GPU's (None on CPU)."""
+    if args.train.plan_check_memory_gib is not None:
+        return args.train.plan_check_memory_gib * GIB
+    if get_device_type() == "cuda":
+        from .planner import HEADROOM
+
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory * HEADROOM
+    return None
+
+
+def fitting_layouts(args, world: int, capacity: float, top: int = 3) -> List[str]:
+    """The planner's fastest layouts of this world size whose predicted peak fits `capacity` (GPU dtypes)."""
+    from ..distributed.torch_parallelize import no_split_module_names
+    from .analytic import ShapeModel
+    from .cost import GPUS, Hardware
+    from .planner import _param_dtype_bytes
+    from .real_plan import build_meta_model, dtype_bytes, layout_of, model_shape, reshard_after_forward
+    from .report import describe
+    from .search import Budget, search
+
+    model = build_meta_model(args, "cuda")
+    shapes = ShapeModel(model, no_split_module_names(model) + list(args.model.basic_modules), args.train.optimizer.type)
+    compute, reduce = dtype_bytes(args, "cuda")
+    tokens = (args.train.global_batch_size or args.train.micro_batch_size) * args.data.max_seq_len
+    budget = Budget(tokens, args.data.max_seq_len, compute, reduce, _param_dtype_bytes(args),
+                    args.model.ops_implementation.loss_chunk_size, reshard_after_forward(args, 2))  # fmt: skip
+    hardware = Hardware(GPUS["h100"], min(world, 8), 0.4, None, None)
+    found = search(shapes, model_shape(args), world, budget, hardware, layout_of(args, world).mb_tokens)
+    return [describe(c.layout) for c in found if c.fits(capacity)][:top]
+
+
+def _largest_peak(trainer, peak: float) -> float:
+    """The largest predicted peak over the ranks (every rank calls this: one all-reduce in host memory)."""
+    value = torch.tensor([peak], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=trainer._host_group())
+    return float(value.item())
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale / 10:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def refusal(trainer, predicted, peak: float, budget: float) -> str:
+    """The one line that refuses (or warns about) a layout predicted not to fit."""
+    terms = {k: v for k, v in predicted.as_dict().items() if k != "peak"} if predicted else {"another rank's": peak}
+    largest = max(terms, key=terms.get)
+    try:
+        fits = fitting_layouts(trainer.args, dist.get_world_size(), budget)
+    except Exception as err:  # the search is advice: its failure must not hide the verdict
+        fits, why = [], f" (no search: {type(err).__name__})"
+    else:
+        why = ""
+    alternatives = "; ".join(fits) if fits else "none found" + why
+    return (
+        f"train.plan_check: this layout is predicted to need {_size(peak)} per rank, over the {_size(budget)} of "
+        f"device memory (train.plan_check_memory_gib); largest term: {largest} {_size(terms[largest])}; layouts of "
+        f"{dist.get_world_size()} ranks that fit: {alternatives}"
+    )
+
+
 class PlanCheckCallback(Callback):
     """Handed to the trainer by the task (tasks/train_text.py): the planner is not part of the training loop."""
 
@@ -45,12 +120,24 @@ class PlanCheckCallback(Callback):
         self.predicted, self.steps = None, 0
 
     def on_train_begin(self, trainer):
-        if not trainer.is_main:
+        mode, budget = trainer.args.train.plan_check, device_budget(trainer.args)
+        if mode == "off" or (budget is None and not trainer.is_main):
             return
         try:
             self.predicted = predict_for_trainer(trainer)
+            peak = self.predicted.peak
         except Exception as err:  # a model the planner cannot read must not stop training
             logger.warning(f"plan: no memory prediction for this run ({type(err).__name__}: {err})")
+            self.predicted, peak = None, 0.0
+        if budget is not None:  # every rank alike: the verdict is the same everywhere
+            peak = _largest_peak(trainer, peak)
+            if peak > budget:
+                message = refusal(trainer, self.predicted, peak, budget)
+                if mode == "refuse":
+                    raise PlanRefused(message + " (train.plan_check: warn to run anyway)")
+                if trainer.is_main:
+                    logger.warning(message + " (train.plan_check: warn, so it runs)")
+        if self.predicted is None or not trainer.is_main:
             return
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.predicted.as_dict().items())
         logger.info(f"plan (python -m veomni.plan) predicts per rank, GiB: {parts}")
@@ -59,7 +146,7 @@ class PlanCheckCallback(Callback):
 
     def on_step_end(self, trainer, metrics):
         self.steps += 1
-        if self.predicted is None or self.steps != 2:
+        if self.predicted is None or self.steps != 2 or not trainer.is_main:
             return
         if get_device_type() == "cuda":
             measured, predicted, what = torch.cuda.max_memory_allocated(), self.predicted.peak, "peak memory"

@@ -1,0 +1,78 @@
+"""What a verify run leaves for a bug report: the planner's predicted vs measured bytes, and a markdown file with
+the versions, the config, the table and the failing parameter."""
+
+import platform
+import sys
+from typing import Dict, List
+
+from .compare import render_table
+
+MIB = 2**20
+
+
+def render_plans(plans: Dict[str, dict]) -> str:
+    """Per layout, the largest rank's predicted / measured MiB of parameters, gradients, optimizer state, and of
+    the collectives of one optimizer step."""
+    lines = ["planner, per rank (largest rank), predicted / measured MiB (collectives: one step's bytes):"]
+    for name, plan in plans.items():
+        predicted, measured = plan.get("predicted", {}), plan.get("measured", {})
+        if "error" in predicted:
+            lines.append(f"  {name}: no prediction ({predicted['error']})")
+            continue
+        parts = []
+        for key in ("params", "grads", "optimizer", "collectives"):
+            if key in predicted:
+                seen = f"{measured[key] / MIB:.3f}" if key in measured else "-"
+                parts.append(f"{key} {predicted[key] / MIB:.3f} / {seen}")
+        lines.append(f"  {name}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def _versions() -> List[str]:
+    import torch
+    import transformers
+
+    import veomni
+
+    return [
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}",
+        f"veomni {getattr(veomni, '__version__', '?')}, {platform.platform()}",
+        f"devices: {torch.cuda.device_count()} CUDA" if torch.cuda.is_available() else "devices: CPU (gloo)",
+    ]
+
+
+def write_report(path: str, config: str, overrides: List[str], options, outcome) -> None:
+    failing = [row.verdict() for row in outcome.rows if not row.ok]
+    with open(config) as f:
+        config_text = f.read()
+    text = [
+        "# veomni verify report",
+        "",
+        f"Verdict: **{'FAILED' if failing else 'every layout within tolerance'}** ({outcome.seconds:.0f} s)",
+        *[f"- {line}" for line in failing],
+        "",
+        "## Versions",
+        *[f"- {line}" for line in _versions()],
+        "",
+        "## Command",
+        "",
+        f"    python -m veomni.verify {config} {' '.join(overrides)} --layouts {options.layouts} "
+        f"--steps {options.steps} --nproc {options.nproc}",
+        "",
+        "## Results",
+        "",
+        "```",
+        render_table(outcome.rows, outcome.skipped),
+        "",
+        render_plans(outcome.plans),
+        "```",
+        "",
+        f"## Config ({config})",
+        "",
+        "```yaml",
+        config_text.rstrip(),
+        "```",
+        "",
+    ]
+    with open(path, "w") as f:
+        f.write("\n".join(text))
