@@ -84,7 +84,7 @@ def fitting_layouts(args, world: int, capacity: float, top: int = 3) -> List[str
 def _largest_peak(trainer, peak: float) -> float:
     """The largest predicted peak over the ranks (every rank calls this: one all-reduce in host memory)."""
     value = torch.tensor([peak], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=trainer._host_group())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=trainer.host_group.get())
     return float(value.item())
 
 

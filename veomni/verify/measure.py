@@ -68,7 +68,7 @@ class PlanMeasure(Callback):
                 dist.barrier()  # keep the ranks' collectives in step
                 continue
             values = torch.tensor([float(table[k]) for k in keys], dtype=torch.float64)
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=trainer._host_group())
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=trainer.host_group.get())
             table.update(zip(keys, values.tolist()))
 
 
