@@ -81,6 +81,7 @@ RULES: Dict[str, Rule] = {
     "train.eval_max_new_tokens": at_least(1),
     "train.early_stopping_patience": at_least(0),
     "train.accelerator.dist_timeout_minutes": positive(),
+    "train.plan_check_memory_gib": optional(positive(), "the GPU's memory; nothing checked on CPU"),
     "model.ops_implementation.loss_chunk_size": at_least(0),
     "model.lora.r": at_least(1),
     "model.lora.alpha": positive(),
