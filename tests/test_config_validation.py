@@ -39,6 +39,7 @@ BAD = [
     ("train.eval_max_new_tokens", "0"),
     ("train.early_stopping_patience", "-1"),
     ("train.accelerator.dist_timeout_minutes", "0"),
+    ("train.plan_check_memory_gib", "0"),
     ("model.ops_implementation.loss_chunk_size", "-1"),
     ("model.lora.r", "0"),
     ("model.lora.alpha", "0"),

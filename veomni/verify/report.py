@@ -29,14 +29,13 @@ def render_plans(plans: Dict[str, dict]) -> str:
 
 
 def _versions() -> List[str]:
-    import torch
-    import transformers
+    from importlib.metadata import version
 
-    import veomni
+    import torch
 
     return [
-        f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}",
-        f"veomni {getattr(veomni, '__version__', '?')}, {platform.platform()}",
+        f"python {sys.version.split()[0]}, torch {version('torch')}, transformers {version('transformers')}",
+        f"veomni {version('veomni')}, {platform.platform()}",
         f"devices: {torch.cuda.device_count()} CUDA" if torch.cuda.is_available() else "devices: CPU (gloo)",
     ]
 
