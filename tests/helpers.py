@@ -208,17 +208,69 @@ def torchrun_cmd(nproc: int, *argv: str) -> List[str]:
 def torchrun(
     script: str, args: List[str], nproc: int, timeout: int = 300, check: bool = True
 ) -> subprocess.CompletedProcess:
+    """`script args` on `nproc` local ranks. A launch expected to succeed (`check`) starts its ranks directly with
+    the variables torchrun would give them (`launch_ranks`): torchrun's agent process costs as much CPU as a rank's
+    imports, and the suite makes hundreds of launches. A launch whose failure is under test goes through the real
+    torchrun, whose failure handling (error files, the summary, tearing the others down) is part of what it tests."""
     env = child_env()
     if nproc == 1:  # plain `python` is a world of one (init_distributed): no launcher to start, seconds saved
         cmd = [sys.executable, script, *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    elif check:
+        cmd = [sys.executable, script, *args]
+        proc = launch_ranks(cmd, nproc, env, timeout)
     else:
         cmd = torchrun_cmd(nproc, "--master_port=0", script, *args)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`cmd` on `nproc` local ranks with torchrun's environment (one node, a fresh port), without its agent: the
+    ranks' output goes to one stdout and one stderr as under torchrun; when a rank fails the others are stopped
+    (SIGTERM, then SIGKILL after a grace period) and the first failure's exit code is returned."""
+    import signal
+    import socket
+    import tempfile
+    import time
+
+    with socket.socket() as s:  # a free port for rank 0's store (the ranks bind it a moment later)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = {"WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc, "GROUP_WORLD_SIZE": 1, "ROLE_WORLD_SIZE": nproc,
+             "GROUP_RANK": 0, "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+             "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0}  # fmt: skip
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        ranks = [
+            subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True, env={
+                **env, **{k: str(v) for k, v in world.items()}, "RANK": str(r), "LOCAL_RANK": str(r),
+                "ROLE_RANK": str(r)})  # fmt: skip
+            for r in range(nproc)
+        ]
+        deadline, code, stop_at = time.monotonic() + timeout, 0, None
+        while any(p.poll() is None for p in ranks):
+            failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
+            if failed and stop_at is None:  # torchrun's way: the others are told to stop, then killed
+                code, stop_at = failed[0], time.monotonic() + 15
+                for p in ranks:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGTERM)
+            if time.monotonic() > deadline or (stop_at is not None and time.monotonic() > stop_at):
+                for p in ranks:
+                    if p.poll() is None:
+                        p.kill()
+                if stop_at is None:
+                    [p.wait() for p in ranks]
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.05)
+        code = code or next((p.returncode for p in ranks if p.returncode), 0)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
 def read_metrics(output_dir: str) -> List[dict]:
