@@ -163,3 +163,39 @@ def trained_runs(tmp_path_factory) -> dict:
     runs["log"] = proc.stdout + proc.stderr
     _built["runs"] = runs
     return runs
+
+
+PLAYS, PLAYS_COMMIT = "bard-org/plays", "3" * 40
+
+
+def build_plays_cache(tmp_path_factory) -> dict:
+    """Shakespeare paragraphs (the demo assets' real text) as the parquet splits of a hub dataset repo
+    (`data/train-*.parquet`, `data/test-*.parquet`: a `default` config with splits train and test, as the hub lays
+    out a converted dataset), added as `bard-org/plays` to a hub cache. The train parquet holds 32 row groups of 2
+    rows: as many units as a 2-slot stream wants (streaming.py), so the local file and the hub stream are cut alike.
+    Returns {"cache", "train" (the local parquet), "tokenizer"}; built once a session."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from helpers import REPO
+    from veomni.utils.demo_assets import ensure_demo_assets
+
+    if "plays" in _built:
+        return _built["plays"]
+    root = ensure_demo_assets(os.path.join(REPO, ".assets"), quiet=True)
+    with open(os.path.join(root, "shakespeare", "train.jsonl")) as f:
+        texts = [json.loads(next(f))["text"][:300] for _ in range(72)]
+    tmp = tmp_path_factory.mktemp("plays")
+    repo = tmp / "repo"
+    os.makedirs(repo / "data")
+    train = str(repo / "data" / "train-00000-of-00001.parquet")
+    pq.write_table(pa.Table.from_pylist([{"text": t} for t in texts[:64]]), train, row_group_size=2)
+    pq.write_table(
+        pa.Table.from_pylist([{"text": t} for t in texts[64:]]), str(repo / "data" / "test-00000-of-00001.parquet")
+    )
+    cache = str(tmp / "cache")
+    add_to_hub_cache(cache, PLAYS, str(repo), PLAYS_COMMIT, repo_type="dataset")
+    _built["plays"] = {"cache": cache, "train": train, "tokenizer": os.path.join(root, "tokenizer"), "tmp": str(tmp)}
+    return _built["plays"]

@@ -7,7 +7,18 @@ import subprocess
 import sys
 
 import pytest
-from hub_cache import COMMIT, DATA_COMMIT, NEW_TOKENS, PROMPTS, build_hub_cache, offline_env, trained_runs
+from hub_cache import (
+    COMMIT,
+    DATA_COMMIT,
+    NEW_TOKENS,
+    PLAYS,
+    PLAYS_COMMIT,
+    PROMPTS,
+    build_hub_cache,
+    build_plays_cache,
+    offline_env,
+    trained_runs,
+)
 
 from helpers import REPO, read_metrics, torchrun_cmd
 
@@ -89,3 +100,97 @@ def test_a_missing_name_offline_is_a_one_line_config_error(hub_cache, monkeypatc
     assert args.data.train_path == os.path.join(
         hub_cache, "datasets--tiny-org--chats", "snapshots", DATA_COMMIT, "data"
     )
+
+
+# ------------------------------------------------------------------------ hub datasets through `datasets`
+def _plays_runs(plays, tmp_path) -> dict:
+    """Four trainings in ONE process: the train parquet given as a local file and as `hf://datasets/...:train`,
+    map-style and streamed. Returns {name: metrics}."""
+    import yaml
+
+    from helpers import write_model_config
+
+    model = write_model_config(str(tmp_path / "model"), vocab_size=4096)  # the demo tokenizer's vocabulary
+    runs, argv = {}, ["sequence"]
+    for kind in ("mapping", "iterable"):
+        for where, path in (("local", plays["train"]), ("hub", f"hf://datasets/{PLAYS}:train")):
+            data = {"train_path": path, "datasets_type": kind, "max_seq_len": 48, "data_type": "plaintext"}
+            train = {"seed": 0, "micro_batch_size": 2, "global_batch_size": 4, "dyn_bsz": False, "max_steps": 3}
+            config = {"model": {"config_path": model, "tokenizer_path": plays["tokenizer"]}, "data": data}
+            config["train"] = {**train, "init_device": "cpu", "log_steps": 1}
+            name = f"{where}-{kind}"
+            path_yaml, runs[name] = str(tmp_path / f"{name}.yaml"), str(tmp_path / name)
+            with open(path_yaml, "w") as f:
+                yaml.safe_dump(config, f)
+            argv += (["::"] if len(argv) > 1 else []) + [
+                "plain",
+                path_yaml,
+                "--train.checkpoint.output_dir",
+                runs[name],
+            ]
+    env = {**offline_env(plays["cache"]), "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds")}
+    cmd = [sys.executable, os.path.join(REPO, "tests", "dist", "trainer_scenarios.py"), *argv]  # a world of one
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {name: read_metrics(out) for name, out in runs.items()}
+
+
+def test_a_hub_dataset_split_trains_as_its_parquet_map_style_and_streamed(tmp_path_factory, tmp_path):
+    """`hf://datasets/org/name:train` through `datasets` (offline: the snapshot in the hub cache) gives the same
+    batches, hence bit-identical losses, as the split's parquet file given as a local path: map-style (the split
+    prepared by `load_dataset`, then our sample cache) and streamed (`datasets` streaming, its row groups the units)."""
+    plays = build_plays_cache(tmp_path_factory)
+    metrics = _plays_runs(plays, tmp_path)
+    for kind in ("mapping", "iterable"):
+        local, by_name = metrics[f"local-{kind}"], metrics[f"hub-{kind}"]
+        assert [m["step"] for m in local] == [1, 2, 3], kind
+        for key in ("loss", "grad_norm", "tokens"):  # what the batches hold and what they train to
+            assert [m.get(key) for m in by_name] == [m.get(key) for m in local], (kind, key)
+    assert metrics["local-mapping"][0]["loss"] != metrics["local-iterable"][0]["loss"]  # two different orders
+
+
+def test_hub_dataset_errors_fingerprint_and_lazy_import(tmp_path_factory, tmp_path, monkeypatch):
+    """A config or split typo: one line naming the key and what the repo has. The data fingerprint records the
+    name, commit, config and split. Local data never imports `datasets`."""
+    from huggingface_hub import constants
+
+    from veomni.data import build_dataset
+    from veomni.utils import hub
+
+    plays = build_plays_cache(tmp_path_factory)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", plays["cache"])
+    monkeypatch.setattr(hub, "data_entries", {})
+    with monkeypatch.context() as without:  # local data needs no `datasets`; a hub split says how to get it
+        without.setitem(sys.modules, "datasets", None)
+        assert len(build_dataset(train_path=plays["train"], datasets_type="iterable").units) == 32
+        with pytest.raises(hub.HubNameError, match=r"pip install 'veomni\[hub\]'"):
+            build_dataset(train_path=f"hf://datasets/{PLAYS}:train", datasets_type="iterable")
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "ds"))
+    errors = {}
+    for path in (f"hf://datasets/{PLAYS}:trian", f"hf://datasets/{PLAYS}/defualt:train", f"hf://datasets/{PLAYS}/x"):
+        with pytest.raises(hub.HubNameError) as err:
+            build_dataset(train_path=path, datasets_type="iterable")
+        errors[path] = str(err.value)
+    assert list(errors.values()) == [
+        f"data.train_path: hf://datasets/{PLAYS}:trian: {PLAYS} (config default) has no split 'trian'; "
+        "its splits: ['train', 'test']",
+        f"data.train_path: hf://datasets/{PLAYS}/defualt:train: {PLAYS} has no config (nor file or folder) "
+        "'defualt'; its configs: ['default']",
+        f"data.train_path: hf://datasets/{PLAYS}/x: {PLAYS} has no config (nor file or folder) 'x'; its configs: "
+        "['default']",
+    ]
+    source = f"{PLAYS}@{PLAYS_COMMIT} config=default split=test"
+    for kind, path in (("iterable", f"hf://datasets/{PLAYS}:test"), ("mapping", f"hf://datasets/{PLAYS}/default:test")):
+        dataset = build_dataset(train_path=path, datasets_type=kind, transform=_tokens, cache_dir=str(tmp_path / "c"))
+        assert dataset.data_fingerprint()["source"] == source, kind
+        assert len(list(dataset) if kind == "iterable" else dataset) == 8, kind  # the test split's 8 records
+    # the file form stays: a path in the repo is read by our own readers
+    files = build_dataset(train_path=hub.download(f"hf://datasets/{PLAYS}/data", data=True), datasets_type="iterable")
+    assert len(files.files) == 2 and "source" not in files.data_fingerprint()
+
+
+def _tokens(record):
+    return {"input_ids": [ord(c) for c in record["text"][:8]]}

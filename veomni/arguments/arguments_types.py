@@ -30,7 +30,8 @@ class DataArguments:
 
     train_path: Optional[str] = _doc(
         "Training data: a file, a glob, a folder, a dataset.yaml, or a hub dataset "
-        "`hf://datasets/org/name[@rev][/path/in/repo]` (its files, fetched into the huggingface_hub cache).",
+        "`hf://datasets/org/name[@rev][/path/in/repo]` (its files, fetched into the huggingface_hub cache), or "
+        "`hf://datasets/org/name[@rev][/config][:split]` (through `datasets`: pip install 'veomni[hub]').",
         default=None,
     )
     eval_path: Optional[str] = _doc(

@@ -76,18 +76,20 @@ def _content_hash(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int
     return digest.hexdigest()
 
 
-def data_fingerprint(files: List[str], transform: Any) -> Dict[str, Optional[str]]:
+def data_fingerprint(files: List[str], transform: Any, source: Optional[str] = None) -> Dict[str, Optional[str]]:
     """What a run's data is made of, part by part, so that a change can be named: the data `files` (their sizes and
     sampled content, in order: the same data moved or touched is the same), the `transform` (its code and
     arguments, the tokenizer aside) and the `tokenizer` it uses (None if it has none). Raises Unfingerprintable for
-    a transform that hides its state."""
+    a transform that hides its state. `source`: where the files came from, when they came by name (a hub dataset's
+    name, commit, config and split; hub_datasets.py), recorded as such."""
     tokenizer = find_tokenizer(transform)
     contents = [(size, content) for _, size, _, content in files_fingerprint(files)]
-    return {
+    parts = {
         "files": hashlib.sha256(repr(contents).encode()).hexdigest()[:20],
         "transform": fingerprint(transform, package=False, exclude=tokenizer),
         "tokenizer": fingerprint(tokenizer, package=False) if tokenizer is not None else None,
     }
+    return {**parts, "source": source} if source else parts
 
 
 def cache_key(version: int, files: List[str], parts: Dict[str, Optional[str]], *extra: Any) -> str:

@@ -29,6 +29,8 @@ class MappingDataset(Dataset, Transforming):
     """`records`: RecordFiles over data files, or any map-style dataset of records; `transform` may give several
     samples for one record (a long document's pieces). Epoch e shuffles the records with seed `seed + e`."""
 
+    source: Optional[str] = None  # where files that came by name came from (a hub dataset), in the fingerprint
+
     def __init__(
         self,
         records,

@@ -228,7 +228,7 @@ def _key(dataset, cache_dir: str, name: str) -> Tuple[str, Optional[Dict[str, st
     try:
         if not dataset.files:
             raise Unfingerprintable(f"a {type(dataset.reader.dataset).__name__} in memory")
-        parts = data_fingerprint(dataset.files, dataset.transform)
+        parts = data_fingerprint(dataset.files, dataset.transform, getattr(dataset, "source", None))
         key = cache_key(FORMAT, dataset.files, parts, dataset.skip_bad_samples)
         return os.path.join(cache_dir, f"{name}-{key}"), parts
     except Unfingerprintable as err:

@@ -32,6 +32,8 @@ def mix(*values: int) -> int:
 class IterativeDataset(IterableDataset, Transforming):
     """Records streamed from `files` through a seeded shuffle buffer of `shuffle_buffer_size` records."""
 
+    source: Optional[str] = None  # where the data came by name from (a hub dataset), in the fingerprint
+
     def __init__(
         self,
         files: List[str],
@@ -64,7 +66,7 @@ class IterativeDataset(IterableDataset, Transforming):
         """What the data is made of (files, transform, tokenizer; fingerprint.py), None when it cannot be told."""
         if not hasattr(self, "_fingerprint"):
             try:
-                self._fingerprint = data_fingerprint(self.files, self.transform)
+                self._fingerprint = data_fingerprint(self.files, self.transform, getattr(self, "source", None))
             except Unfingerprintable:
                 self._fingerprint = None
         return self._fingerprint

@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Tuple
 
 from ..arguments import ConfigError
 from ..data.data_transform import DataFormatError
-from ..utils.hub import HubNameError, resolve_on_every_rank
+from ..utils.hub import HubNameError, dataset_reference, resolve_on_every_rank
 
 _DEMO_HINT = " (the demo's assets are built by `python -m veomni.utils.demo_assets`; train.sh does it)"
 
@@ -34,10 +34,10 @@ def check_paths(args) -> None:
             raise ConfigError(f"{key}: {path} does not exist{hint}")
     if not data.train_path:
         raise ConfigError("data.train_path is not set: give a jsonl/json/parquet/arrow file, a glob, or a folder")
-    if not any(c in data.train_path for c in "*?[") and not os.path.exists(data.train_path):
+    if _local(data.train_path) and not os.path.exists(data.train_path):
         hint = _DEMO_HINT if ".assets" in data.train_path else ""
         raise ConfigError(f"data.train_path: {data.train_path} does not exist{hint}")
-    if data.eval_path and not any(c in data.eval_path for c in "*?[") and not os.path.exists(data.eval_path):
+    if data.eval_path and _local(data.eval_path) and not os.path.exists(data.eval_path):
         hint = _DEMO_HINT if ".assets" in data.eval_path else ""
         raise ConfigError(f"data.eval_path: {data.eval_path} does not exist{hint}")
     train = args.train
@@ -49,11 +49,19 @@ def check_paths(args) -> None:
             raise ConfigError(f"train.{key} compares eval losses: it needs data.eval_path (held-out data)")
 
 
+def _local(path: str) -> bool:
+    """A path that names one local file or folder (not a glob, not a hub dataset read through `datasets`)."""
+    return not any(c in path for c in "*?[") and dataset_reference(path) is None
+
+
 def resolve_hub_names(args) -> None:
     """`org/name[@rev]` model paths and `hf://datasets/...` data paths replaced by their folders in the hub cache
-    (downloaded by local rank 0 of each node); the hub name stays known for what records it (a LoRA adapter)."""
+    (downloaded by local rank 0 of each node), or for data read through `datasets` (`...:split`), by the path
+    pinned to its commit (its split prepared by local rank 0, unless streamed); the hub name stays known for what
+    records it (a LoRA adapter)."""
+    streamed = "iterable" if args.data.datasets_type == "iterable" else True
     keys = [("model", k, False) for k in ("config_path", "model_path", "tokenizer_path")]
-    keys += [("data", k, True) for k in ("train_path", "eval_path")]
+    keys += [("data", "train_path", streamed), ("data", "eval_path", True)]
     items = [(f"{group}.{k}", getattr(getattr(args, group), k), data) for group, k, data in keys]
     try:
         found = resolve_on_every_rank(items)

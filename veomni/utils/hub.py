@@ -2,7 +2,11 @@
 
     model.model_path: Qwen/Qwen3-0.6B                  (also config_path, tokenizer_path)
     model.model_path: Qwen/Qwen3-0.6B@<branch|tag|commit>
-    data.train_path:  hf://datasets/org/name[@rev][/path/in/the/repo]
+    data.train_path:  hf://datasets/org/name[@rev][/path/in/the/repo]    (the repo's files, read by our readers)
+    data.train_path:  hf://datasets/org/name[@rev][/config][:split]      (through `datasets`, hub_datasets.py)
+
+A data path with `:split`, or whose segment after the name is no file or folder of the repo, is a config (default:
+the repo's default) and split (default: train) loaded with `datasets.load_dataset` (veomni/data/hub_datasets.py).
 
 A name that is not a local path is fetched with `huggingface_hub.snapshot_download`, which honours `HF_HOME`,
 `HF_HUB_CACHE` and `HF_HUB_OFFLINE` (offline, only the cache is read: `models--org--name/snapshots/<commit>/` found
@@ -15,15 +19,19 @@ the config and its filesystem: a folder named like `org/name` that exists on som
 
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 DATA_PREFIX = "hf://datasets/"
 _REPO = r"[A-Za-z0-9][\w.-]*/[\w.-]+"
 _MODEL_NAME = re.compile(rf"^(?P<repo>{_REPO})(@(?P<rev>[\w.-]+))?$")
-_DATA_NAME = re.compile(rf"^{re.escape(DATA_PREFIX)}(?P<repo>{_REPO})(@(?P<rev>[\w.-]+))?(/(?P<sub>.+))?$")
+_DATA_NAME = re.compile(
+    rf"^{re.escape(DATA_PREFIX)}(?P<repo>{_REPO})(@(?P<rev>[\w.-]+))?(/(?P<sub>[^:]+?))?(:(?P<split>[\w.-]+))?$"
+)
 
 # local snapshot folder -> the hub name it came from (a LoRA adapter records the name, not the cache path)
 _resolved_names: Dict[str, str] = {}
+# pinned `hf://datasets/...:split` path -> {"source", "revision", "files"} (hub_datasets.prepare; the same on every rank)
+data_entries: Dict[str, dict] = {}
 
 
 class HubNameError(ValueError):
@@ -39,6 +47,16 @@ def hub_reference(path: Optional[str], data: bool = False) -> Optional[Tuple[str
     if not match or (not data and path.startswith((".", "/"))):
         return None
     return match["repo"], match["rev"], (match.groupdict().get("sub") or "")
+
+
+def dataset_reference(path: Optional[str]):
+    """The HubData (veomni.data.hub_datasets) of a data path in the `datasets` form (`...:split`), else None."""
+    match = _DATA_NAME.match(path) if isinstance(path, str) else None
+    if not match or not match["split"]:
+        return None
+    from ..data.hub_datasets import HubData
+
+    return HubData(match["repo"], match["rev"], match["sub"] or None, match["split"])
 
 
 def hub_name_of(local_path: Optional[str]) -> Optional[str]:
@@ -63,13 +81,16 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def download(path: str, key: str = "model.model_path", data: bool = False) -> str:
+def download(path: str, key: str = "model.model_path", data=False) -> str:
     """The local folder (or file) of hub name `path`, downloaded into the hub cache when online; `path` itself when
-    it is local. Raises HubNameError naming `key`, the cache looked in and the offline flag."""
+    it is local. Raises HubNameError naming `key`, the cache looked in and the offline flag. A data path in the
+    `datasets` form is prepared (hub_datasets.prepare; `data="iterable"`: for streaming) and returned pinned."""
     ref = hub_reference(path, data)
     if ref is None:
         return path
     repo, revision, sub = ref
+    if data and dataset_reference(path) is not None:
+        return _prepare_data(dataset_reference(path), key, path, data)
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -79,16 +100,30 @@ def download(path: str, key: str = "model.model_path", data: bool = False) -> st
             repo, revision=revision, repo_type="dataset" if data else "model", allow_patterns=patterns
         )
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
-        raise HubNameError(_explain(key, path, err)) from None
+        raise HubNameError(explain(key, path, err)) from None
     local = os.path.join(folder, sub) if sub else folder
+    if not os.path.exists(local) and data and "/" not in sub.strip("/"):  # not a file of the repo: a config
+        from ..data.hub_datasets import DEFAULT_SPLIT, HubData
+
+        return _prepare_data(HubData(repo, revision, sub.strip("/"), DEFAULT_SPLIT), key, path, data)
     if not os.path.exists(local):
         raise HubNameError(f"{key}: {path}: the hub snapshot {folder} holds no {sub}")
     _resolved_names[os.path.abspath(local)] = path if data else repo
     return local
 
 
-def _explain(key: str, path: str, err: BaseException) -> str:
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+def _prepare_data(ref, key: str, path: str, data) -> str:
+    from ..data.hub_datasets import prepare
+
+    return prepare(ref, key, path, streaming=data == "iterable")
+
+
+def first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def explain(key: str, path: str, err: BaseException) -> str:
+    first = first_line(err)
     if offline():
         return (
             f"{key}: {path} is neither a local path nor in the hub cache {cache_dir()} "
@@ -101,8 +136,9 @@ def _explain(key: str, path: str, err: BaseException) -> str:
     )
 
 
-def resolve_on_every_rank(items: List[Tuple[str, Optional[str], bool]]) -> Dict[str, str]:
-    """{key: local path} for the (key, path, is_data) items that name hub repos, resolved once per node: local
+def resolve_on_every_rank(items: List[Tuple[str, Optional[str], Any]]) -> Dict[str, str]:
+    """{key: local path} for the (key, path, is_data) items that name hub repos (is_data "iterable": data to
+    stream; a `datasets` path stays a pinned hf:// path, its entry in `data_entries`), resolved once per node: local
     rank 0 downloads, the node's other ranks wait in the gather and take its paths. The same on every rank; a
     failure anywhere raises HubNameError on every rank (the first failing rank's message)."""
     wanted = [(key, path, data) for key, path, data in items if hub_reference(path, data)]
@@ -121,11 +157,12 @@ def resolve_on_every_rank(items: List[Tuple[str, Optional[str], bool]]) -> Dict[
             error = str(err)
     if world > 1:
         gathered = [None] * world
-        dist.all_gather_object(gathered, (error, found, dict(_resolved_names)))
-        error = next((e for e, _, _ in gathered if e), None)
+        dist.all_gather_object(gathered, (error, found, dict(_resolved_names), dict(data_entries)))
+        error = next((e for e, _, _, _ in gathered if e), None)
         if error is None:  # this node's local rank 0 (torchrun numbers a node's ranks contiguously)
-            _, found, names = gathered[dist.get_rank() - local_rank]
+            _, found, names, entries = gathered[dist.get_rank() - local_rank]
             _resolved_names.update(names)
+            data_entries.update(entries)
     if error:
         raise HubNameError(error)
     return found
