@@ -237,28 +237,27 @@ class CausalLMLoss(nn.Module):
             outputs = self.model(**inputs)
             loss_sum, tokens = lm_loss_sum(outputs.logits, labels)
             return LossOutput(loss_sum, tokens, outputs)
+        outputs, hidden = forward_to_head_input(self.model, inputs)
         head = self.model.get_output_embeddings()
-        captured = []
-        handle = head.register_forward_pre_hook(_capture_head_input(captured), prepend=True)
-        try:
-            outputs = self.model(**inputs)
-        finally:
-            handle.remove()
-        if isinstance(self.model, FSDPModule):  # an FSDP2 root: its parameters (the head's) gathered for the chunks
-            self.model.unshard()
-        loss_sum, tokens = chunked_head_loss_sum(
-            head, captured[0], labels, self.chunk_size, self.backend, num_loss_tokens
-        )
+        loss_sum, tokens = chunked_head_loss_sum(head, hidden, labels, self.chunk_size, self.backend, num_loss_tokens)
         return LossOutput(loss_sum, tokens, outputs)
 
 
-def _capture_head_input(captured: list):
-    """A forward pre-hook for the head: keeps its input (the final hidden states) and gives it an empty slice of
-    them, so the model's own forward computes no logits."""
+def forward_to_head_input(model: nn.Module, inputs: Dict[str, Any]) -> Tuple[Any, torch.Tensor]:
+    """`model(**inputs)` without its head's logits: (its outputs, the hidden states its head was given), with an FSDP2
+    root gathered again for the caller's chunked head. A forward pre-hook keeps the head's input and gives the head an
+    empty slice of it, so the model's own forward computes no logits."""
+    captured = []
 
     def hook(module: nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
-        hidden = args[0]
-        captured.append(hidden)
-        return (hidden[..., :0, :].detach(), *args[1:])  # (detached: the empty call keeps nothing for backward)
+        captured.append(args[0])
+        return (args[0][..., :0, :].detach(), *args[1:])  # (detached: the empty call keeps nothing for backward)
 
-    return hook
+    handle = model.get_output_embeddings().register_forward_pre_hook(hook, prepend=True)
+    try:
+        outputs = model(**inputs)
+    finally:
+        handle.remove()
+    if isinstance(model, FSDPModule):  # an FSDP2 root: its parameters (the head's) gathered for the chunks
+        model.unshard()
+    return outputs, captured[0]

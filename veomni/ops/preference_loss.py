@@ -21,11 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from .loss import IGNORE_INDEX, _capture_head_input, _target_positions, supports_chunked_loss
+from .loss import IGNORE_INDEX, _target_positions, forward_to_head_input, supports_chunked_loss
 from .vocab_parallel_loss import vocab_parallel_token_cross_entropy
 
 LOSS_TYPES = ("sigmoid", "ipo")
@@ -108,17 +107,10 @@ class SequenceLogps(nn.Module):
             flat = logits.reshape(-1, logits.shape[-1])
             logps = token_logps(flat.index_select(0, keep.to(flat.device)), targets.index_select(0, keep))
         else:
+            outputs, hidden = forward_to_head_input(self.model, inputs)
+            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
             head = self.model.get_output_embeddings()
-            captured = []
-            handle = head.register_forward_pre_hook(_capture_head_input(captured), prepend=True)
-            try:
-                outputs = self.model(**inputs)
-            finally:
-                handle.remove()
-            if isinstance(self.model, FSDPModule):  # an FSDP2 root: its parameters (the head's) gathered for the chunks
-                self.model.unshard()
-            hidden = captured[0].reshape(-1, captured[0].shape[-1])
-            logps = _head_logps(head, hidden.index_select(0, keep), targets.index_select(0, keep), self.chunk_size)
+            logps = _head_logps(head, hidden, targets.index_select(0, keep), self.chunk_size)
         owner = index.index_select(0, keep)
         sums = logps.new_zeros(num_sequences).index_add(0, owner, logps)
         tokens = torch.zeros(num_sequences, dtype=torch.float32, device=logps.device)

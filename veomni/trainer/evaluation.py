@@ -52,7 +52,10 @@ def build_eval_loader(args, transform, collate_fn_kwargs: Dict[str, Any], collat
 
 
 class Evaluator:
-    """Runs the held-out set through `loss_sum(micro_batch)` (the LM loss of one micro-batch on the device)."""
+    """Runs the held-out set through `loss_sum(micro_batch)` (the LM loss of one micro-batch on the device).
+    A subclass sums other statistics over the same walk: its `_micro_batch_stats` (a `stat_width` float64 vector)."""
+
+    stat_width = 2  # [loss sum, loss tokens]
 
     def __init__(self, dataset, loader, collate, loss_sum: Callable, model, parallel_state, device, eval_steps: int):
         self.dataset, self.loader, self.collate, self.loss_sum = dataset, loader, collate, loss_sum
@@ -65,9 +68,20 @@ class Evaluator:
 
     def evaluate(self, global_step: int) -> Dict[str, Any]:
         """{"eval_loss", "eval_ppl", "eval_tokens"} over the whole held-out set. Collective: every rank alike."""
+        totals = self._held_out_sums(global_step)
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(totals[1].item())}
+
+    def _micro_batch_stats(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
+        """[loss sum, loss tokens] of one micro-batch (float64)."""
+        loss = self.loss_sum(micro_batch).double()
+        return torch.stack([loss, loss.new_tensor(count_loss_tokens(micro_batch["labels"]))])
+
+    def _held_out_sums(self, global_step: int) -> torch.Tensor:
+        """`_micro_batch_stats` summed over the held-out set and all data- and sequence-parallel ranks. Collective:
+        every rank runs one forward per round while any rank has a micro-batch, then one all-reduce."""
         state = self.parallel_state
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums = torch.zeros(self.stat_width, dtype=torch.float64, device=self.device)
         self.loader.set_epoch(0)
         # micro-batch i of the one-process plan goes to data-parallel rank i mod dp_size (a rank collates and drops
         # the others': held-out sets are small), so every sample is evaluated once on any number of ranks
@@ -83,18 +97,14 @@ class Evaluator:
                     dist.all_reduce(have, op=dist.ReduceOp.MAX, group=state.dp_sp_group)
                     if not have.item():
                         break
-                    micro_batch = step[0] if step else self._masked_batch()
-                    loss = self.loss_sum(micro_batch)
+                    stats = self._micro_batch_stats(step[0] if step else self._masked_batch())
                     if step:  # (a masked batch adds nothing, and its labels count no token)
-                        loss_sum += loss.double()
-                        tokens += count_loss_tokens(micro_batch["labels"])
+                        sums += stats.to(sums.device)
         finally:
             self.model.train(was_training)
             self.loader.close()
-        totals = torch.stack([loss_sum, tokens])
-        dist.all_reduce(totals, group=state.dp_sp_group)
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(totals[1].item())}
+        dist.all_reduce(sums, group=state.dp_sp_group)
+        return sums
 
     def _masked_batch(self) -> Dict[str, Any]:
         """The first held-out sample with no loss token: a rank out of data joins the others' collectives with it."""

