@@ -246,9 +246,20 @@ def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float
              "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0}  # fmt: skip
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         ranks = [
-            subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True, env={
-                **env, **{k: str(v) for k, v in world.items()}, "RANK": str(r), "LOCAL_RANK": str(r),
-                "ROLE_RANK": str(r)})  # fmt: skip
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                env={
+                    **env,
+                    **{k: str(v) for k, v in world.items()},
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r),
+                    "ROLE_RANK": str(r),
+                },
+            )  # fmt: skip
             for r in range(nproc)
         ]
         deadline, code, stop_at = time.monotonic() + timeout, 0, None

@@ -123,11 +123,11 @@ def trained_runs(tmp_path_factory) -> dict:
     - "lora": weights by `org/name`, tokenizer by `org/name@commit`, data by `hf://datasets/...`; LoRA, adapter export;
     - "full": full fine-tuning with held-out data, eval_prompts samples, keep_best, the HF export.
     Returns {"cache", "lora", "full" (output dirs), "log" (the launch's stdout + stderr)}."""
-    import subprocess
+    import sys
 
     import yaml
 
-    from helpers import REPO, torchrun_cmd
+    from helpers import REPO, launch_ranks
 
     if "runs" in _built:
         return _built["runs"]
@@ -157,8 +157,8 @@ def trained_runs(tmp_path_factory) -> dict:
         with open(path, "w") as f:
             yaml.safe_dump(config, f)
         argv += (["::"] if len(argv) > 1 else []) + ["plain", path, "--train.checkpoint.output_dir", runs[name]]
-    cmd = torchrun_cmd(2, os.path.join(REPO, "tests", "dist", "trainer_scenarios.py"), *argv)
-    proc = subprocess.run(cmd, cwd=REPO, env=offline_env(cache), capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, os.path.join(REPO, "tests", "dist", "trainer_scenarios.py"), *argv]
+    proc = launch_ranks(cmd, 2, offline_env(cache), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs["log"] = proc.stdout + proc.stderr
     _built["runs"] = runs

@@ -13,6 +13,7 @@ micro-batch (rather than per document) shows up as a loss / grad-norm mismatch.
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,9 +23,8 @@ from helpers import (
     REPO,
     assert_close_series,
     child_env,
-    kill_tree,
+    launch_ranks,
     read_metrics,
-    torchrun_cmd,
     write_moe_config,
     write_tokenizer,
 )
@@ -38,17 +38,13 @@ EP = ["--train.accelerator.extra_parallel_sizes", "2", "--train.accelerator.extr
 
 
 def _torchrun(nproc: int, *args: str, timeout: int) -> str:
-    """Launch under torchrun; a run that outlives `timeout` (a hang) is killed with all its workers and fails."""
-    cmd = torchrun_cmd(nproc, "--master_port=0", *args)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Launch on `nproc` ranks; a run that outlives `timeout` (a hang) is killed with all its ranks and fails."""
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        proc = launch_ranks([sys.executable, *args], nproc, child_env(), timeout)
     except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        proc.communicate()
         raise AssertionError(f"hung: no exit within {timeout} s: {' '.join(args)}") from None
-    assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{stderr[-5000:]}"
-    return stdout
+    assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-5000:]}"
+    return proc.stdout
 
 
 def _routing_data(path: str, n: int, vocab: int = 512) -> str:

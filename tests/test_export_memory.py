@@ -46,11 +46,11 @@ def test_merge_dcp_to_hf_on_two_ranks_writes_what_one_process_writes(tmp_path, o
     """scripts/merge_dcp_to_hf.py under torchrun (the ranks share the tensors) writes the same files, byte for byte,
     as dcp_to_hf in one process, for Qwen3-MoE (per-expert hub keys split from the fused experts)."""
     import filecmp
-    import subprocess
+    import sys
 
     from hf_families import write_checkpoint
 
-    from helpers import child_env, torchrun_cmd
+    from helpers import child_env, launch_ranks
     from veomni.checkpoint import Checkpointer, dcp_to_hf
     from veomni.checkpoint.hf_export import architecture_of, export_config
     from veomni.models import build_foundation_model
@@ -62,8 +62,8 @@ def test_merge_dcp_to_hf_on_two_ranks_writes_what_one_process_writes(tmp_path, o
     one = dcp_to_hf(path, str(tmp_path / "one"), max_shard_bytes=300_000)
     script = os.path.join(REPO, "scripts", "merge_dcp_to_hf.py")
     two = str(tmp_path / "two")
-    cmd = torchrun_cmd(2, script, "--checkpoint", path, "--output", two, "--max-shard-gb", str(300_000 / 2**30))
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, script, "--checkpoint", path, "--output", two, "--max-shard-gb", str(300_000 / 2**30)]
+    proc = launch_ranks(cmd, 2, child_env(), timeout=600)
     assert proc.returncode == 0 and f"wrote {two}" in proc.stdout, proc.stderr[-3000:]
     names = sorted(os.listdir(one))
     assert names == sorted(os.listdir(two)) and len([n for n in names if n.endswith(".safetensors")]) > 1
