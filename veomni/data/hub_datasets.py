@@ -20,36 +20,12 @@ such a path is used (`pip install veomni[hub]`).
 
 import itertools
 import os
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..utils import hub
 from .streaming import IterativeDataset
 
-DEFAULT_SPLIT = "train"
-
-
-@dataclass(frozen=True)
-class HubData:
-    """A split of a hub dataset, its revision pinned to a commit once resolved."""
-
-    repo: str
-    revision: Optional[str]
-    config: Optional[str]
-    split: str
-
-    def path(self) -> str:
-        """The `hf://` form of this reference (what data.train_path holds once resolved)."""
-        rev = f"@{self.revision}" if self.revision else ""
-        config = f"/{self.config}" if self.config else ""
-        return f"{hub.DATA_PREFIX}{self.repo}{rev}{config}:{self.split}"
-
-    def describe(self) -> str:
-        """What the data fingerprint records: name, commit, config and split."""
-        return f"{self.repo}@{self.revision} config={self.config or 'default'} split={self.split}"
-
-    def cache_name(self) -> str:
-        return f"{self.repo.replace('/', '_')}-{self.config or 'default'}-{self.split}"
+HubData, DEFAULT_SPLIT = hub.HubData, hub.DEFAULT_SPLIT  # the reference and its grammar live with the hub names
 
 
 def _datasets():
@@ -117,11 +93,18 @@ def prepare(ref: HubData, key: str, path: str, streaming: bool) -> str:
     return pinned.path()
 
 
+def prepare_split(ref: HubData, key: str, path: str, data) -> str:
+    """`prepare` as utils.hub calls it (its `prepare_dataset`): `data` is "iterable" for a streamed split."""
+    return prepare(ref, key, path, streaming=data == "iterable")
+
+
 def hub_data(path: str, key: str = "data.train_path", streaming: bool = False):
     """(local path, None, None) for an `hf://datasets/...` path of the repo's files, or (pinned path, HubData,
     {"source", "revision", "files"}) for one read through `datasets`. A path the trainer's pre-flight did not
     resolve (the library used on its own, one process) is resolved here."""
-    pinned = path if path in hub.data_entries else hub.download(path, key, "iterable" if streaming else True)
+    pinned = (
+        path if path in hub.data_entries else hub.download(path, key, "iterable" if streaming else True, prepare_split)
+    )
     ref = hub.dataset_reference(pinned)
     if ref is None:
         return pinned, None, None

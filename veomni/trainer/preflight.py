@@ -13,6 +13,7 @@ from typing import Any, List, Optional, Tuple
 
 from ..arguments import ConfigError
 from ..data.data_transform import DataFormatError
+from ..data.hub_datasets import prepare_split
 from ..utils.hub import HubNameError, dataset_reference, resolve_on_every_rank
 
 _DEMO_HINT = " (the demo's assets are built by `python -m veomni.utils.demo_assets`; train.sh does it)"
@@ -64,7 +65,7 @@ def resolve_hub_names(args) -> None:
     keys += [("data", "train_path", streamed), ("data", "eval_path", True)]
     items = [(f"{group}.{k}", getattr(getattr(args, group), k), data) for group, k, data in keys]
     try:
-        found = resolve_on_every_rank(items)
+        found = resolve_on_every_rank(items, prepare_split)
     except HubNameError as err:
         raise ConfigError(str(err)) from None
     for dotted, local in found.items():

@@ -19,7 +19,8 @@ the config and its filesystem: a folder named like `org/name` that exists on som
 
 import os
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 DATA_PREFIX = "hf://datasets/"
 _REPO = r"[A-Za-z0-9][\w.-]*/[\w.-]+"
@@ -27,6 +28,36 @@ _MODEL_NAME = re.compile(rf"^(?P<repo>{_REPO})(@(?P<rev>[\w.-]+))?$")
 _DATA_NAME = re.compile(
     rf"^{re.escape(DATA_PREFIX)}(?P<repo>{_REPO})(@(?P<rev>[\w.-]+))?(/(?P<sub>[^:]+?))?(:(?P<split>[\w.-]+))?$"
 )
+
+DEFAULT_SPLIT = "train"
+
+
+@dataclass(frozen=True)
+class HubData:
+    """A split of a hub dataset read through `datasets`, its revision pinned to a commit once resolved."""
+
+    repo: str
+    revision: Optional[str]
+    config: Optional[str]
+    split: str
+
+    def path(self) -> str:
+        """The `hf://` form of this reference (what data.train_path holds once resolved)."""
+        rev = f"@{self.revision}" if self.revision else ""
+        config = f"/{self.config}" if self.config else ""
+        return f"{DATA_PREFIX}{self.repo}{rev}{config}:{self.split}"
+
+    def describe(self) -> str:
+        """What the data fingerprint records: name, commit, config and split."""
+        return f"{self.repo}@{self.revision} config={self.config or 'default'} split={self.split}"
+
+    def cache_name(self) -> str:
+        return f"{self.repo.replace('/', '_')}-{self.config or 'default'}-{self.split}"
+
+
+# prepare(ref, key, path, data) -> pinned path: how local rank 0 readies a `datasets` split (the data layer's
+# hub_datasets.prepare_split, handed down by its callers: this module sits below the data package)
+PrepareDataset = Callable[[HubData, str, str, Any], str]
 
 # local snapshot folder -> the hub name it came from (a LoRA adapter records the name, not the cache path)
 _resolved_names: Dict[str, str] = {}
@@ -54,8 +85,6 @@ def dataset_reference(path: Optional[str]):
     match = _DATA_NAME.match(path) if isinstance(path, str) else None
     if not match or not match["split"]:
         return None
-    from ..data.hub_datasets import HubData
-
     return HubData(match["repo"], match["rev"], match["sub"] or None, match["split"])
 
 
@@ -81,16 +110,18 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def download(path: str, key: str = "model.model_path", data=False) -> str:
+def download(
+    path: str, key: str = "model.model_path", data=False, prepare_dataset: Optional[PrepareDataset] = None
+) -> str:
     """The local folder (or file) of hub name `path`, downloaded into the hub cache when online; `path` itself when
     it is local. Raises HubNameError naming `key`, the cache looked in and the offline flag. A data path in the
-    `datasets` form is prepared (hub_datasets.prepare; `data="iterable"`: for streaming) and returned pinned."""
+    `datasets` form is readied by `prepare_dataset` (`data="iterable"`: for streaming) and returned pinned."""
     ref = hub_reference(path, data)
     if ref is None:
         return path
     repo, revision, sub = ref
     if data and dataset_reference(path) is not None:
-        return _prepare_data(dataset_reference(path), key, path, data)
+        return _prepare(prepare_dataset, dataset_reference(path), key, path, data)
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -103,19 +134,17 @@ def download(path: str, key: str = "model.model_path", data=False) -> str:
         raise HubNameError(explain(key, path, err)) from None
     local = os.path.join(folder, sub) if sub else folder
     if not os.path.exists(local) and data and "/" not in sub.strip("/"):  # not a file of the repo: a config
-        from ..data.hub_datasets import DEFAULT_SPLIT, HubData
-
-        return _prepare_data(HubData(repo, revision, sub.strip("/"), DEFAULT_SPLIT), key, path, data)
+        return _prepare(prepare_dataset, HubData(repo, revision, sub.strip("/"), DEFAULT_SPLIT), key, path, data)
     if not os.path.exists(local):
         raise HubNameError(f"{key}: {path}: the hub snapshot {folder} holds no {sub}")
     _resolved_names[os.path.abspath(local)] = path if data else repo
     return local
 
 
-def _prepare_data(ref, key: str, path: str, data) -> str:
-    from ..data.hub_datasets import prepare
-
-    return prepare(ref, key, path, streaming=data == "iterable")
+def _prepare(prepare_dataset: Optional[PrepareDataset], ref: HubData, key: str, path: str, data) -> str:
+    if prepare_dataset is None:
+        raise TypeError(f"{key}: {path} is read through `datasets`: download() needs prepare_dataset")
+    return prepare_dataset(ref, key, path, data)
 
 
 def first_line(err: BaseException) -> str:
@@ -136,7 +165,9 @@ def explain(key: str, path: str, err: BaseException) -> str:
     )
 
 
-def resolve_on_every_rank(items: List[Tuple[str, Optional[str], Any]]) -> Dict[str, str]:
+def resolve_on_every_rank(
+    items: List[Tuple[str, Optional[str], Any]], prepare_dataset: Optional[PrepareDataset] = None
+) -> Dict[str, str]:
     """{key: local path} for the (key, path, is_data) items that name hub repos (is_data "iterable": data to
     stream; a `datasets` path stays a pinned hf:// path, its entry in `data_entries`), resolved once per node: local
     rank 0 downloads, the node's other ranks wait in the gather and take its paths. The same on every rank; a
@@ -152,7 +183,7 @@ def resolve_on_every_rank(items: List[Tuple[str, Optional[str], Any]]) -> Dict[s
     if local_rank == 0:
         try:
             for key, path, data in wanted:
-                found[key] = download(path, key, data)
+                found[key] = download(path, key, data, prepare_dataset)
         except HubNameError as err:
             error = str(err)
     if world > 1:
