@@ -8,6 +8,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("VEOMNI_LOSS_PLOT", "0")  # no loss.png (matplotlib: a CPU-second per run) unless a test asks
 # the data caches of mapping datasets (veomni/data/sample_cache.py) go to a folder of this test session, not to the
 # user's ~/.cache; the launches the tests start inherit it
 os.environ.setdefault("VEOMNI_DATA_CACHE", __import__("tempfile").mkdtemp(prefix="veomni-test-data-cache-"))

@@ -34,6 +34,8 @@ def test_demo_runs_through_train_sh_with_overrides(tmp_path):
         out,
         "--train.optimizer.lr",
         "0.002",
+        "--train.loss_plot",
+        "true",
     )
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]

@@ -41,6 +41,7 @@ def test_vlm_demo_runs_through_train_sh(assets, tmp_path):
         "train.checkpoint.output_dir": str(out),
         "train.checkpoint.save_steps": "0",
         "train.log_steps": "1",
+        "train.loss_plot": "true",
     }
     args = [a for k, v in overrides.items() for a in (f"--{k}", v)]
     env = dict(child_env(), NPROC_PER_NODE="2", OMP_NUM_THREADS="1")

@@ -5,6 +5,7 @@ group by subclassing it and naming the subclass in their own `VeOmniArguments` s
 """
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional
 
@@ -353,6 +354,11 @@ class TrainingArguments:
         default=None,
     )
     use_tensorboard: bool = _doc("Write TensorBoard scalars under output_dir/tensorboard.", default=False)
+    loss_plot: bool = _doc(
+        "Draw output_dir/loss.png at the end of training (matplotlib on rank 0: about a second per run). The "
+        "environment variable VEOMNI_LOSS_PLOT=0 turns the default off (a sweep, a test suite).",
+        default=os.environ.get("VEOMNI_LOSS_PLOT", "1") != "0",
+    )
     tf32: bool = _doc(
         "On CUDA, fp32 matmuls and convolutions use TensorFloat-32 tensor cores (10-bit mantissa inputs, fp32 "
         "accumulation). Off: exact fp32. No effect on CPU.",

@@ -69,7 +69,7 @@ def standard_callbacks(trainer) -> List[Callback]:
         best,
         metrics,
         ProgressCallback(main, train.log_steps),
-        LossPlotCallback(main, metrics, os.path.join(out, "loss.png")),
+        LossPlotCallback(main and train.loss_plot, metrics, os.path.join(out, "loss.png")),
         WandbCallback(main and wandb.enable, wandb.project, wandb.name, wandb.mode, dataclasses.asdict(args), out),
         TensorBoardCallback(main and train.use_tensorboard, os.path.join(out, "tensorboard")),
         SummaryCallback(main, metrics, best),
