@@ -29,8 +29,8 @@ def _config(tmp: str, model_dir: str) -> str:
     return path
 
 
-def _verify(config: str, breaks: str, *flags: str) -> subprocess.CompletedProcess:
-    env = {**child_env(), "VEOMNI_VERIFY_BREAK": breaks}
+def _verify(config: str, breaks: str, *flags: str, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {**child_env(), "VEOMNI_VERIFY_BREAK": breaks, **env_extra}
     cmd = [sys.executable, "-m", "veomni.verify", config, "--nproc", "2", *flags]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -44,27 +44,33 @@ def _row(stdout: str, layout: str) -> str:
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     """A tiny Qwen3 (q_norm / k_norm) under FSDP2, TP 2 and Ulysses 2 sync for 2 steps, with the SP and TP breaks:
-    FSDP2 and both resumes must pass, TP and Ulysses must fail, each naming its own parameter."""
+    FSDP2 and both resumes must pass, TP and Ulysses must fail, each naming its own parameter. A stand-in peak
+    reader ((rank + 1) MiB, measure.FAKE_PEAK_ENV) runs the GPU's peak-memory column on CPU."""
     tmp = str(tmp_path_factory.mktemp("verify"))
     qwen3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16}
     model = write_model_config(os.path.join(tmp, "qwen3"), **{**TINY_QWEN2, **qwen3})
     report = os.path.join(tmp, "report.md")
     proc = _verify(_config(tmp, model), "sp_gather,tp_norm", "--layouts", "fsdp2,tp,ulysses", "--steps", "2",
-                   "--report", report)  # fmt: skip
+                   "--report", report, VEOMNI_VERIFY_FAKE_PEAK_BYTES=str(2**20))  # fmt: skip
     return proc, report
 
 
 def test_clean_layout_and_resumes_pass(dense):
     proc, _ = dense
     assert _row(proc.stdout, "FSDP2 2").endswith("ok [loss/grad norm 1e-05, grads 1e-04]"), proc.stdout
-    assert "ok [bit-identical]" in _row(proc.stdout, "resume 1 -> 1"), proc.stdout
+    # the one-process run was SIGKILLed in step 2 after its step-1 checkpoint, and resumed bit-identically
+    assert "ok [bit-identical]" in _row(proc.stdout, "SIGKILL in step 2, resume 1 -> 1"), proc.stdout
     assert " ok [" in _row(proc.stdout, "reshard resume 2 -> 1"), proc.stdout
     # the planner's exact figures on CPU: predicted = measured parameter and optimizer bytes
-    plan = [line for line in proc.stdout.splitlines() if line.strip().startswith("FSDP2 2:")][0]
+    plans = {line.split(":")[0].strip(): line for line in proc.stdout.splitlines() if line.startswith("  ")}
+    plan = plans["FSDP2 2"]
     for part in plan.split(":", 1)[1].split(","):
-        if "-" not in part:
+        if "-" not in part and "peak" not in part:
             predicted, measured = part.split()[-3], part.split()[-1]
             assert predicted == measured, plan
+    # the peak column: each rank's reading, the largest over the ranks (rank 1's 2 MiB; one process: 1 MiB)
+    assert "peak " in plan and " / 2.000 (measured/predicted " in plan, plan
+    assert " / 1.000 (measured/predicted " in plans["one process"], plans
 
 
 def test_tp_replicated_norm_gradient_break_is_named(dense):
