@@ -1,6 +1,8 @@
 """`python -m veomni.verify` (veomni/verify): a clean layout passes, the resume is bit-identical, the reshard
 resume within tolerance, and each deliberate break (VEOMNI_VERIFY_BREAK, veomni/verify/breaks.py) is named with
-its layout and parameter, with a non-zero exit. Two verify runs in all (5 launches), 1-2 steps of tiny models."""
+its layout and parameter, with a non-zero exit; the resume is a real SIGKILL mid-step after a checkpoint; the
+peak-memory column reads each rank and keeps the largest. Two verify runs in all (5 launches), 1-2 steps of tiny
+models."""
 
 import os
 import subprocess
@@ -95,6 +97,8 @@ def test_ep_gradient_scaling_break_is_named(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     row = _row(proc.stdout, "EP 2 (FSDP2 2)")
     assert "FAIL: model.layers.0.mlp.experts.gate_up_proj under EP 2 (FSDP2 2) (step 1)" in row, proc.stdout
+    plan = [line for line in proc.stdout.splitlines() if line.startswith("  EP 2 (FSDP2 2): ")]
+    assert plan and plan[0].endswith(" / n/a (no GPU)"), proc.stdout  # CPU: no allocator peak to measure
 
 
 def test_layouts_auto_lists_skipped_layouts_with_reasons():
