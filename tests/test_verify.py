@@ -119,3 +119,22 @@ def test_layouts_auto_lists_skipped_layouts_with_reasons():
     names = [r.name for r in runs]
     assert names == ["FSDP2 4", "HSDP 2x2", "TP 2 x FSDP2 2", "Ulysses 2 sync x FSDP2 2", "Ulysses 2 async x FSDP2 2"]
     assert dict(skipped) == {"ep": "not a MoE model", "ep_ulysses": "not a MoE model"}
+
+
+def test_peak_reader_reads_the_accelerator_it_is_given(monkeypatch):
+    """The peak column's reader: none on CPU; on an accelerator, torch.accelerator's allocator peak of that device
+    (stood in for here: no GPU on CI), whatever its kind."""
+    import torch
+
+    from veomni.verify.measure import FAKE_PEAK_ENV, peak_reader
+
+    monkeypatch.delenv(FAKE_PEAK_ENV, raising=False)
+    assert peak_reader(torch.device("cpu")) is None
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", lambda d: calls.append(("reset", d)))
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda d: calls.append(("read", d)) or 123)
+    reader = peak_reader(torch.device("xpu", 1))
+    reader.reset()
+    assert reader.read() == 123.0
+    assert calls == [("reset", torch.device("xpu", 1)), ("read", torch.device("xpu", 1))]
