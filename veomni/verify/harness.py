@@ -5,6 +5,7 @@ tests/dist/*_scenarios.py and `python -m veomni.verify` share these classes."""
 
 import dataclasses
 import os
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -14,6 +15,9 @@ from torch.distributed.tensor import DTensor
 
 import veomni.trainer.text_trainer as text_trainer_module
 from veomni.trainer import TextTrainer
+from veomni.trainer.vlm_trainer import VLMTrainer
+
+KILL_MARKER = "verify_awaiting_kill"  # written into output_dir by a run stalled for its SIGKILL
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -124,6 +128,7 @@ class ProbedTrainer(SameGlobalBatches):
     probe: Optional[GradProbe] = None
     step_watch = None  # (trainer, micro_batches) -> a context around the first optimizer step (veomni.verify.measure)
     keep_checkpoints = True  # False: a run no resume reads saves nothing (seconds per layout)
+    stall_at: Optional[int] = None  # the step after which this run waits, mid-step, to be SIGKILLed (verify.run)
 
     def save_checkpoint(self):
         if self.keep_checkpoints:
@@ -143,9 +148,37 @@ class ProbedTrainer(SameGlobalBatches):
             (self.forward_loss_sum(self._to_device(micro_batch)) * scale).backward()
 
     def train_step(self, micro_batches, totals):
+        if self.stall_at is not None and self.global_step == self.stall_at:
+            self._await_kill(micro_batches, totals)
         if self.probe is not None:
             self.probe.run(self, micro_batches, totals)
-        if self.step_watch is None or self.global_step > 0:
+        if self.step_watch is None:
             return super().train_step(micro_batches, totals)
         with self.step_watch(self, micro_batches):
             return super().train_step(micro_batches, totals)
+
+    def _await_kill(self, micro_batches, totals, patience: float = 600.0) -> None:
+        """In the step after `stall_at`, its checkpoint published and this step's gradients taken (no update):
+        say so, then wait for the parent's SIGKILL, which no cleanup survives (as a node failure)."""
+        self.checkpointer.wait()
+        self.accumulate_gradients(micro_batches, totals)
+        if dist.get_rank() == 0:
+            open(os.path.join(self.output_dir, KILL_MARKER), "w").close()
+        deadline = time.monotonic() + patience
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise RuntimeError(f"verify: no SIGKILL came within {patience:.0f} s of step {self.stall_at + 1}")
+
+
+class ProbedVLMTrainer(ProbedTrainer, VLMTrainer):
+    """The same for a vision/audio-language config (tasks/train_vlm.py's trainer: its processor, transform,
+    collate infos and per-modality token counts)."""
+
+
+def probed_trainer_class(args) -> type:
+    """The verify trainer of this config: ProbedVLMTrainer for a multimodal model, else ProbedTrainer."""
+    from veomni.models import build_config
+    from veomni.models.multimodal import is_multimodal
+
+    config = build_config(args.model.config_path, trust_remote_code=args.model.trust_remote_code)
+    return ProbedVLMTrainer if is_multimodal(config) else ProbedTrainer

@@ -1,20 +1,49 @@
-"""The planner in a verify run: this rank's predicted bytes of parameters, gradients and optimizer state, and of
-the collectives of one step, beside the measured ones (the largest over the ranks, gathered to rank 0)."""
+"""The planner in a verify run: this rank's predicted bytes of parameters, gradients and optimizer state, of the
+collectives of one step, and its predicted peak memory, beside the measured ones (the largest over the ranks,
+gathered to rank 0). The peak is measured on an accelerator only (its allocator's high-water mark over the
+training steps, the gradient probe's own work left out); on CPU no allocator keeps one: "n/a (no GPU)"."""
 
 import contextlib
-from typing import Dict, List, Optional
+import os
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..trainer.callbacks import Callback
 
+# tests only: a stand-in peak reader on CPU, `(rank + 1) * this many bytes`, so that a CPU test runs the peak
+# column's path (reset, read per step, MAX over the ranks, the table) that a GPU takes
+FAKE_PEAK_ENV = "VEOMNI_VERIFY_FAKE_PEAK_BYTES"
+
+
+class PeakReader:
+    """The device allocator's peak: `reset()` starts a window, `read()` is its high-water mark in bytes."""
+
+    def __init__(self, reset: Callable[[], None], read: Callable[[], float]):
+        self.reset, self.read = reset, read
+
+
+def peak_reader(device: torch.device) -> Optional[PeakReader]:
+    """The peak reader of this device (any accelerator torch.accelerator knows: CUDA, ROCm, XPU, ...), or None
+    where there is none to read (CPU)."""
+    fake = os.environ.get(FAKE_PEAK_ENV)
+    if fake:
+        return PeakReader(lambda: None, lambda: float(fake) * (dist.get_rank() + 1))
+    if device.type == "cpu" or not torch.accelerator.is_available():
+        return None
+    return PeakReader(
+        lambda: torch.accelerator.reset_peak_memory_stats(device),
+        lambda: float(torch.accelerator.max_memory_allocated(device)),
+    )
+
 
 class PlanMeasure(Callback):
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, trainer, peak: Optional[PeakReader] = None):
+        self.trainer, self.peak = trainer, peak
         self.predicted: Optional[Dict[str, float]] = None
         self.measured: Dict[str, float] = {}
+        self.steps = 0
 
     def on_train_begin(self, trainer) -> None:
         from ..plan.runlog import predict_for_trainer
@@ -22,6 +51,7 @@ class PlanMeasure(Callback):
         try:
             memory = predict_for_trainer(trainer)
             self.predicted = {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer}
+            self.predicted["peak"] = memory.peak
         except Exception as err:  # a model the planner cannot read: the table says so, the check goes on
             self.predicted = {"error": f"{type(err).__name__}: {err}"}
 
@@ -36,8 +66,19 @@ class PlanMeasure(Callback):
 
     @contextlib.contextmanager
     def watch(self, trainer, micro_batches: List[dict]):
-        """Around the first optimizer step (ProbedTrainer.step_watch): its collectives counted, its gradients'
-        bytes read just before the update (the trainer frees them after)."""
+        """Around each optimizer step (ProbedTrainer.step_watch): the device's peak memory of every step; on the
+        first, its collectives counted and its gradients' bytes read just before the update (the trainer frees
+        them after)."""
+        self.steps += 1
+        if self.peak is not None:
+            self.peak.reset()
+        with self._first_step(trainer, micro_batches) if self.steps == 1 else contextlib.nullcontext():
+            yield
+        if self.peak is not None:
+            self.measured["peak"] = max(self.measured.get("peak", 0.0), self.peak.read())
+
+    @contextlib.contextmanager
+    def _first_step(self, trainer, micro_batches: List[dict]):
         from ..plan.collectives import CollectiveCounter
         from ..plan.shards import nbytes
 

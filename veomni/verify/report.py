@@ -11,9 +11,10 @@ MIB = 2**20
 
 
 def render_plans(plans: Dict[str, dict]) -> str:
-    """Per layout, the largest rank's predicted / measured MiB of parameters, gradients, optimizer state, and of
-    the collectives of one optimizer step."""
-    lines = ["planner, per rank (largest rank), predicted / measured MiB (collectives: one step's bytes):"]
+    """Per layout, the largest rank's predicted / measured MiB of parameters, gradients, optimizer state, of the
+    collectives of one optimizer step, and the peak memory (measured on an accelerator only)."""
+    lines = ["planner, per rank (largest rank), predicted / measured MiB (collectives: one step's bytes; peak: the "
+             "device allocator's high-water mark over the steps):"]  # fmt: skip
     for name, plan in plans.items():
         predicted, measured = plan.get("predicted", {}), plan.get("measured", {})
         if "error" in predicted:
@@ -24,8 +25,16 @@ def render_plans(plans: Dict[str, dict]) -> str:
             if key in predicted:
                 seen = f"{measured[key] / MIB:.3f}" if key in measured else "-"
                 parts.append(f"{key} {predicted[key] / MIB:.3f} / {seen}")
+        if "peak" in predicted:
+            parts.append(f"peak {predicted['peak'] / MIB:.3f} / {_peak(predicted['peak'], measured.get('peak'))}")
         lines.append(f"  {name}: " + ", ".join(parts))
     return "\n".join(lines)
+
+
+def _peak(predicted: float, measured) -> str:
+    if measured is None:
+        return "n/a (no GPU)"
+    return f"{measured / MIB:.3f} (measured/predicted {measured / max(predicted, 1.0):.2f})"
 
 
 def _versions() -> List[str]:
@@ -36,7 +45,9 @@ def _versions() -> List[str]:
     return [
         f"python {sys.version.split()[0]}, torch {version('torch')}, transformers {version('transformers')}",
         f"veomni {version('veomni')}, {platform.platform()}",
-        f"devices: {torch.cuda.device_count()} CUDA" if torch.cuda.is_available() else "devices: CPU (gloo)",
+        f"devices: {torch.accelerator.device_count()} {torch.accelerator.current_accelerator().type}"
+        if torch.accelerator.is_available()
+        else "devices: CPU (gloo)",
     ]
 
 

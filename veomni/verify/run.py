@@ -1,16 +1,22 @@
-"""The launches of a verify run: the one process (the reference, which also saves at step k), every layout on
-`nproc` ranks in one launch, then one process resuming both the one-process and the FSDP2 checkpoint of step k."""
+"""The launches of a verify run: the one process (the reference; then, in the same launch, a run that saves at
+step k and is SIGKILLed by this process in the middle of step k + 1), every layout on `nproc` ranks in one launch,
+then one fresh process resuming both the killed run (in place, `load_path: auto`, as a restarted job would) and
+the FSDP2 layout's checkpoint of step k."""
 
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
-from typing import List, Optional
+import time
+from typing import List, Optional, Tuple
 
 from .compare import GRAD_NORM_RTOL, Row, compare_resume, compare_series
+from .harness import KILL_MARKER
 from .layouts import Layout, _sizes
 
+KILLED = "killed in step k+1"  # the run SIGKILLed after its step-k checkpoint (its folder's name)
 FP32 = ("--train.accelerator.fsdp_config.mixed_precision.param_dtype", "float32", "--train.tf32", "false")
 
 
@@ -35,8 +41,9 @@ def _env() -> dict:
     return env
 
 
-def launch(workdir: str, name: str, nproc: int, runs: List[dict], ref_dir: str, log) -> int:
-    """One launch of the worker over `runs`; its output goes to workdir/<name>.log. Returns the exit code."""
+def launch(workdir: str, name: str, nproc: int, runs: List[dict], ref_dir: str, log, kill_at: str = "") -> int:
+    """One launch of the worker over `runs`; its output goes to workdir/<name>.log. Returns the exit code:
+    -SIGKILL when the file `kill_at` appeared and this process killed the launch (every process of it at once)."""
     plan_path = os.path.join(workdir, f"{name}.json")
     with open(plan_path, "w") as f:
         json.dump({"ref_dir": ref_dir, "runs": runs}, f)
@@ -48,7 +55,23 @@ def launch(workdir: str, name: str, nproc: int, runs: List[dict], ref_dir: str, 
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *rendezvous, *worker]
     log(f"verify: {name} on {nproc} rank(s): {', '.join(run['name'] for run in runs)}")
     with open(os.path.join(workdir, f"{name}.log"), "w") as out:
-        return subprocess.run(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT).returncode
+        # a session of its own: one killpg reaches the launch and its loader workers (a one-rank launch)
+        proc = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                if kill_at and os.path.isfile(kill_at):
+                    os.killpg(proc.pid, signal.SIGKILL)  # as a node failure: no handler, no cleanup runs
+                    break
+                time.sleep(0.02)
+            return proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted (Ctrl-C): torchrun stops its ranks on SIGTERM; then no mercy
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
 
 
 def _read(out: str, name: str) -> Optional[dict]:
@@ -68,6 +91,7 @@ class Verify:
         )  # fmt: skip
         self.ref_dir = os.path.join(workdir, "reference")
         self.save_at = max(steps - 1, 1)  # the resume continues from here
+        self.killed_code: Optional[int] = None  # the exit of the launch whose last run was killed
 
     def argv(self, layout_flags, out: str, extra=()) -> List[str]:
         flags = ["--train.max_steps", str(self.steps), "--train.checkpoint.save_steps", str(self.save_at)]
@@ -95,13 +119,27 @@ class Verify:
         return os.path.join(self.workdir, "".join(c if c.isalnum() else "_" for c in name))
 
     def reference(self) -> Optional[str]:
-        """The one-process run; None, or why it failed."""
+        """The one-process run, then (steps >= 2) the run killed in step k + 1; None, or why it failed."""
         os.makedirs(self.ref_dir, exist_ok=True)
         out = self.run_dir("one process")
-        run = {"name": "one process", "argv": self.argv(_sizes(), out), "record": True}
-        if launch(self.workdir, "reference", 1, [run], self.ref_dir, self.log) != 0 or not _read(out, "metrics.jsonl"):
+        runs = [{"name": "one process", "argv": self.argv(_sizes(), out), "record": True, "save": False}]
+        kill_at = ""
+        if self.steps >= 2:
+            killed = self.run_dir(KILLED)
+            runs.append({"name": KILLED, "argv": self.argv(_sizes(), killed), "stall_at": self.save_at})
+            kill_at = os.path.join(killed, KILL_MARKER)
+        self.killed_code = launch(self.workdir, "reference", 1, runs, self.ref_dir, self.log, kill_at=kill_at)
+        result = _read(out, "verify.json")  # the run to kill, after it, has a row of its own (resumes)
+        if not result or result["error"] or not _read(out, "metrics.jsonl"):
             return f"the one-process run failed: see {os.path.join(self.workdir, 'reference.log')}"
         return None
+
+    def _killed_state(self) -> Tuple[Optional[List[int]], str]:
+        """The steps the killed run logged and its latest checkpoint, read before its resume appends to them."""
+        out = self.run_dir(KILLED)
+        steps = [m["step"] for m in _read(out, "metrics.jsonl") or []]
+        latest = os.path.join(out, "checkpoints", "latest")
+        return steps, open(latest).read().strip() if os.path.isfile(latest) else "none"
 
     def layouts(self, layouts: List[Layout]) -> Outcome:
         ref = _read(self.run_dir("one process"), "metrics.jsonl")
@@ -127,25 +165,40 @@ class Verify:
         return Outcome(rows, plans, [])
 
     def resumes(self, fsdp_layout: Optional[Layout]) -> List[Row]:
-        """The one-process run resumed from its step-k checkpoint (bit-identical), and the FSDP2 layout's step-k
-        checkpoint resumed on one process (resharded N -> 1, within the parity tolerance)."""
+        """The killed one-process run resumed in place by a fresh process (bit-identical to the uninterrupted run,
+        its steps before the kill included), and the FSDP2 layout's step-k checkpoint resumed on one process
+        (resharded N -> 1, within the parity tolerance)."""
         if self.steps < 2:
             return []
-        sources = [("resume 1 -> 1", self.run_dir("one process"), 0.0)]
+        k = self.save_at
+        kill_label = f"SIGKILL in step {k + 1}, resume 1 -> 1"
+        steps, latest = self._killed_state()
+        not_killed = None
+        if self.killed_code != -signal.SIGKILL or steps != list(range(1, k + 1)) or latest != f"global_step_{k}":
+            not_killed = (f"the run to kill was not killed in step {k + 1} after its step-{k} checkpoint "
+                          f"(exit {self.killed_code}, steps {steps}, latest {latest})")  # fmt: skip
+        runs, sources = [], []
+        if not_killed is None:
+            argv = self.argv(_sizes(), self.run_dir(KILLED)) + ["--train.checkpoint.load_path", "auto"]
+            runs.append({"name": kill_label, "argv": argv, "resume": True, "save": False})
+            sources.append((kill_label, self.run_dir(KILLED), 0.0))
         if fsdp_layout is not None:
-            sources.append((f"reshard resume {self.nproc} -> 1", self.run_dir(fsdp_layout.name), GRAD_NORM_RTOL))
-        runs = []
-        for label, source, _ in sources:
-            load = ["--train.checkpoint.load_path", os.path.join(source, "checkpoints", f"global_step_{self.save_at}")]
+            label, source = f"reshard resume {self.nproc} -> 1", self.run_dir(fsdp_layout.name)
+            load = ["--train.checkpoint.load_path", os.path.join(source, "checkpoints", f"global_step_{k}")]
             argv = self.argv(_sizes(), self.run_dir(label)) + load
             runs.append({"name": label, "argv": argv, "resume": True, "save": False})
-        launch(self.workdir, "resume", 1, runs, self.ref_dir, self.log)
+            sources.append((label, self.run_dir(label), GRAD_NORM_RTOL))
+        if runs:
+            launch(self.workdir, "resume", 1, runs, self.ref_dir, self.log)
         ref = _read(self.run_dir("one process"), "metrics.jsonl")
-        rows = []
-        for label, _, rtol in sources:
-            got = _read(self.run_dir(label), "metrics.jsonl")
+        rows = [] if not_killed is None else [Row(kill_label, error=not_killed, tolerance="bit-identical")]
+        for label, out, rtol in sources:
+            got = _read(out, "metrics.jsonl")
             if got is None:
                 rows.append(Row(label, error=f"did not finish: see {os.path.join(self.workdir, 'resume.log')}"))
-            else:
-                rows.append(compare_resume(ref, got, label, rtol))
+                continue
+            row = compare_resume(ref, got, label, rtol)
+            if rtol == 0 and row.error is None and [m["step"] for m in got] != list(range(1, self.steps + 1)):
+                row.error = f"logged steps {[m['step'] for m in got]} after the resume, not 1..{self.steps}"
+            rows.append(row)
         return rows
