@@ -123,7 +123,7 @@ def relative_differences(got: Dict[str, torch.Tensor], want: Dict[str, torch.Ten
 
 
 class ProbedTrainer(SameGlobalBatches):
-    """The trainer a verify run uses: one process's global batches, a gradient probe before each step, no plot."""
+    """The trainer a verify run uses: one process's global batches, a gradient probe before each step."""
 
     probe: Optional[GradProbe] = None
     step_watch = None  # (trainer, micro_batches) -> a context around the first optimizer step (veomni.verify.measure)
@@ -133,9 +133,6 @@ class ProbedTrainer(SameGlobalBatches):
     def save_checkpoint(self):
         if self.keep_checkpoints:
             super().save_checkpoint()
-
-    def build_callbacks(self):  # no loss.png: matplotlib costs a second a run, and the plot is not under test
-        return [c for c in super().build_callbacks() if type(c).__name__ != "LossPlotCallback"]
 
     def accumulate_gradients(self, micro_batches: List[dict], totals: dict) -> None:
         """The forward/backward half of `train_step`, same scaling, so the probe's gradients are the step's."""

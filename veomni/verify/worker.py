@@ -34,6 +34,7 @@ def _write(out_dir: str, result: dict) -> None:
 
 def one_run(run: dict, ref_dir: str) -> None:
     args = parse_args(VeOmniArguments, run["argv"])
+    args.train.loss_plot = False  # matplotlib costs a second a run, and the plot is not under test
     try:
         trainer = probed_trainer_class(args)(args)
     except ValueError as err:  # a layout the config cannot take (the same verdict on every rank): its row says why
