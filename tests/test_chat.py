@@ -58,3 +58,11 @@ def test_interactive_chat_through_stdin(trained_run, capsys):
 def test_chat_says_what_it_cannot_load_in_one_line(tmp_path, capsys):
     assert chat.main([str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_leading_empty_thinking_block_is_not_shown():
+    from veomni.models.generate import visible_reply
+
+    assert visible_reply("<think>\n\n</think>\n\nHello there. ") == "Hello there."
+    assert visible_reply("<think>plan: greet</think> Hi") == "<think>plan: greet</think> Hi"
+    assert visible_reply(" plain answer\n") == "plain answer"

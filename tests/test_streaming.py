@@ -151,3 +151,13 @@ def test_plain_iterable_dataset_resumes_by_skipping_or_refuses_clearly():
     broken.load_state_dict(state)
     with pytest.raises(RuntimeError, match="cannot resume Counting: it yielded 0 items"):
         next(iter(broken))
+
+
+def test_the_end_of_run_account_names_only_what_was_left_out():
+    from veomni.trainer.text_trainer import left_out_message
+
+    total = {"empty": 0, "blank": 3, "dropped": 2, "unread": 0, "samples": 1200}
+    assert left_out_message(total) == (
+        "the last epoch left out 3 blank lines, 2 samples of a tail too small for a step (1,200 samples handed out)"
+    )
+    assert left_out_message({**total, "blank": 0, "dropped": 0}) is None

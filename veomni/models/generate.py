@@ -1,7 +1,11 @@
 """One assistant turn through the model's chat template and transformers' `generate`: what `python -m veomni.chat`
 answers and what `train.eval_prompts` logs during training."""
 
+import re
 from typing import Dict, List
+
+# Qwen3-style templates train replies behind an empty thinking block; shown, it is only noise
+_EMPTY_THINKING = re.compile(r"^\s*<think>\s*</think>\s*")
 
 
 def reply(
@@ -21,4 +25,10 @@ def reply(
         kwargs["pad_token_id"] = tokenizer.eos_token_id
     with torch.no_grad():
         out = model.generate(**ids, **{**kwargs, **generate_kwargs})
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    return visible_reply(tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
+
+
+def visible_reply(text: str) -> str:
+    """A decoded reply as shown: stripped, without a leading empty `<think></think>` block (a thinking block with
+    content stays)."""
+    return _EMPTY_THINKING.sub("", text).strip()

@@ -1,6 +1,7 @@
 """TextTrainer: pretraining on plain text, or SFT on conversations (`data.data_type: conversation`)."""
 
 from functools import partial
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -121,9 +122,15 @@ class TextTrainer(BaseTrainer):
             return
         if total["skipped"]:
             logger.warning(f"skipped {total['skipped']} bad samples (data.skip_bad_samples)")
-        if ended and (total["empty"] or total["blank"] or total["dropped"] or total["unread"]):
-            logger.warning(
-                f"the last epoch left out {total['empty']} empty records, {total['blank']} blank lines, "
-                f"{total['dropped']} samples of a tail too small for a step, {total['unread']} streamed records not "
-                f"reached when a slot ran out ({total['samples']} samples handed out)"
-            )
+        if ended and left_out_message(total):
+            logger.warning(left_out_message(total))
+
+
+_LEFT_OUT = {"empty": "empty records", "blank": "blank lines", "dropped": "samples of a tail too small for a step",
+             "unread": "streamed records not reached when a slot ran out"}  # fmt: skip
+
+
+def left_out_message(total: Dict[str, int]) -> Optional[str]:
+    """What an epoch left out, naming only the kinds it left some of; None when it left out nothing."""
+    parts = [f"{total[k]:,} {what}" for k, what in _LEFT_OUT.items() if total.get(k)]
+    return f"the last epoch left out {', '.join(parts)} ({total['samples']:,} samples handed out)" if parts else None
