@@ -252,6 +252,7 @@ def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
                 env={
                     **env,
                     **{k: str(v) for k, v in world.items()},
@@ -282,6 +283,16 @@ def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
+
+
+def _die_with_parent() -> None:
+    """In a rank just forked by launch_ranks: SIGKILL when the test process that launched it dies (Linux), so a
+    killed pytest worker leaves no rank behind waiting in a collective."""
+    import ctypes
+    import signal
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def read_metrics(output_dir: str) -> List[dict]:
