@@ -244,6 +244,7 @@ def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float
     world = {"WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc, "GROUP_WORLD_SIZE": 1, "ROLE_WORLD_SIZE": nproc,
              "GROUP_RANK": 0, "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
              "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0}  # fmt: skip
+    die_with_parent = _parent_death_signal()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         ranks = [
             subprocess.Popen(
@@ -252,7 +253,7 @@ def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 env={
                     **env,
                     **{k: str(v) for k, v in world.items()},
@@ -285,14 +286,17 @@ def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float
         return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
-def _die_with_parent() -> None:
-    """In a rank just forked by launch_ranks: SIGKILL when the test process that launched it dies (Linux), so a
-    killed pytest worker leaves no rank behind waiting in a collective."""
+def _parent_death_signal():
+    """A function for launch_ranks' children to call between fork and exec: SIGKILL when the test process that
+    launched them dies (Linux's PR_SET_PDEATHSIG), so a killed pytest worker leaves no rank behind waiting in a
+    collective. Resolved here, in the parent: the child only makes the one C call (no import, no lookup)."""
     import ctypes
+    import functools
     import signal
 
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if not sys.platform.startswith("linux"):
+        return None
+    return functools.partial(ctypes.CDLL(None).prctl, 1, int(signal.SIGKILL))
 
 
 def read_metrics(output_dir: str) -> List[dict]:
