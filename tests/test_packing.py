@@ -1,5 +1,6 @@
 """Packed micro-batches equal the same documents run one by one: loss and gradients, fp32, to 1e-5."""
 
+import pytest
 import torch
 
 from helpers import one_by_one, write_model_config
@@ -110,3 +111,27 @@ def test_real_text_packed_batch_equals_documents_one_by_one(tmp_path):
     assert abs(loss.item() - total) <= 1e-5 * total
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", ["demo", "qwen3", "llama3_1", "gemma3"])
+def test_batched_encoding_equals_the_tokenizer_call(family):
+    """The cache build's direct backend call (no offsets) gives the ids `tokenizer(texts)` gives; a tokenizer.json
+    that turns truncation on takes transformers' call, which turns it off for us."""
+    import json
+
+    from real_tokenizers import real_tokenizer_dir
+
+    from helpers import REPO
+    from veomni.data.data_transform import encode_many
+    from veomni.models import build_tokenizer
+    from veomni.utils.demo_assets import ensure_demo_assets
+
+    root = ensure_demo_assets(f"{REPO}/.assets", quiet=True)
+    tokenizer = build_tokenizer(f"{root}/tokenizer" if family == "demo" else real_tokenizer_dir(family))
+    with open(f"{root}/shakespeare/valid.jsonl") as f:
+        texts = [json.loads(line)["text"] for line in f][:40] + ["", " naïve café — 東京 🙂\n\n\tend", "<|endoftext|>"]
+    expected = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    assert encode_many(tokenizer, texts) == expected
+    tokenizer.backend_tokenizer.enable_truncation(8)
+    assert encode_many(tokenizer, texts) == expected
+    assert max(map(len, expected)) > 8
