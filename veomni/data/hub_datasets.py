@@ -185,9 +185,3 @@ class HubIterativeDataset(IterativeDataset):
         if self.units and len(self.units) < at_least:
             pieces = -(-at_least // len(self.units))
             self.units = [(s, p, pieces) for s, _, _ in self.units for p in range(pieces)]
-
-    def iter_keys(self, epoch, shard, num_shards, state):
-        wanted = [tuple(k) for k in state.get("buffer", []) if tuple(k) not in self._pending]
-        for key, record in self.reader.fetch_many(wanted).items():  # a resumed buffer: one pass per shard
-            self._pending[key] = (record, self.reader.location(key))
-        return super().iter_keys(epoch, shard, num_shards, state)
