@@ -25,8 +25,6 @@ class ChatTemplateError(ValueError):
 
 CHAT_TEMPLATE_REGISTRY = Registry("chat template")
 
-Segment = Tuple[str, bool]  # (text, trainable)
-
 
 THINK_LOSS = ("train", "mask", "mask_empty")
 # a reasoning block and the whitespace after it (the answer starts after it); `<think>` may sit in the generation
@@ -38,7 +36,7 @@ class ChatTemplate(ABC):
     """Base class for custom templates: implement `encode_messages` and `get_jinja_template`.
 
     `last_turn_only` and `think_loss` are honoured by the built-in templates (and by subclasses of
-    SegmentChatTemplate); a custom template that handles them itself sets `supports_label_options = True`.
+    TokenizerTemplate); a custom template that handles them itself sets `supports_label_options = True`.
     """
 
     supports_label_options = False
@@ -71,28 +69,6 @@ class ChatTemplate(ABC):
     @abstractmethod
     def get_jinja_template(self) -> str:
         """The equivalent HF jinja template, for inference servers and `apply_chat_template`."""
-
-
-class SegmentChatTemplate(ChatTemplate):
-    """A template defined by `render_segments`; tokenisation and labelling are shared."""
-
-    supports_label_options = True
-
-    @abstractmethod
-    def render_segments(self, messages: Sequence[Dict[str, str]]) -> List[Segment]: ...
-
-    def encode_messages(self, messages, max_seq_len: int = 8192, tools=None) -> Dict[str, List[int]]:
-        if tools:
-            raise DataFormatError(f"chat template {type(self).__name__} has no tool format; use 'tokenizer'")
-        text, spans = "", []
-        for piece, trainable in self.render_segments(messages):
-            if trainable and piece:
-                spans.append((len(text), len(text) + len(piece)))
-            text += piece
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        spans = self._trainable_spans(text, spans)
-        return _checked(ids, label_tokens_in_spans(ids, enc["offset_mapping"], spans), max_seq_len)
 
 
 def _subtract(spans: List[Tuple[int, int]], holes: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
@@ -132,73 +108,6 @@ def _checked(ids: List[int], labels: List[int], max_seq_len: int) -> Dict[str, L
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 
-def _check_roles(messages, allowed=("system", "user", "assistant", "tool")):
-    for i, m in enumerate(messages):
-        if m.get("role") not in allowed:
-            raise DataFormatError(f"message {i} has role {m.get('role')!r}; expected one of {allowed}")
-
-
-@CHAT_TEMPLATE_REGISTRY.register("chatml")
-class ChatmlTemplate(SegmentChatTemplate):
-    """`<|im_start|>role\\ncontent<|im_end|>\\n`; an assistant turn trains on its content and `<|im_end|>`."""
-
-    def __init__(self, tokenizer, **options):
-        super().__init__(tokenizer, **options)
-        vocab = tokenizer.get_vocab()
-        missing = [t for t in ("<|im_start|>", "<|im_end|>") if t not in vocab]
-        if missing:
-            raise ChatTemplateError(
-                f"chat template 'chatml' needs the special tokens {missing}, which the tokenizer lacks (they would be "
-                "split into pieces): use data.chat_template auto for the tokenizer's own template, or another tokenizer"
-            )
-
-    def render_segments(self, messages):
-        _check_roles(messages)
-        out: List[Segment] = []
-        for m in messages:
-            trainable = m["role"] == "assistant"
-            out += [(f"<|im_start|>{m['role']}\n", False), (m["content"] + "<|im_end|>", trainable), ("\n", False)]
-        return out
-
-    def get_jinja_template(self) -> str:
-        return (
-            "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-            "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-        )
-
-
-@CHAT_TEMPLATE_REGISTRY.register("default")
-class DefaultTemplate(SegmentChatTemplate):
-    """Plain-text roles, for any tokenizer: `Role:\\ncontent` blocks; assistant content ends with EOS."""
-
-    def __init__(self, tokenizer, **options):
-        super().__init__(tokenizer, **options)
-        if not tokenizer.eos_token:  # replies would end nowhere: the model never learns to stop
-            raise ChatTemplateError(
-                "chat template 'default' ends each assistant reply with the tokenizer's eos_token, and the tokenizer "
-                "has none: set eos_token in its tokenizer_config.json, or use a template of its own"
-            )
-
-    def render_segments(self, messages):
-        _check_roles(messages)
-        eos = self.tokenizer.eos_token or ""
-        out: List[Segment] = []
-        for m in messages:
-            role = m["role"].capitalize()
-            if m["role"] == "assistant":
-                out += [(f"{role}:\n", False), (m["content"] + eos, True), ("\n\n", False)]
-            else:
-                out += [(f"{role}:\n{m['content']}\n\n", False)]
-        return out
-
-    def get_jinja_template(self) -> str:
-        return (
-            "{% for message in messages %}{{ message['role'] | capitalize + ':\\n' + message['content'] }}"
-            "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n\\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}{{ 'Assistant:\\n' }}{% endif %}"
-        )
-
-
 @CHAT_TEMPLATE_REGISTRY.register("tokenizer")
 class TokenizerTemplate(ChatTemplate):
     """The tokenizer's own HF jinja template, rendered once per conversation (as `apply_chat_template` does).
@@ -222,20 +131,27 @@ class TokenizerTemplate(ChatTemplate):
     """
 
     supports_label_options = True
+    jinja: Optional[str] = None  # a template of the class's own (chatml, default, multimodal); None: the tokenizer's
+    renders_tools = True  # whether the jinja writes `tools=` (OpenAI function schemas)
 
     def __init__(self, tokenizer, last_turn_only: bool = False, think_loss: str = "train"):
         super().__init__(tokenizer, last_turn_only=last_turn_only, think_loss=think_loss)
-        if not getattr(tokenizer, "chat_template", None):
+        self.jinja = self.jinja or getattr(tokenizer, "chat_template", None)
+        if not self.jinja:
             raise ChatTemplateError("chat template 'tokenizer' needs a tokenizer with a chat_template")
-        self.uses_generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.chat_template) is not None
-        self.generation_prompt, self.end_of_turn = self._probe_turn_markers()
+        self.uses_generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.jinja) is not None
+        self.generation_prompt, self.end_of_turn = self._turn_markers()
 
     def _render(self, messages, tools=None, generation_prompt=False) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            list(messages),
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            chat_template=self.jinja,
         )
 
-    def _probe_turn_markers(self) -> Tuple[str, str]:
+    def _turn_markers(self) -> Tuple[str, str]:
         """The generation prompt and the end-of-turn marker, read off a one-exchange probe rendering."""
         user, reply = "VEOMNI_PROBE_QUESTION", "VEOMNI_PROBE_ANSWER"
         asked = [{"role": "user", "content": user}]
@@ -257,13 +173,20 @@ class TokenizerTemplate(ChatTemplate):
         return prompted[len(before) :], specials[0]
 
     def get_jinja_template(self) -> str:
-        return self.tokenizer.chat_template
+        return self.jinja
 
     def encode_messages(self, messages, max_seq_len: int = 8192, tools=None) -> Dict[str, List[int]]:
+        if tools and not self.renders_tools:
+            raise DataFormatError(f"chat template {type(self).__name__} has no tool format; use 'tokenizer'")
         messages = list(messages)
         if self.uses_generation_tags:
             enc = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                messages,
+                tools=tools,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                chat_template=self.jinja,
             )
             ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
             if self.last_turn_only:
@@ -271,13 +194,15 @@ class TokenizerTemplate(ChatTemplate):
             labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
             if self.think_loss != "train":
                 labels = self._mask_thinking(messages, tools, ids, labels)
-        else:
-            text = self._render(messages, tools)
-            spans = self._trainable_spans(text, self._assistant_spans(text, messages))
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids = list(enc["input_ids"])
-            labels = label_tokens_in_spans(ids, enc["offset_mapping"], spans)
-        return _checked(ids, labels, max_seq_len)
+            return _checked(ids, labels, max_seq_len)
+        return self._encode_rendered(self._render(messages, tools), messages, max_seq_len)
+
+    def _encode_rendered(self, text: str, messages, max_seq_len: int) -> Dict[str, List[int]]:
+        """Tokenise the rendered `text` once; labels on the assistant spans aligned with `messages`."""
+        spans = self._trainable_spans(text, self._assistant_spans(text, messages))
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        return _checked(ids, label_tokens_in_spans(ids, enc["offset_mapping"], spans), max_seq_len)
 
     def _mask_thinking(self, messages, tools, ids: List[int], labels: List[int]) -> List[int]:
         """think_loss on labels from `{% generation %}` marks: the think blocks of the rendered text, by offsets."""
@@ -346,6 +271,53 @@ def _last_run_only(mask: List[int]) -> List[int]:
     return out
 
 
+@CHAT_TEMPLATE_REGISTRY.register("chatml")
+class ChatmlTemplate(TokenizerTemplate):
+    """`<|im_start|>role\\ncontent<|im_end|>\\n`; an assistant turn trains on its content and `<|im_end|>`."""
+
+    jinja = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    renders_tools = False
+
+    def __init__(self, tokenizer, **options):
+        vocab = tokenizer.get_vocab()
+        missing = [t for t in ("<|im_start|>", "<|im_end|>") if t not in vocab]
+        if missing:
+            raise ChatTemplateError(
+                f"chat template 'chatml' needs the special tokens {missing}, which the tokenizer lacks (they would be "
+                "split into pieces): use data.chat_template auto for the tokenizer's own template, or another tokenizer"
+            )
+        super().__init__(tokenizer, **options)
+
+    def _turn_markers(self) -> Tuple[str, str]:
+        return "<|im_start|>assistant\n", "<|im_end|>"
+
+
+@CHAT_TEMPLATE_REGISTRY.register("default")
+class DefaultTemplate(TokenizerTemplate):
+    """Plain-text roles, for any tokenizer: `Role:\\ncontent` blocks; assistant content ends with EOS."""
+
+    jinja = (
+        "{% for message in messages %}{{ message['role'] | capitalize + ':\\n' + message['content'] }}"
+        "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'Assistant:\\n' }}{% endif %}"
+    )
+    renders_tools = False
+
+    def __init__(self, tokenizer, **options):
+        if not tokenizer.eos_token:  # replies would end nowhere: the model never learns to stop
+            raise ChatTemplateError(
+                "chat template 'default' ends each assistant reply with the tokenizer's eos_token, and the tokenizer "
+                "has none: set eos_token in its tokenizer_config.json, or use a template of its own"
+            )
+        super().__init__(tokenizer, **options)
+
+    def _turn_markers(self) -> Tuple[str, str]:
+        return "Assistant:\n", self.tokenizer.eos_token
+
+
 def resolve_template_name(name: str, tokenizer) -> str:
     """`auto` -> `tokenizer` when the tokenizer ships a chat template, else `default`; other names unchanged."""
     if name == "auto":
@@ -395,9 +367,9 @@ def training_template_note(template: ChatTemplate, requested: str, own: Optional
     """(an info line saying which template trains, a warning or None): the warning when the model would be served
     with another template than it was trained on -- the tokenizer's own (`own`, which the HF export carries)."""
     jinja = template.get_jinja_template() or None
-    if isinstance(template, TokenizerTemplate) and jinja == own:
+    if type(template) is TokenizerTemplate and jinja == own:
         which = "the tokenizer's own"
-    elif isinstance(template, TokenizerTemplate):
+    elif type(template) is TokenizerTemplate:
         which = "a custom jinja template"
     else:
         which = repr(requested if requested != "auto" else "default")

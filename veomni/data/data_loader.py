@@ -28,7 +28,7 @@ from .data_collator import MainCollator
 from .data_transform import DataFormatError
 from .global_batches import Batching, GlobalBatchStream
 from .mapping import MappingDataset
-from .streamed_batches import SlotStream, is_end_marker, reshard_slot_states
+from .streamed_batches import SlotStream, is_end_marker, reshard_slot_states, worker_states
 
 logger = get_logger(__name__)
 # torchdata's loader calls a torch API that torch has deprecated, on every iter(): nothing a user can act on
@@ -64,7 +64,7 @@ def build_loader(
         stream,
         allow_changed_data=allow_changed_data,
         batch_size=batching.dataloader_batch_size,
-        collate_fn=_list_of_micro_batches,
+        collate_fn=list,  # a step: the list of its collated micro-batches
         num_workers=num_workers,
         drop_last=batching.drop_last,
         pin_memory=pin_memory and torch.cuda.is_available(),
@@ -134,25 +134,16 @@ def build_dataloader(
     )  # fmt: skip
 
 
-def _list_of_micro_batches(micro_batches):
-    return list(micro_batches)
-
-
 def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: int, produced: int) -> Dict[str, Any]:
     """Loader states saved by the ranks of another data-parallel size -> the state for `dp_rank` of `dp_size`:
     a global position (sized data) is the same on every rank; streamed slots each go to their slot's new rank.
     (`produced`, the micro-batches this rank's epoch has yielded, is kept for callers of the earlier signature.)"""
-    if _has_key(states[0], "global_position"):
+    saved = worker_states(states[0]).values()
+    if any(s.get("global_position") for s in saved):
         return copy.deepcopy(states[0])
-    if _has_key(states[0], "slot_streams"):
+    if any(s.get("slot_streams") for s in saved):
         return reshard_slot_states(states, dp_rank, dp_size)
     raise NotImplementedError("this data position cannot be resharded (a loader state of an earlier version)")
-
-
-def _has_key(node, key: str) -> bool:
-    if isinstance(node, dict):
-        return bool(node.get(key)) or any(_has_key(v, key) for v in node.values())
-    return False
 
 
 class MicroBatchLoader(IteratorSlotLoader):
@@ -181,7 +172,7 @@ class MicroBatchLoader(IteratorSlotLoader):
         # A new iter() replaces it, but the old one may still be iterated (two iterators, as a DataLoader allows):
         # it keeps its workers, and frees them when it ends or is collected.
         if iterator is None and previous is not None:
-            _stop_workers([previous])
+            shutdown_iterator_workers(previous)
 
     def __iter__(self):
         closed = self._live[0]
@@ -229,7 +220,7 @@ class MicroBatchLoader(IteratorSlotLoader):
     def close(self) -> None:
         """Stop the current iterator's worker processes now. `state_dict()` still gives the position reached; a
         later `iter()` starts the next epoch (or resumes a loaded state) with new workers."""
-        _stop_workers(self._live)
+        shutdown_iterator_workers(self._live[0])  # (they are idle or prefetching: they exit promptly)
 
     def set_epoch(self, epoch: int, first_step: int = 0) -> None:
         """Reshuffle for `epoch` (the trainer calls this before each epoch's iter())."""
@@ -280,11 +271,6 @@ class _UntilEndMarker:
 
 def _release(box: List[Any]) -> None:
     box[0] = None  # the last reference gone, torch's __del__ stops the workers; otherwise its holder still iterates
-
-
-def _stop_workers(box: List[Any]) -> None:
-    """Tell the workers of the iterator in `box` to exit and join them (prompt: they are idle or prefetching)."""
-    shutdown_iterator_workers(box[0])
 
 
 def _slots_per_rank(global_batch_size: Optional[int], micro: int, per_rank: int, dp_size: int) -> int:

@@ -3,22 +3,9 @@ skipped, empty records, blank lines, samples dropped, streamed records not reach
 
 from typing import Any, Dict
 
-from .streamed_batches import SlotStream
+from .streamed_batches import SlotStream, worker_states
 
 _COUNTS = ("samples", "skipped", "empty", "blank", "dropped")
-
-
-def _states_by_worker(node, worker: int = 0) -> Dict[int, Dict[str, Any]]:
-    """The state of the stream in each worker, found in a loader's state."""
-    if isinstance(node, dict):
-        if "produced" in node and "skipped" in node:
-            return {worker: node}
-        worker = node.get("worker_id", worker)  # a worker's snapshot names its worker
-        found = {}
-        for value in node.values():
-            found.update(_states_by_worker(value, worker))
-        return found
-    return {}
 
 
 def data_report(loader, count_unread: bool = True) -> Dict[str, Any]:
@@ -30,7 +17,7 @@ def data_report(loader, count_unread: bool = True) -> Dict[str, Any]:
     counting reads the rest of this rank's share without parsing it, so `count_unread=False` skips it).
     Sized data counts skipped, empty, blank and dropped over the whole dataset, the same on every rank
     (`whole_dataset`)."""
-    states = _states_by_worker(loader.state_dict())
+    states = worker_states(loader.state_dict())
     report = {name: sum(s.get(name, 0) for s in states.values()) for name in _COUNTS}
     report["whole_dataset"] = any(s.get("global_position") for s in states.values())
     if report["whole_dataset"]:  # (samples stay this rank's)
@@ -48,4 +35,4 @@ def skipped_samples(loader) -> int:
 
 def dropped_samples(loader) -> int:
     """Samples of the current epoch's tail that fit no full global step (drop_last, or too few to split)."""
-    return max((s.get("dropped", 0) for s in _states_by_worker(loader.state_dict()).values()), default=0)
+    return max((s.get("dropped", 0) for s in worker_states(loader.state_dict()).values()), default=0)

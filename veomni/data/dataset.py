@@ -17,6 +17,7 @@ import yaml
 
 from ..utils.hub import DATA_PREFIX
 from ..utils.logging import get_logger
+from .hub_datasets import HubIterativeDataset, hub_data
 from .interleave import InterleaveDataset, InterleavedIterableDataset, InterleavedMappingDataset
 from .mapping import MappingDataset
 from .readers import RecordFiles, resolve_data_files
@@ -88,19 +89,15 @@ def build_iterable_dataset(
     options = {"shuffle_buffer_size": shuffle_buffer_size, "skip_bad_samples": skip_bad_samples}
     train_path, hub, entry = _hub_data(train_path, streaming=True)
     if hub:
-        from .hub_datasets import HubIterativeDataset
-
         return HubIterativeDataset(hub, entry, transform, seed=seed, **options)
     return IterativeDataset(resolve_data_files(train_path), transform, seed=seed, unit_bytes=unit_bytes, **options)
 
 
 def _hub_data(train_path: str, streaming: bool):
     """(path, HubData, entry) of an `hf://datasets/...` path (hub_datasets.hub_data), else (path, None, None);
-    `datasets` is imported only for such a path."""
+    `datasets` is imported only for such a path (by hub_datasets)."""
     if not isinstance(train_path, str) or not train_path.startswith(DATA_PREFIX):
         return train_path, None, None
-    from .hub_datasets import hub_data
-
     return hub_data(train_path, streaming=streaming)
 
 

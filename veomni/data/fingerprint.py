@@ -124,19 +124,13 @@ def _package_source() -> str:
     return digest.hexdigest()
 
 
-@functools.lru_cache(maxsize=None)
-def _file_hash(path: str, size: int, mtime_ns: int) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def _module_source(name: str) -> str:
-    """A hash of the source file of module `name` ("" for a module without one, as a builtin)."""
+    """A hash of the source file of module `name` ("" for a module without one, as a builtin), read as a data file
+    is (whole up to 1 MiB, which any hand-written module is)."""
     path = getattr(sys.modules.get(name), "__file__", None)
     if not path or not os.path.isfile(path):
         return ""
-    stat = os.stat(path)
-    return _file_hash(path, stat.st_size, stat.st_mtime_ns)
+    return files_fingerprint([path])[0][3]
 
 
 def _class_sources(kind: type) -> str:

@@ -146,11 +146,6 @@ class BatchingStream(IterableDataset):
     def __init__(self, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
         self.collate_fn, self.dp_rank, self.dp_size = collate_fn, dp_rank, dp_size
         self.batching = dataclasses.replace(batching)  # its own: the warmup length is set per loader
-        self.micro_batch_size, self.dyn_bsz, self.drop_last = (
-            batching.micro_batch_size,
-            batching.dyn_bsz,
-            batching.drop_last,
-        )
         self.dataloader_batch_size = batching.dataloader_batch_size
         self.buffer_size = max(batching.buffer_size, batching.micro_batch_size)
         self.epoch, self.first_step = 0, 0
@@ -190,7 +185,6 @@ class GlobalBatchStream(BatchingStream):
     def __init__(self, dataset, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
         super().__init__(collate_fn, batching, dp_rank, dp_size)
         self.dataset = dataset  # the sized protocol: prepare / epoch_order / sample / counts (mapping.py)
-        self.accum = self.dataloader_batch_size
         self._plans: Dict[Tuple[int, int, int], Plan] = {}
         self._order: Dict[int, Any] = {}
 
@@ -206,15 +200,15 @@ class GlobalBatchStream(BatchingStream):
         first = min(self.first_step, self.warmup_steps)  # past the warmup, where the epoch starts changes nothing
         key = (epoch, first, self.warmup_steps)
         if key not in self._plans:
-            per_step = self.dp_size * self.accum
+            per_step = self.dp_size * self.dataloader_batch_size
             path = self._plan_path(epoch, first, per_step)
             plan = _load_plan(path, per_step)
             if plan is None:
                 self.order(epoch)
-                lengths = self._order[epoch][1].tolist()
+                lengths, b = self._order[epoch][1].tolist(), self.batching
                 plan = plan_micro_batches(
-                    lengths, per_step, self.micro_batch_size, self.dyn_bsz, lambda s: self._token_budget(first + s),
-                    self.buffer_size, self.drop_last,
+                    lengths, per_step, b.micro_batch_size, b.dyn_bsz, lambda s: self._token_budget(first + s),
+                    self.buffer_size, b.drop_last,
                 )  # fmt: skip
                 _save_plan(path, plan)
             self._plans = {key: plan}
@@ -238,7 +232,7 @@ class GlobalBatchStream(BatchingStream):
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        plan = self.plan(self.epoch)
+        plan, accum = self.plan(self.epoch), self.dataloader_batch_size
         ids = self.order(self.epoch)
         # a global position, the same on every rank: any rank's state resumes any world size
         state = {"global_position": True, "epoch": self.epoch, "step": worker, "micro": 0, "produced": 0}
@@ -249,8 +243,8 @@ class GlobalBatchStream(BatchingStream):
         state.update(self.dataset.counts(), dropped=plan.dropped)
         self._state = state
         while state["step"] < len(plan):
-            batch = plan.micro_batch(state["step"] * plan.per_step + self.dp_rank * self.accum + state["micro"])
-            if state["micro"] + 1 < self.accum:  # the state names what comes after this yield
+            batch = plan.micro_batch(state["step"] * plan.per_step + self.dp_rank * accum + state["micro"])
+            if state["micro"] + 1 < accum:  # the state names what comes after this yield
                 state["micro"] += 1
             else:
                 state["step"], state["micro"] = state["step"] + workers, 0

@@ -75,13 +75,14 @@ def _check_config_and_split(ref: HubData, source: str, revision: Optional[str], 
         )
 
 
-def prepare(ref: HubData, key: str, path: str, streaming: bool) -> str:
-    """Local rank 0's part: pin the revision, check the config and split, and (map-style) let `load_dataset`
-    prepare the split's arrow files. Registers what the ranks need under the pinned path, which it returns."""
+def prepare_split(ref: HubData, key: str, path: str, data) -> str:
+    """Local rank 0's part (utils.hub's `prepare_dataset`): pin the revision, check the config and split, and
+    (map-style; `data` is "iterable" for a streamed split) let `load_dataset` prepare the split's arrow files.
+    Registers what the ranks need under the pinned path, which it returns."""
     pinned, source, revision = _source(ref, key, path)
     _check_config_and_split(pinned, source, revision, key, path)
     files = None
-    if not streaming:
+    if data != "iterable":
         try:
             split = _datasets().load_dataset(source, pinned.config, split=pinned.split, revision=revision)
         except Exception as err:  # noqa: BLE001 - any failure of the preparation, said in one line
@@ -91,11 +92,6 @@ def prepare(ref: HubData, key: str, path: str, streaming: bool) -> str:
             raise hub.HubNameError(f"{key}: {path}: load_dataset gave an in-memory split (no arrow files to map)")
     hub.data_entries[pinned.path()] = {"source": source, "revision": revision, "files": files}
     return pinned.path()
-
-
-def prepare_split(ref: HubData, key: str, path: str, data) -> str:
-    """`prepare` as utils.hub calls it (its `prepare_dataset`): `data` is "iterable" for a streamed split."""
-    return prepare(ref, key, path, streaming=data == "iterable")
 
 
 def hub_data(path: str, key: str = "data.train_path", streaming: bool = False):
@@ -109,7 +105,7 @@ def hub_data(path: str, key: str = "data.train_path", streaming: bool = False):
     if ref is None:
         return pinned, None, None
     if not streaming and hub.data_entries[pinned]["files"] is None:  # resolved for streaming, read map-style
-        pinned = prepare(ref, key, path, streaming=False)
+        pinned = prepare_split(ref, key, path, data=True)
     return pinned, ref, hub.data_entries[pinned]
 
 
@@ -189,9 +185,3 @@ class HubIterativeDataset(IterativeDataset):
         if self.units and len(self.units) < at_least:
             pieces = -(-at_least // len(self.units))
             self.units = [(s, p, pieces) for s, _, _ in self.units for p in range(pieces)]
-
-    def iter_keys(self, epoch, shard, num_shards, state):
-        wanted = [tuple(k) for k in state.get("buffer", []) if tuple(k) not in self._pending]
-        for key, record in self.reader.fetch_many(wanted).items():  # a resumed buffer: one pass per shard
-            self._pending[key] = (record, self.reader.location(key))
-        return super().iter_keys(epoch, shard, num_shards, state)

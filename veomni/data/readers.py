@@ -10,6 +10,7 @@ of json / arrow files. A reader seeks to its units and parses only them.
 
 import bisect
 import glob
+import itertools
 import json
 import os
 from functools import lru_cache
@@ -175,22 +176,17 @@ class RecordFiles:
                 units += [(fi, a, min(a + unit_rows, n)) for a in range(0, n, unit_rows)]
         return units
 
-    def iter_from(self):
-        """Every record of the files, in order, as `iter_unit` yields them."""
-        for fi, path in enumerate(self.files):
-            yield from self.iter_unit(
-                (fi, 0, os.path.getsize(path) if path.endswith(".jsonl") else len(self._rows(fi)))
-            )
-
     def first(self, n: int) -> List[Tuple[Any, Any]]:
         """The first `n` records (blank lines left out) with their locations, read from the files' start."""
-        out: List[Tuple[Any, Any]] = []
-        for _, record, where, _ in self.iter_from():
-            if record is not BLANK:
-                out.append((record, where))
-                if len(out) == n:
-                    break
-        return out
+        records = (
+            (record, where)
+            for fi, path in enumerate(self.files)
+            for _, record, where, _ in self.iter_unit(
+                (fi, 0, os.path.getsize(path) if path.endswith(".jsonl") else len(self._rows(fi)))
+            )
+            if record is not BLANK
+        )
+        return list(itertools.islice(records, n))
 
     def _rows(self, fi: int):
         if fi not in self._tables:

@@ -97,15 +97,15 @@ class _SubStream:
 
     def next_micro_batch(self, budget: int) -> Optional[List[Dict[str, Any]]]:
         """The next micro-batch's samples, or None when this sub-stream has no more for this epoch."""
-        owner, buffer = self.owner, self.state["buffer"]
+        buffer, b = self.state["buffer"], self.owner.batching
         self._read()
-        short = self.exhausted and owner.drop_last and not owner.dyn_bsz and len(buffer) < owner.micro_batch_size
+        short = self.exhausted and b.drop_last and not b.dyn_bsz and len(buffer) < b.micro_batch_size
         if not buffer or short:
             return None
-        if owner.dyn_bsz:
+        if b.dyn_bsz:
             chosen = first_fit((entry[-1] for entry in buffer), budget)
         else:
-            chosen = list(range(min(owner.micro_batch_size, len(buffer))))
+            chosen = list(range(min(b.micro_batch_size, len(buffer))))
         picked = [buffer[i] for i in chosen]
         for i in reversed(chosen):
             del buffer[i]
@@ -193,11 +193,11 @@ class SlotStream(BatchingStream):
         return left
 
 
-def _worker_states(loader_state: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+def worker_states(loader_state: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
     """worker id -> the dataset state in a StatefulDataLoader state (the main process's as worker 0 without
     workers)."""
     if "dataset_state" in loader_state:
-        return {0: loader_state["dataset_state"]}
+        return {0: loader_state["dataset_state"] or {}}
     snapshots = worker_snapshots(loader_state)
     return {s["worker_id"]: s["dataset_state"] for s in snapshots.values() if s.get("dataset_state") is not None}
 
@@ -208,9 +208,9 @@ def reshard_slot_states(states: List[Dict[str, Any]], dp_rank: int, dp_size: int
     new = copy.deepcopy(states[0])
     everything: Dict[int, Dict[str, Any]] = {}
     for old in states:
-        for worker, dataset_state in _worker_states(old).items():
+        for worker, dataset_state in worker_states(old).items():
             everything.setdefault(worker, {}).update(dataset_state.get("streams", {}))  # ({} if never iterated)
-    for worker, dataset_state in _worker_states(new).items():
+    for worker, dataset_state in worker_states(new).items():
         streams = everything.get(worker, {})  # this worker's sub-streams of every slot, from all the old ranks
         if len(streams) % dp_size:
             raise NotImplementedError(f"{len(streams)} streamed slots per step do not split over {dp_size} ranks")

@@ -94,10 +94,10 @@ class IterativeDataset(IterableDataset, Transforming):
         state.setdefault("buffer", [])  # keys waiting in the shuffle buffer
         state.setdefault("popped", 0)
         state.setdefault("blank", 0)
-        for key in state["buffer"]:  # a resumed buffer: read its records again
-            key = tuple(key)
-            if key not in self._pending:
-                self._pending[key] = (self._fetch(key), self.reader.location(key))
+        wanted = [tuple(key) for key in state["buffer"] if tuple(key) not in self._pending]  # a resumed buffer
+        fetch_many = getattr(self.reader, "fetch_many", None)  # (a hub stream reads each shard once for them all)
+        for key, record in (fetch_many(wanted) if fetch_many else {k: self._fetch(k) for k in wanted}).items():
+            self._pending[key] = (record, self.reader.location(key))
         stream = None
         while True:
             if len(state["buffer"]) < self.shuffle_buffer_size and state["unit"] < len(units):

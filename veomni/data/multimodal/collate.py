@@ -11,8 +11,7 @@ needs the full-sequence masks to scatter the visual/audio embeddings before the 
 
 from typing import Dict
 
-from ..data_collator import DataCollateInfo
-from ..data_transform import IGNORE_INDEX
+from ..data_collator import DataCollateInfo, default_collate_infos
 
 PER_ITEM_FIELDS = (
     "image_grid_thw",
@@ -38,10 +37,7 @@ def multimodal_collate_infos(merge_size: int = 2, vision_sp_slice: bool = False)
         sp_pad_scale=merge_size**2,
     )
     infos = {
-        "input_ids": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=0),
-        "labels": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=IGNORE_INDEX),
-        "position_ids": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=0),
-        "attention_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0),
+        **default_collate_infos(),
         "image_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0),
         "video_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0),
         "audio_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0),

@@ -6,8 +6,8 @@ Sources (the templates shipped beside the released checkpoints):
 - QWEN3_VL: `chat_template.json` of Qwen/Qwen3-VL-*-Instruct (system / user / assistant / tool turns, tools).
 - QWEN2_5_OMNI: the Qwen2.5-Omni processor template used in transformers' own test suite
   (tests/models/qwen2_5_omni/test_processing_qwen2_5_omni.py), `<|vision_bos|><|IMAGE|><|vision_eos|>` etc.
-The Python templates in `multimodal_chat_template.py` render the same text; tests/test_multimodal_data.py checks
-ids against `processor.apply_chat_template` with these.
+`multimodal_chat_template.py` renders these for training; tests/test_multimodal_data.py checks its ids against
+`processor.apply_chat_template` with them.
 
 Each template is assembled from the pieces it repeats (Qwen2-VL and Qwen2.5-Omni differ only in their media
 branches; Qwen3-VL's user and tool turns share one content loop), and the result is the released text byte for byte.

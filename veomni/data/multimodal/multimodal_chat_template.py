@@ -1,15 +1,16 @@
 """Multimodal chat templates: normalised conversations (preprocess.py) -> `input_ids` and `labels`.
 
-A template renders the same text as the model's HF jinja template (`hf_chat_templates.py`) followed by the HF
-processor's placeholder expansion: each image / video / audio part becomes `start + replacement + end`, where the
-replacement is the processor's expanded placeholder (e.g. `<|image_pad|>` repeated once per merged patch, given by
-the data transform). The whole text is tokenised once, so ids equal the HF processor's on the same conversation;
-labels keep each assistant turn's content and its `<|im_end|>`, everything else is IGNORE_INDEX.
+A template renders the model's HF jinja template (`hf_chat_templates.py`), then expands the placeholders as the HF
+processor does: the placeholder token of each image / video / audio part becomes its replacement, the processor's
+expanded placeholder (e.g. `<|image_pad|>` repeated once per merged patch, given by the data transform). The whole
+text is tokenised once, so ids equal the HF processor's on the same conversation; labels keep each assistant turn's
+content and its `<|im_end|>`, everything else is IGNORE_INDEX.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import re
+from typing import Dict, List, Optional, Sequence
 
-from ..chat_template import CHAT_TEMPLATE_REGISTRY, ChatTemplate, Segment, _checked, label_tokens_in_spans
+from ..chat_template import CHAT_TEMPLATE_REGISTRY, ChatTemplate, TokenizerTemplate
 from ..data_transform import DataFormatError
 from ..dataset import Registry
 from . import hf_chat_templates
@@ -17,66 +18,51 @@ from . import hf_chat_templates
 MULTIMODAL_CHAT_TEMPLATE_REGISTRY = Registry("multimodal chat template")
 
 
-class MultimodalChatTemplate(ChatTemplate):
-    """ChatML turns with media parts; subclasses set the markers, the default system prompt and the jinja."""
+class MultimodalChatTemplate(TokenizerTemplate):
+    """The model's own jinja (`jinja`, rendered as `apply_chat_template` does, assistant turns found as
+    TokenizerTemplate finds them) with each media placeholder expanded; subclasses set the jinja, the placeholder
+    token of each media type, and the other special tokens it writes."""
 
-    default_system: Optional[str] = None  # written first when the conversation has no system turn
-    markers: Dict[str, Tuple[str, str]] = {}  # media type -> (start token, end token) around its placeholder
     placeholders: Dict[str, str] = {}  # media type -> the single placeholder token the jinja writes
-    jinja: str = ""
+    special_tokens: Sequence[str] = ()  # the media markers around the placeholders
 
     def __init__(self, tokenizer):
-        super().__init__(tokenizer)
         vocab = tokenizer.get_vocab()
-        needed = {"<|im_start|>", "<|im_end|>", *self.placeholders.values()}
-        needed |= {t for pair in self.markers.values() for t in pair}
+        needed = {"<|im_start|>", "<|im_end|>", *self.placeholders.values(), *self.special_tokens}
         missing = sorted(t for t in needed if t not in vocab)
         if missing:
             raise ValueError(f"chat template {type(self).__name__} needs tokens {missing} in the tokenizer")
-
-    def render_segments(self, messages, replacements: Optional[Dict[str, List[str]]] = None) -> List[Segment]:
-        replacements = {kind: iter(items) for kind, items in (replacements or {}).items()}
-        out: List[Segment] = []
-        if self.default_system is not None and (not messages or messages[0]["role"] != "system"):
-            out.append((f"<|im_start|>system\n{self.default_system}<|im_end|>\n", False))
-        for i, m in enumerate(messages):
-            if m["role"] not in ("system", "user", "assistant"):
-                raise DataFormatError(f"message {i} has role {m['role']!r}; expected system, user or assistant")
-            trainable = m["role"] == "assistant"
-            body = ""
-            for part in [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"]:
-                kind = part["type"]
-                if kind == "text":
-                    body += part["text"]
-                elif kind in self.markers:
-                    if trainable or m["role"] == "system":
-                        raise DataFormatError(f"{m['role']} turn {i} holds a {kind}; media go in user turns")
-                    start, end = self.markers[kind]
-                    try:
-                        body += start + next(replacements[kind]) + end
-                    except (KeyError, StopIteration):
-                        body += start + self.placeholders[kind] + end  # unexpanded, as the jinja writes it
-                else:
-                    raise DataFormatError(f"chat template {type(self).__name__} has no {kind!r} parts")
-            out += [(f"<|im_start|>{m['role']}\n", False), (body + "<|im_end|>", trainable), ("\n", False)]
-        return out
+        super().__init__(tokenizer)
+        self._placeholder = re.compile("|".join(re.escape(t) for t in self.placeholders.values()))
 
     def encode_messages(
         self, messages: Sequence[Dict], max_seq_len: int = 8192, replacements: Optional[Dict[str, List[str]]] = None
     ) -> Dict[str, List[int]]:
         """`input_ids`, `attention_mask`, `labels` of the conversation; `replacements[type][i]` is the expanded
         placeholder of the i-th part of that media type (omitted: the single placeholder token)."""
-        text, spans = "", []
-        for piece, trainable in self.render_segments(messages, replacements):
-            if trainable:
-                spans.append((len(text), len(text) + len(piece)))
-            text += piece
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        return _checked(ids, label_tokens_in_spans(ids, enc["offset_mapping"], spans), max_seq_len)
+        messages = [_text_only(i, m, self) for i, m in enumerate(messages)]
+        kinds = {token: kind for kind, token in self.placeholders.items()}
+        pending = {kind: iter(items) for kind, items in (replacements or {}).items()}
+        text = self._placeholder.sub(  # media sit in user turns only: the assistant spans are found after this
+            lambda found: next(pending.get(kinds[found.group(0)], iter(())), found.group(0)), self._render(messages)
+        )
+        return self._encode_rendered(text, messages, max_seq_len)
 
-    def get_jinja_template(self) -> str:
-        return self.jinja
+
+def _text_only(i: int, message: Dict, template: MultimodalChatTemplate) -> Dict:
+    """A turn whose parts are all text, with its text as a string (rendered alike, and aligned by it); a media part
+    is checked against the template and the turn's role."""
+    content = message["content"]
+    if isinstance(content, str):
+        return message
+    for part in content:
+        if part["type"] != "text" and part["type"] not in template.placeholders:
+            raise DataFormatError(f"chat template {type(template).__name__} has no {part['type']!r} parts")
+        if part["type"] != "text" and message["role"] != "user":
+            raise DataFormatError(f"{message['role']} turn {i} holds a {part['type']}; media go in user turns")
+    if any(part["type"] != "text" for part in content):
+        return message
+    return {**message, "content": "".join(part["text"] for part in content)}
 
 
 def _register(*names):
@@ -88,16 +74,12 @@ def _register(*names):
     return wrap
 
 
-_QWEN_VISION = {"image": ("<|vision_start|>", "<|vision_end|>"), "video": ("<|vision_start|>", "<|vision_end|>")}
-
-
 @_register("qwen2_vl", "qwen2_5_vl")
 class Qwen2VLTemplate(MultimodalChatTemplate):
     """Qwen2-VL / Qwen2.5-VL: a default system prompt, `<|vision_start|><|image_pad|>...<|vision_end|>`."""
 
-    default_system = "You are a helpful assistant."
-    markers = _QWEN_VISION
     placeholders = {"image": "<|image_pad|>", "video": "<|video_pad|>"}
+    special_tokens = ("<|vision_start|>", "<|vision_end|>")
     jinja = hf_chat_templates.QWEN2_VL
 
 
@@ -105,7 +87,6 @@ class Qwen2VLTemplate(MultimodalChatTemplate):
 class Qwen3VLTemplate(Qwen2VLTemplate):
     """Qwen3-VL (dense and MoE): as Qwen2.5-VL without a default system prompt (tool turns are not supported)."""
 
-    default_system = None
     jinja = hf_chat_templates.QWEN3_VL
 
 
@@ -113,12 +94,7 @@ class Qwen3VLTemplate(Qwen2VLTemplate):
 class Qwen2_5OmniTemplate(MultimodalChatTemplate):
     """Qwen2.5-Omni thinker: `<|vision_bos|><|IMAGE|>...<|vision_eos|>`, `<|audio_bos|><|AUDIO|>...<|audio_eos|>`."""
 
-    default_system = "You are a helpful assistant."
-    markers = {
-        "image": ("<|vision_bos|>", "<|vision_eos|>"),
-        "video": ("<|vision_bos|>", "<|vision_eos|>"),
-        "audio": ("<|audio_bos|>", "<|audio_eos|>"),
-    }
+    special_tokens = ("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>")
     placeholders = {"image": "<|IMAGE|>", "video": "<|VIDEO|>", "audio": "<|AUDIO|>"}
     jinja = hf_chat_templates.QWEN2_5_OMNI
 

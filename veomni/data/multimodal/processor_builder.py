@@ -63,10 +63,9 @@ def _tokenizer_folder(kind: str, tokenizer_dir: str, out_dir: str) -> str:
                 renamed[added["content"]] = OMNI_RENAMES[added["id"]]
                 added["content"] = OMNI_RENAMES[added["id"]]
         cfg["additional_special_tokens"] = [renamed.get(t, t) for t in cfg.get("additional_special_tokens", [])]
-        for key in ("added_tokens_decoder",):
-            for idx, entry in cfg.get(key, {}).items():
-                if int(idx) in OMNI_RENAMES:
-                    entry["content"] = OMNI_RENAMES[int(idx)]
+        for idx, entry in cfg.get("added_tokens_decoder", {}).items():
+            if int(idx) in OMNI_RENAMES:
+                entry["content"] = OMNI_RENAMES[int(idx)]
         cfg["extra_special_tokens"] = dict(OMNI_TOKEN_ATTRS)
     with open(os.path.join(folder, "tokenizer.json"), "w") as f:
         json.dump(tok, f, ensure_ascii=False)
