@@ -20,8 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..arguments.arguments_types import VeOmniArguments
-from ..arguments.config_names import MixedPrecisionConfig
+from ..arguments.arguments_types import MixedPrecisionArguments, VeOmniArguments
 from ..compat.transformers import config_attn_implementation
 from ..models.multimodal import model_class_for
 from ..utils.device import get_device_type
@@ -185,7 +184,7 @@ def veomni_parallelize_keywords(mixed_precision: Any, enable_mixed_precision: Op
     if enable_mixed_precision is not None:
         if mixed_precision is not None:
             raise ValueError("build_parallelize_model: pass mixed_precision or enable_mixed_precision, not both")
-        mixed_precision = MixedPrecisionConfig(enable=bool(enable_mixed_precision))
+        mixed_precision = MixedPrecisionArguments(enable=bool(enable_mixed_precision))
     if ignored:
         logger.warning(f"build_parallelize_model ignores {sorted(ignored)}: no effect in this implementation")
     return mixed_precision
