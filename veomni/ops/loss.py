@@ -27,9 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from .vocab_parallel_loss import vocab_parallel_cross_entropy_sum
-
-IGNORE_INDEX = -100
+from .vocab_parallel_loss import IGNORE_INDEX, vocab_parallel_cross_entropy_sum
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
