@@ -122,7 +122,6 @@ def test_kernel_choice_by_device_dtype_and_installed_packages(monkeypatch):
     for installed, expected in (
         ({"flash_attn", "torch.nn.attention.varlen"}, "flash_attn"),
         ({"torch.nn.attention.varlen"}, "torch_varlen"),
-        (set(), "flex"),
     ):
         monkeypatch.setattr(attn, "_has_package", lambda name, have=installed: name in have)
         assert attn.varlen_backend(cuda, torch.bfloat16) == expected

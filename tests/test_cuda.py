@@ -1,7 +1,7 @@
 """The CUDA paths, on a CUDA GPU (skipped elsewhere: CI has none; run `pytest tests/test_cuda.py` on a GPU machine,
 or `bash benchmarks/gpu_all.sh`, which also runs the GPU benchmarks).
 
-* every packed-attention kernel the device offers (torch varlen, compiled flex, flash-attn if installed, SDPA per
+* every packed-attention kernel the device offers (torch varlen, flash-attn if installed, SDPA per
   document) equals per-document fp32 attention, forward and gradients, with GQA and a sliding window; the
   whole-row causal attention that crosses documents is shown to fail the same check;
 * a packed micro-batch through a model equals its documents one by one (bf16 compute);
@@ -26,7 +26,7 @@ from veomni.ops import chunked_head_loss_sum, lm_loss_sum, shift_labels
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
 LENGTHS = [1, 300, 1024, 17, 655, 51]  # 2048 tokens: a 1-token document, odd lengths, one long one
-BACKENDS = ["torch_varlen", "flex", "flash_attn", "sdpa_per_document"]
+BACKENDS = ["torch_varlen", "flash_attn", "sdpa_per_document"]
 
 
 def _available(backend: str) -> bool:

@@ -278,3 +278,18 @@ def test_a_registered_head_loss_backend_runs_in_the_module(tmp_path):
     torch.testing.assert_close(out.loss_sum, expected[0], rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="unknown head-loss backend 'nope'"):
         CausalLMLoss(model, 16, backend="nope")
+
+
+def test_the_chunk_loop_equals_the_whole_head():
+    """The checkpointed chunk loop (`map_chunks`: the head loss without gradients or with a tensor-parallel head, and
+    the preference loss's per-token log-probs) covers every row once, ragged last chunk included."""
+    from veomni.ops.loss import chunked_backend
+    from veomni.ops.preference_loss import _head_logps, token_logps
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(24, 97)
+    hidden, targets = torch.randn(30, 24, requires_grad=True), torch.randint(0, 97, (30,))
+    torch.testing.assert_close(_head_logps(head, hidden, targets, 7), token_logps(head(hidden), targets))
+    with torch.no_grad():
+        whole = torch.nn.functional.cross_entropy(head(hidden), targets, reduction="sum")
+        torch.testing.assert_close(chunked_backend(head, hidden, targets, 7), whole)

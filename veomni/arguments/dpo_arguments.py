@@ -5,6 +5,7 @@ from typing import Literal
 
 from .arguments_types import VeOmniArguments
 from .fields import documented as _doc
+from .validation import ConfigError
 
 
 @dataclass
@@ -35,14 +36,8 @@ class DPOVeOmniArguments(VeOmniArguments):
     def __post_init__(self):
         super().__post_init__()
         if not 0.0 <= self.dpo.label_smoothing < 0.5:
-            from .parser import ConfigError
-
             raise ConfigError(f"dpo.label_smoothing={self.dpo.label_smoothing}: expected a value in [0, 0.5)")
         if self.dpo.beta <= 0:
-            from .parser import ConfigError
-
             raise ConfigError(f"dpo.beta={self.dpo.beta}: expected a positive number")
         if self.dpo.reference == "adapters_off" and not self.model.lora.enable:
-            from .parser import ConfigError
-
             raise ConfigError("dpo.reference=adapters_off needs a LoRA policy (model.lora.enable: true)")

@@ -22,8 +22,8 @@ class OpsImplementation:
         "veomni_flash_attention_4_with_sp",
     ] = _doc(
         "Attention kernel. `veomni_varlen` (default): packed documents attend only within themselves using "
-        "cu_seq_lens, never an (S x S) mask -- flash-attn varlen on CUDA when installed, else torch varlen / flex "
-        "attention, on CPU one causal SDPA per document. `flash_attention_2/3` without their package fall back to "
+        "cu_seq_lens, never an (S x S) mask -- flash-attn varlen on CUDA when installed, else torch varlen; on CPU "
+        "one causal SDPA per document. `flash_attention_2/3` without their package fall back to "
         "`veomni_varlen` (one log line). `sdpa`/`eager` are transformers' own (packed rows get a block-diagonal mask). "
         "`veomni_flash_attention_{2,3,4}_with_sp` (VeOmni's names, which verl sends) run `veomni_varlen`: it reads "
         "cu_seq_lens, and Ulysses wraps it whenever ulysses_size > 1.",

@@ -4,7 +4,6 @@ from .checkpointer import (
     Checkpointer,
     CheckpointError,
     list_checkpoints,
-    named_optimizers,
     resolve_checkpoint,
 )
 from .hf_export import dcp_to_hf, save_hf_model
@@ -20,7 +19,6 @@ __all__ = [
     "dcp_to_hf",
     "list_checkpoints",
     "move_run_aside",
-    "named_optimizers",
     "plan_run",
     "resolve_checkpoint",
     "rng_state",

@@ -37,22 +37,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..optim.multi_optimizer import named_optimizers
 from ..utils.collectives import on_rank0
+from ..utils.hub import first_line
 from ..utils.logging import get_logger
 from .integrity import CHECKSUMS, ChecksumsError, checksumming_writer, damaged_files, misfit, write_checksums
 from .lora_state import BASE, BaseRecords, lora_base, trained_state
-from .rng import reseed, rng_state, set_rng_state  # noqa: F401  (their home was here)
 from .safe_reader import SafeFileSystemReader, load_tensor_file
 
 logger = get_logger(__name__)
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-
-
-def named_optimizers(optimizer) -> Dict[str, torch.optim.Optimizer]:
-    """Each inner optimizer of a multi-optimizer (`.optimizers_dict`), or the optimizer itself."""
-    inner = getattr(optimizer, "optimizers_dict", None)
-    return dict(inner) if inner else {"optimizer": optimizer}
 
 
 # ----------------------------------------------------------------------------------------------- discovery
@@ -489,7 +484,6 @@ def _load_extra(file: str, checkpoint: str) -> Dict[str, Any]:
     try:
         return load_tensor_file(file)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(
-            f"checkpoint {checkpoint} is damaged: {file}: {first}; {_previous_good(checkpoint)}"
+            f"checkpoint {checkpoint} is damaged: {file}: {first_line(err)}; {_previous_good(checkpoint)}"
         ) from err

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from ..utils.checksum import file_crc32
 from ..utils.collectives import on_every_rank, on_rank0
+from ..utils.hub import first_line
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -142,8 +143,7 @@ def _expected(folder: str, required: bool) -> Optional[Dict[str, int]]:
             if not inside or not isinstance(crc, int):
                 raise ValueError(f"entry {name!r}: {crc!r} is not a file of this checkpoint and its CRC-32")
     except (ValueError, AttributeError, UnicodeDecodeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ChecksumsError(f"{path} is malformed ({first})") from err
+        raise ChecksumsError(f"{path} is malformed ({first_line(err)})") from err
     return expected
 
 

@@ -10,6 +10,14 @@ only when asked for (`mixed_precision.enable false` with a 16-bit `param_dtype`)
 
 TF32 (`train.tf32`, on by default): on CUDA, the fp32 matmuls and convolutions that remain (fp32 runs, fp32 parts of
 a bf16 step) use TensorFloat-32 tensor cores (`set_tf32`).
+
+The compute dtype `mixed_precision` resolves to is the one the model computes in, inside any autocast. A caller that
+wraps every forward in `torch.autocast(dtype=bfloat16)` regardless would silently override that choice. verl's VeOmni
+engine does so: it means to skip autocast when the configured dtype is float32 ("a no-op at best and a footgun at
+worst"), but its fallback is bf16 for an engine that does not record the dtype, which its VeOmni engine never does.
+So when the resolved compute dtype is float32, the model's forward runs with autocast off for its device
+(`keep_fp32_compute`); when it is a 16-bit dtype, FSDP2's MixedPrecisionPolicy already casts and an enclosing
+autocast of the same dtype changes nothing.
 """
 
 import functools
@@ -72,7 +80,7 @@ def autocast_module(module: nn.Module, device_type: str, dtype: Optional[torch.d
     pre-hook and left by a forward hook that runs even when the forward raises (torch's hooks, not a replaced
     `forward`). Used for DDP's bf16 compute over fp32 parameters (matmuls in `dtype`, reductions and norms in fp32 as
     autocast decides; gradients and the all-reduce stay fp32), and with `enabled=False` to keep float32 compute
-    inside a caller's autocast (compute_dtype.py)."""
+    inside a caller's autocast (`keep_fp32_compute`)."""
     entered = []  # a stack: a module may be re-entered (nested calls) before it returns
 
     def enter(_module, _args):
@@ -85,6 +93,17 @@ def autocast_module(module: nn.Module, device_type: str, dtype: Optional[torch.d
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
+
+
+def resolved_compute_dtype(mixed_precision, device_type: str, mode: str) -> torch.dtype:
+    precision = resolve_precision(mixed_precision, device_type, mode)
+    return precision.policy.param_dtype if precision.policy is not None else precision.param_dtype
+
+
+def keep_fp32_compute(model: nn.Module, device_type: str) -> None:
+    """Run `model`'s forward with `device_type` autocast disabled (an enclosing autocast no longer lowers it)."""
+    autocast_module(model, device_type, enabled=False)
+    logger.info(f"mixed precision resolves to float32 compute: an enclosing {device_type} autocast is turned off")
 
 
 def set_tf32(enabled: bool, device_type: str) -> None:

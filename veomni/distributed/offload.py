@@ -7,37 +7,29 @@ optimizer of a MultiOptimizer. On a CPU-only machine the moves are no-ops and tr
     load_veomni_model_to_gpu(model); load_veomni_optimizer(optimizer)
 """
 
-from typing import Iterator
-
 import torch
 from torch import nn
 
 from ..compat.torch import local_tensor
+from ..optim.multi_optimizer import named_optimizers
 from ..utils.device import empty_cache, get_device, synchronize
-
-
-def _inner_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
-    inner = getattr(optimizer, "optimizers_dict", None)
-    yield from (inner.values() if inner else [optimizer])
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return local_tensor(t)
 
 
 def model_device_bytes(model: nn.Module, device: torch.device) -> int:
     """Bytes of this rank's parameters, gradients and buffers that sit on `device`."""
     tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *model.buffers()]
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if _local(t).device == device)
+    return sum(
+        local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors if local_tensor(t).device == device
+    )
 
 
 def optimizer_device_bytes(optimizer, device: torch.device) -> int:
     total = 0
-    for opt in _inner_optimizers(optimizer):
+    for opt in named_optimizers(optimizer).values():
         for state in opt.state.values():
             for value in state.values():
-                if torch.is_tensor(value) and _local(value).device == device:
-                    total += _local(value).numel() * _local(value).element_size()
+                if torch.is_tensor(value) and local_tensor(value).device == device:
+                    total += local_tensor(value).numel() * local_tensor(value).element_size()
     return total
 
 
@@ -62,7 +54,7 @@ def load_veomni_model_to_gpu(model: nn.Module, device: torch.device = None) -> N
 
 
 def _move_state(optimizer, device: torch.device, keep_cpu_step: bool) -> None:
-    for opt in _inner_optimizers(optimizer):
+    for opt in named_optimizers(optimizer).values():
         fused = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
         for state in opt.state.values():
             for key, value in state.items():

@@ -8,7 +8,7 @@ parameters, so their gradients must be summed too). Each extra dimension (expert
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Literal, Optional, Sequence, Tuple, Union
 
@@ -169,20 +169,11 @@ def init_parallel_state(
     mode, extra_parallel_sizes, extra_parallel_names = veomni_keywords(
         mode, dp_mode, ep_size, extra_parallel_sizes, extra_parallel_names
     )
+    extra_parallel_placement_innermost = list(extra_parallel_placement_innermost or [])
+    given = locals()
+    keys = {f.name for f in fields(AcceleratorArguments)} & set(given)  # every keyword named as its key
     acc = AcceleratorArguments(
-        dp_size=dp_size,
-        dp_replicate_size=dp_replicate_size,
-        dp_shard_size=dp_shard_size,
-        tp_size=tp_size,
-        pp_size=pp_size,
-        cp_size=cp_size,
-        ulysses_size=ulysses_size,
-        extra_parallel_sizes=list(extra_parallel_sizes or []),
-        extra_parallel_placement_innermost=list(extra_parallel_placement_innermost or []),
-        extra_parallel_names=list(extra_parallel_names or []),
-        enable_async=async_enabled,
-        dist_timeout_minutes=dist_timeout_minutes,
-        fsdp_config=FSDPConfig(fsdp_mode=mode),
+        **{key: given[key] for key in keys}, enable_async=async_enabled, fsdp_config=FSDPConfig(fsdp_mode=mode)
     )
     return init_parallel_state_from_config(acc)
 

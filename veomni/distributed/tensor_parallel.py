@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..compat.torch import ColwiseParallelPassingPlainOutputs
 from ..compat.torch_runtime import explain_redistribute_notice
+from ..models.loader import tie_again, tied_sources
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -109,15 +110,6 @@ def _module_names(model: nn.Module) -> List[str]:
     return [name for name, _ in model.named_modules() if name]
 
 
-def _shared_parameters(model: nn.Module) -> List[List[tuple]]:
-    """Groups of (module, attribute) that hold one Parameter object (tied embeddings)."""
-    owners: Dict[int, List[tuple]] = {}
-    for module in model.modules():
-        for attr, param in module.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append((module, attr))
-    return [group for group in owners.values() if len(group) > 1]
-
-
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shard `model` in place over `tp_mesh` by its plan; returns it. Tied parameters stay tied."""
     tp_size = tp_mesh.size()
@@ -136,23 +128,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             f"{getattr(model.config, 'model_type', None)!r}): these patterns of the plan match no module: "
             f"{missing}. Plans exist for {sorted(TP_PLANS)}; add one to veomni.distributed.tensor_parallel.TP_PLANS"
         )
-    shared = _shared_parameters(model)
+    tied = tied_sources(model)
     explain_redistribute_notice(torch.distributed.get_rank())  # torch's per-rank notice: once, with its meaning
     parallelize_module(model, tp_mesh, plan)
-    for group in shared:  # each style made its own DTensor of a tied weight: point every owner at the first one
-        module, attr = group[0]
-        first = getattr(module, attr)
-        for other, other_attr in group[1:]:
-            mine = getattr(other, other_attr)
-            if isinstance(first, DTensor) != isinstance(mine, DTensor) or (
-                isinstance(first, DTensor) and first.placements != mine.placements
-            ):
-                raise ValueError(
-                    f"tied parameter {type(other).__name__}.{other_attr} gets placement "
-                    f"{getattr(mine, 'placements', 'replicated')} but its twin {getattr(first, 'placements', None)}"
-                )
-            setattr(other, other_attr, first)
-    logger.info(f"tensor parallel over tp={tp_size}: {len(plan)} plan entries, {len(shared)} tied parameter(s)")
+    for name, source in tied.items():  # each style made its own DTensor of a tied weight: one for both again
+        mine, first = model.get_parameter(name), model.get_parameter(source)
+        if isinstance(first, DTensor) != isinstance(mine, DTensor) or (
+            isinstance(first, DTensor) and first.placements != mine.placements
+        ):
+            raise ValueError(
+                f"tied parameter {name} gets placement {getattr(mine, 'placements', 'replicated')} but its twin "
+                f"{source} {getattr(first, 'placements', 'replicated')}"
+            )
+    tie_again(model, tied)
+    logger.info(f"tensor parallel over tp={tp_size}: {len(plan)} plan entries, {len(tied)} tied parameter(s)")
     return model
 
 

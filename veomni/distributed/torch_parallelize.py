@@ -20,8 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..arguments.arguments_types import VeOmniArguments
-from ..arguments.config_names import MixedPrecisionConfig
+from ..arguments.arguments_types import MixedPrecisionArguments, VeOmniArguments
 from ..compat.transformers import config_attn_implementation
 from ..models.multimodal import model_class_for
 from ..utils.device import get_device_type
@@ -29,9 +28,9 @@ from ..utils.logging import get_logger
 from .activation_checkpointing import apply_ac
 from .clip_grad_norm import bind_clip_grad_norm
 from .compile import apply_compile
-from .compute_dtype import keep_fp32_compute, resolved_compute_dtype
 from .fp8 import apply_fp8
 from .fsdp import apply_ddp, apply_fsdp, basic_module_instances, check_ddp_options, no_split_module_names
+from .mixed_precision import keep_fp32_compute, resolved_compute_dtype
 from .parallel_plan import apply_ep
 from .parallel_state import ParallelState, get_parallel_state
 from .sequence_parallel import apply_sp
@@ -155,7 +154,7 @@ def build_parallelize_model(
     nothing here (`fqn_to_index_mapping`, ...) are accepted with one warning naming them. The returned model has
     `model.clip_grad_norm_(max_norm)`, which returns the total norm as a tensor over every gradient, experts
     included; and when `mixed_precision` resolves to float32 compute, an enclosing autocast does not lower it
-    (compute_dtype.py)."""
+    (mixed_precision.py)."""
     mixed_precision = veomni_parallelize_keywords(mixed_precision, enable_mixed_precision, ignored)
     given = locals()
     args = VeOmniArguments()
@@ -185,7 +184,7 @@ def veomni_parallelize_keywords(mixed_precision: Any, enable_mixed_precision: Op
     if enable_mixed_precision is not None:
         if mixed_precision is not None:
             raise ValueError("build_parallelize_model: pass mixed_precision or enable_mixed_precision, not both")
-        mixed_precision = MixedPrecisionConfig(enable=bool(enable_mixed_precision))
+        mixed_precision = MixedPrecisionArguments(enable=bool(enable_mixed_precision))
     if ignored:
         logger.warning(f"build_parallelize_model ignores {sorted(ignored)}: no effect in this implementation")
     return mixed_precision

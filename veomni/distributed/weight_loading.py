@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..models.loader import ModelWeights, WeightsMismatchError, local_index, tied_sources
+from ..models.loader import ModelWeights, WeightsMismatchError, local_index, tie_again, tied_sources
 from ..utils.device import get_device
 from ..utils.logging import get_logger
 
@@ -76,13 +76,6 @@ def _broadcast_chunks(source: Optional[Iterable[Tuple[str, torch.Tensor]]], max_
         dist.broadcast(flat, src=0)
         for (name, shape, dtype), part in zip(meta[0], flat.split(sizes)):
             yield name, part.view(dtype).view(shape)
-
-
-def _tie_again(model: nn.Module, tied: Dict[str, str]) -> None:
-    """`to_empty` allocates each slot of a shared parameter separately: point each tied name at its source again."""
-    for name, source in tied.items():
-        owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner), attr, model.get_parameter(source))
 
 
 @torch.no_grad()
@@ -165,7 +158,7 @@ def materialize_meta_model(
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     tied = tied_sources(model)
     model.to_empty(device=get_device())
-    _tie_again(model, tied)
+    tie_again(model, tied)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name].to(buf.device))

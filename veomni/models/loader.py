@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat.torch import non_persistent_buffer_names, parameter_slots
 from ..compat.transformers import keys_to_ignore_on_load_unexpected
+from ..utils.hub import first_line
 from ..utils.logging import get_logger
 from .hf_conversion import OMNI_NON_THINKER_PREFIXES, TensorGroup, convert_group, plan_load, plan_save
 
@@ -229,11 +230,8 @@ class CheckpointFiles:
 
 
 def _unreadable(path: str, err: BaseException, key: Optional[str] = None) -> str:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     what = f"reading '{key}': " if key else ""
-    return (
-        f"{path}: not a readable safetensors file ({what}{first}; {os.path.getsize(path)} bytes): damaged or cut short"
-    )
+    return f"{path}: not a readable safetensors file ({what}{first_line(err)}; {os.path.getsize(path)} bytes): damaged or cut short"
 
 
 def iter_safetensors(weights_path: str) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -312,6 +310,14 @@ def tied_sources(model: nn.Module) -> Dict[str, str]:
         else:
             seen[id(param)] = name
     return tied
+
+
+def tie_again(model: nn.Module, tied: Dict[str, str]) -> None:
+    """Point each tied name of `tied` (from `tied_sources`) at its source's parameter again: `to_empty` allocates,
+    and each TP style shards, every slot of a shared parameter separately."""
+    for name, source in tied.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, model.get_parameter(source))
 
 
 def num_experts_of(config) -> Optional[int]:
@@ -476,8 +482,9 @@ class ModelWeights:
                 try:
                     produced = convert_group(group, sources, self.model)
                 except (RuntimeError, ValueError) as err:  # e.g. one expert of another shape, one expert missing
-                    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                    raise WeightsMismatchError(f"{source}: do not convert to '{group.target}': {first}") from err
+                    raise WeightsMismatchError(
+                        f"{source}: do not convert to '{group.target}': {first_line(err)}"
+                    ) from err
                 for name, tensor in produced.items():
                     self._check(name, tensor.shape, tensor.is_floating_point(), source)
                     yield name, tensor, False

@@ -5,8 +5,7 @@
 within each document only. The kernel is chosen per call from what the device offers:
 
     CUDA, `flash_attn` installed, bf16/fp16   -> flash_attn_varlen_func
-    CUDA, torch.nn.attention.varlen, bf16/fp16 -> torch varlen_attn (cuDNN / flash inside torch)
-    CUDA, neither                              -> flex attention with a document block mask, cached per layout
+    CUDA otherwise, bf16/fp16                  -> torch varlen_attn (cuDNN / flash inside torch, torch >= 2.11)
     anywhere else (CPU, fp32)                  -> causal SDPA per document, documents of equal length batched
 
 On CPU the per-document path is exact and ~4x faster than SDPA over a block-diagonal mask (which computes every
@@ -67,11 +66,7 @@ def varlen_backend(device: torch.device, dtype: torch.dtype) -> str:
     """Which kernel `veomni_varlen` uses for tensors on `device` of `dtype` (see the module docstring)."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return "sdpa_per_document"
-    if _has_package("flash_attn"):
-        return "flash_attn"
-    if _has_package("torch.nn.attention.varlen"):
-        return "torch_varlen"
-    return "flex"
+    return "flash_attn" if _has_package("flash_attn") else "torch_varlen"
 
 
 # ----------------------------------------------------------------------------------------------- boundaries
@@ -142,60 +137,25 @@ def _flash_attn(q, k, v, cu, max_len, scaling, dropout, window):  # [T, H, D] la
 
 
 @functools.lru_cache(maxsize=None)
-def _torch_varlen_options() -> Tuple[bool, bool]:
-    """(takes window_size, takes enable_gqa): torch 2.10 has `is_causal` and neither; 2.11+ has window_size."""
+def _torch_varlen_has_gqa() -> bool:
+    """Whether torch's varlen_attn takes `enable_gqa` (not every torch >= 2.11 does)."""
     import inspect
 
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    return "window_size" in params, "enable_gqa" in params
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def _torch_varlen(q, k, v, cu, max_len, scaling, window):  # [T, H, D] layout
     from torch.nn.attention.varlen import varlen_attn
 
-    has_window, has_gqa = _torch_varlen_options()
-    if q.shape[1] != k.shape[1] and not has_gqa:  # no GQA in the kernel: copy each KV head for its query heads
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    options = {"scale": scaling}
-    if has_gqa and q.shape[1] != k.shape[1]:
-        options["enable_gqa"] = True
-    if has_window:
-        options["window_size"] = (window - 1 if window else -1, 0)  # (-1, 0): causal, unbounded to the left
-    elif window:
-        raise NotImplementedError("this torch's varlen_attn has no sliding window: install flash_attn or torch>=2.11")
-    else:
-        options["is_causal"] = True
+    options = {"scale": scaling, "window_size": (window - 1 if window else -1, 0)}  # (-1, 0): causal, unbounded left
+    if q.shape[1] != k.shape[1]:
+        if _torch_varlen_has_gqa():
+            options["enable_gqa"] = True
+        else:  # no GQA in the kernel: copy each KV head for its query heads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **options)
-
-
-@functools.lru_cache(maxsize=8)
-def _document_block_mask(cu_key: Tuple[int, ...], total: int, device: str, window: Optional[int]):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    cu = torch.tensor(cu_key, device=device)
-    doc = torch.bucketize(torch.arange(total, device=device), cu[1:], right=True)
-
-    def document_causal(b, h, q_idx, kv_idx):
-        inside = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
-        return inside & (q_idx - kv_idx < window) if window else inside
-
-    return create_block_mask(document_causal, None, None, total, total, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_flex_attention():
-    """flex_attention is fast only compiled (eager, it materialises every score); one compile per process."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def _flex(q, k, v, cu, scaling, window):  # [1, H, T, D] layout
-    block_mask = _document_block_mask(tuple(cu.tolist()), q.shape[2], str(q.device), window)
-    flex = _compiled_flex_attention()
-    return flex(q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
 
 
 # ------------------------------------------------------------------------------------------ the interface
@@ -224,7 +184,7 @@ def varlen_attention_forward(
     # flatten the batch into one row of documents: [1, H, B*S, D]
     q, k, v = (t.transpose(0, 1).reshape(1, t.shape[1], batch * seq, dim) for t in (query, key, value))
     backend = varlen_backend(query.device, query.dtype)
-    if dropout and backend in ("torch_varlen", "flex"):  # neither kernel takes attention dropout
+    if dropout and backend == "torch_varlen":  # the kernel takes no attention dropout
         _log_once(f"attention dropout {dropout}: {backend} has none; running causal SDPA per document instead")
         backend = "sdpa_per_document"
     _log_once(f"{VARLEN}: packed documents attend through {backend} ({query.device.type}, {query.dtype})")
@@ -239,13 +199,10 @@ def varlen_attention_forward(
             out = _torch_varlen(qt, kt, vt, cu32, max_len, scaling, sliding_window)
         out = out.reshape(batch, seq, heads, dim)
     else:
-        if backend == "flex":
-            out = _flex(q, k, v, cu, scaling, sliding_window)
-        else:
-            lengths = (cu[1:] - cu[:-1]).tolist()
-            if sum(lengths) != batch * seq:
-                raise ValueError(f"cu_seq_lens cover {sum(lengths)} tokens but the attention sees {batch * seq}")
-            out = _sdpa_per_document(q, k, v, lengths, scaling, dropout, sliding_window)
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        if sum(lengths) != batch * seq:
+            raise ValueError(f"cu_seq_lens cover {sum(lengths)} tokens but the attention sees {batch * seq}")
+        out = _sdpa_per_document(q, k, v, lengths, scaling, dropout, sliding_window)
         out = out[0].reshape(heads, batch, seq, dim).permute(1, 2, 0, 3)
     return out, None
 

@@ -27,9 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from .vocab_parallel_loss import vocab_parallel_cross_entropy_sum
-
-IGNORE_INDEX = -100
+from .vocab_parallel_loss import IGNORE_INDEX, vocab_parallel_cross_entropy_sum
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -141,14 +139,20 @@ def chunked_backend(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     gradients."""
     if torch.is_grad_enabled() and isinstance(head, nn.Linear) and not isinstance(head.weight, DTensor):
         return _LinearCrossEntropySum.apply(hidden, head.weight, head.bias, targets, chunk_size)
-    total = hidden.new_zeros((), dtype=torch.float32)
+    return sum(map_chunks(_chunk_loss, head, hidden, targets, chunk_size), hidden.new_zeros((), dtype=torch.float32))
+
+
+def map_chunks(fn: Callable, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> list:
+    """`fn(head, rows, their targets)` for each `chunk_size` rows of `hidden`; with gradients each call is recomputed
+    in backward, so one chunk's logits are alive at a time."""
+    pieces = []
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss, head, h, t, use_reentrant=False)
+            pieces.append(checkpoint(fn, head, h, t, use_reentrant=False))
         else:
-            total = total + _chunk_loss(head, h, t)
-    return total
+            pieces.append(fn(head, h, t))
+    return pieces
 
 
 HeadLossBackend = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]

@@ -23,6 +23,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..compat.torch import all_to_all_single_autograd, grouped_mm, grouped_mm_available
 from ..compat.transformers import experts_gate
+from ..utils.collectives import gather_seq
 from .loss import IGNORE_INDEX
 
 FUSED = "veomni_fused"
@@ -197,7 +198,7 @@ def load_balancing_loss_sum(
     rows, local = labels.reshape(-1, labels.shape[-1]).shape
     starts = torch.zeros(rows, sp * local, dtype=torch.bool, device=labels.device)
     if position_ids is not None:
-        starts = _gathered(position_ids.reshape(rows, local).to(labels.device), group) == 0
+        starts = gather_seq(position_ids.reshape(rows, local).to(labels.device), group) == 0
     starts[:, 0] = True
     document = (starts.reshape(-1).cumsum(0) - 1).view(rows, sp * local)[:, rank * local : (rank + 1) * local]
     document = document.reshape(-1)
@@ -224,15 +225,6 @@ def load_balancing_loss_sum(
     pooled = (tokens[:, None] * len(router_logits)).clamp(min=1)
     per_document = num_experts * ((chosen / pooled) * (probs / pooled)).sum(-1)
     return (per_document * loss_tokens).sum() / sp
-
-
-def _gathered(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Every rank's sequence shard of `x` (no gradient) side by side on the last dim; `x` itself without a group."""
-    if group is None:
-        return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
 
 
 def experts_implementation(moe_implementation: Optional[str]) -> Optional[str]:

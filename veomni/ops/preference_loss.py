@@ -22,9 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
-from .loss import IGNORE_INDEX, _target_positions, forward_to_head_input, supports_chunked_loss
+from .loss import IGNORE_INDEX, _target_positions, forward_to_head_input, map_chunks, supports_chunked_loss
 from .vocab_parallel_loss import vocab_parallel_token_cross_entropy
 
 LOSS_TYPES = ("sigmoid", "ipo")
@@ -67,13 +66,7 @@ def _chunk_logps(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -
 
 def _head_logps(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """`token_logps(head(hidden), targets)`, `chunk_size` rows of logits at a time (recomputed in backward)."""
-    pieces = []
-    for start in range(0, hidden.shape[0], chunk_size):
-        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logps, head, h, t, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logps(head, h, t))
+    pieces = map_chunks(_chunk_logps, head, hidden, targets, chunk_size)
     return torch.cat(pieces) if pieces else hidden.new_zeros((0,), dtype=torch.float32)
 
 

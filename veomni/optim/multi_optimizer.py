@@ -7,6 +7,12 @@ import torch
 from ..compat.torch import reset_optimizer_step_hooks
 
 
+def named_optimizers(optimizer) -> Dict[str, torch.optim.Optimizer]:
+    """Each inner optimizer of a multi-optimizer (`.optimizers_dict`), or the optimizer itself."""
+    inner = getattr(optimizer, "optimizers_dict", None)
+    return dict(inner) if inner else {"optimizer": optimizer}
+
+
 class MultiOptimizer(torch.optim.Optimizer):
     """Steps, zeroes and schedules its inner optimizers together; `optimizers_dict` names them for checkpoints
     and offloading, which handle each one separately.

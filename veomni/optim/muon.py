@@ -113,10 +113,6 @@ def shard_sizes(length: int, parts: int) -> List[int]:
     return [max(0, min(chunk, length - r * chunk)) for r in range(parts)]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return local_tensor(t)
-
-
 # ------------------------------------------------------------------------------------------ the exchange
 @dataclass
 class _Matrix:
@@ -306,7 +302,7 @@ class DistributedMuon(torch.optim.Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+            grad, buf = local_tensor(p.grad), local_tensor(state["momentum_buffer"])
             buf.lerp_(grad, 1 - momentum)
             params.append(p)
             updates.append(grad.lerp(buf, momentum) if nesterov else buf)
@@ -320,7 +316,7 @@ class DistributedMuon(torch.optim.Optimizer):
         ortho = self._orthogonalize(params, updates, ns, dtype)
         lr, decay = group["lr"], group["weight_decay"]
         for p, o in zip(params, ortho):
-            local = _local(p)
+            local = local_tensor(p)
             if decay:
                 local.mul_(1 - lr * decay)
             if o is not None:

@@ -16,8 +16,8 @@ import yaml
 
 from ..arguments.parser import args_to_dict, save_args
 from ..checkpoint import Checkpointer, RunDirError, move_run_aside, plan_run, rng_state, set_rng_state
-from ..checkpoint.checkpointer import reseed
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
+from ..checkpoint.rng import reseed
 from ..checkpoint.run_dir import is_inside, lock_run_dir, remap_into
 from ..data.data_loader import reshard_loader_state
 from ..utils.logging import get_logger

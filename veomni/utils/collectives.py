@@ -5,7 +5,7 @@ when rank 0's work fails (a full disk, a permission). `on_rank0` broadcasts rank
 every rank returns the same value or raises the same error at once. `on_every_rank` does the same for work that
 every rank does (a share of a data cache): one rank's failure is raised on all, naming the rank.
 
-`HostGroup` (and `host_group` for a `with` block) is a gloo group over every rank, for CPU tensors and objects (NCCL carries only GPU tensors) and
+`gather_seq` concatenates the sequence shards of a tensor (Ulysses, the MoE balance loss). `HostGroup` (and `host_group` for a `with` block) is a gloo group over every rank, for CPU tensors and objects (NCCL carries only GPU tensors) and
 with its own timeout: data preparation may keep a rank busy for longer than a training collective should wait.
 """
 
@@ -15,6 +15,7 @@ import pickle
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -79,6 +80,16 @@ def host_group(timeout_minutes: Optional[float] = None) -> Iterator[Optional[dis
         yield group.get()
     finally:
         group.close()
+
+
+def gather_seq(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's sequence shard of a tensor that needs no gradient (position ids, masks) along
+    `dim`; `x` itself without a group."""
+    if group is None:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 def on_every_rank(

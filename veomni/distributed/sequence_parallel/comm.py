@@ -73,10 +73,3 @@ def kv_replication(kv_heads: int, q_heads: int, sp: int) -> int:
 def repeat_kv_heads(x: torch.Tensor, repeat: int) -> torch.Tensor:
     """[B, Hkv, S, D] -> [B, Hkv * repeat, S, D], each head's copies adjacent (head h serves query group h)."""
     return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
-
-
-def gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's sequence shard of a tensor that needs no gradient (position ids, masks)."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...models.multimodal import multimodal_adapter, thinker_config
-from .comm import gather_seq
+from ...utils.collectives import gather_seq
 
 # families whose visual embeddings can be sharded (per-token `pooler_output`, and Qwen3-VL's `deepstack_features`);
 # the Omni thinkers' audio embeddings are not sharded yet

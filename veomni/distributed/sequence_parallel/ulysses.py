@@ -25,7 +25,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...compat.transformers import config_attn_implementation, modeling_global, set_config_attn_implementation
 from ...ops.attention import VARLEN, _cu_seqlens_from_position_ids
-from .comm import PendingHeads, gather_seq, heads_to_seq, kv_replication, launch_seq_to_heads, repeat_kv_heads
+from ...utils.collectives import gather_seq
+from .comm import PendingHeads, heads_to_seq, kv_replication, launch_seq_to_heads, repeat_kv_heads
 
 PREFIX = "veomni_ulysses:"
 # kernels that take packed-document boundaries from cu_seq_lens / position_ids kwargs (no mask needed)
