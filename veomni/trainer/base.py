@@ -52,7 +52,7 @@ from .evaluation import Evaluator, build_eval_loader
 from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
 from .run_callbacks import standard_callbacks
-from .step_count import StepCountMixin, close_loader, set_epoch
+from .step_count import close_loader, plan_steps, set_epoch
 from .step_metrics import PendingMetrics, StepClock, host_loss_tokens
 
 logger = get_logger(__name__)
@@ -79,7 +79,7 @@ def build_model_from_args(args, device_type: str, init_device: str):
     )
 
 
-class BaseTrainer(StepCountMixin):
+class BaseTrainer:
     """Builds everything from `args` and runs `fit()`. Subclasses choose the data (`build_dataset`,
     `build_dataloader`); `callbacks` are the task's own (e.g. the planner's check, veomni.plan.runlog)."""
 
@@ -164,6 +164,19 @@ class BaseTrainer(StepCountMixin):
 
     def build_dataloader(self):
         raise NotImplementedError
+
+    def compute_train_steps(self) -> None:
+        """The step plan (step_count.py): sets `train.train_steps`, `epoch_steps`, `total_steps`, `whole_epochs`."""
+        plan = plan_steps(self.args, self.train_dataloader, self.train_dataset, self._count_loader_steps)
+        self.epoch_steps, self.total_steps, self.whole_epochs = plan.epoch_steps, plan.total_steps, plan.whole_epochs
+
+    def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
+        """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data."""
+        counter = getattr(self.train_dataloader, "num_batches", None)
+        mine = counter(limit=limit) if counter is not None else None
+        steps = torch.tensor([-1 if mine is None else mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MIN, group=self.parallel_state.dp_group)
+        return None if int(steps) < 0 else int(steps)
 
     def build_data_transform(self):
         """The record -> sample transform (the held-out data is read with it too)."""
@@ -440,9 +453,7 @@ class BaseTrainer(StepCountMixin):
                 f"no training step ran: data.train_path={self.args.data.train_path} did not fill one optimizer step "
                 f"of train.global_batch_size={self.args.train.global_batch_size}; use more data or smaller batches"
             )
-        if self.state.last_saved_step != self.global_step:
-            self.save_checkpoint()
-        self.checkpointer.wait()
+        self._save_last_step()
         if self.args.train.checkpoint.save_hf_weights:
             self.export_hf(os.path.join(self.output_dir, "hf"))
             if self.is_main:  # the export is served with the template the model was trained on
@@ -454,9 +465,7 @@ class BaseTrainer(StepCountMixin):
     def _stop_after_step(self, signal) -> None:
         """Every rank saw the same stop verdict in this step's all-reduce: save together and leave."""
         lifecycle.set_progress(self.global_step, "saving the checkpoint on stop")
-        if self.state.last_saved_step != self.global_step:
-            self.save_checkpoint()
-        self.checkpointer.wait()
+        self._save_last_step()
         self._fire("on_train_end")
         dist.barrier()
         saved = os.path.join(self.checkpointer.root, f"global_step_{self.global_step}")
@@ -467,6 +476,12 @@ class BaseTrainer(StepCountMixin):
             else "resume with the same command plus --train.checkpoint.load_path auto"
         )
         raise lifecycle.TrainingStopped(signal, self.global_step, saved, hint)
+
+    def _save_last_step(self) -> None:
+        """The checkpoint of the step the loop ended at (unless it is saved already), written to the end."""
+        if self.state.last_saved_step != self.global_step:
+            self.save_checkpoint()
+        self.checkpointer.wait()
 
     def export_hf(self, out_dir: str) -> None:
         """The end-of-training HF folder: the whole model, or with LoRA the merged weights or the adapter."""

@@ -114,12 +114,9 @@ class ProgressCallback(Callback):
                 f"({metrics['eval_tokens']:,} held-out tokens)"
             )
 
-    def on_train_end(self, trainer):
+    def on_train_end(self, trainer):  # (the run's closing line is run_callbacks.SummaryCallback's)
         if self.bar is not None:
             self.bar.close()
-            logger.info(
-                f"trained steps {self.first_step + 1}..{trainer.global_step} in {_clock(time.perf_counter() - self.start)}"
-            )
 
 
 class MetricsFileCallback(Callback):

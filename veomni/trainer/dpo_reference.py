@@ -36,7 +36,7 @@ def build_reference(trainer, chunk_size: int):
     kind = trainer.args.dpo.reference
     if kind == "adapters_off":
         logger.info("dpo.reference=adapters_off: the policy with its LoRA adapters disabled, no second copy")
-        return AdaptersOffReference(trainer.sequence_logps, trainer.model)
+        return LogpsReference(trainer.sequence_logps, adapters_off=trainer.model)
     if kind == "precomputed" and not hasattr(trainer.train_dataset, "prepare"):
         from ..arguments import ConfigError
 
@@ -46,7 +46,7 @@ def build_reference(trainer, chunk_size: int):
     logger.info(f"dpo.reference={kind}: a frozen copy of the initial policy, {held / 2**20:.1f} MiB on this rank")
     logps = SequenceLogps(model, chunk_size, trainer.sp_group)
     if kind == "model":
-        return ModelReference(logps)
+        return LogpsReference(logps)
     return PrecomputedReference(trainer, logps)
 
 
@@ -78,14 +78,6 @@ def _sequence_logps(logps: SequenceLogps, micro_batch: Dict[str, Any], inputs: D
     return logps(labels, index, 2 * micro_batch["num_pairs"], targets, **inputs, use_cache=False)[0]
 
 
-class ModelReference:
-    def __init__(self, logps: SequenceLogps):
-        self.logps = logps
-
-    def __call__(self, micro_batch, inputs) -> torch.Tensor:
-        return _sequence_logps(self.logps, micro_batch, inputs)
-
-
 @contextlib.contextmanager
 def adapters_disabled(model):
     """PEFT's switch on every LoRA layer: the base model's forward while inside."""
@@ -99,12 +91,16 @@ def adapters_disabled(model):
             layer.enable_adapters(True)
 
 
-class AdaptersOffReference:
-    def __init__(self, logps: SequenceLogps, model):
-        self.logps, self.model = logps, model
+class LogpsReference:
+    """The reference's log-probs computed on the fly: a frozen model's, or (`adapters_off`) the LoRA policy's own
+    with its adapters disabled."""
+
+    def __init__(self, logps: SequenceLogps, adapters_off=None):
+        self.logps, self.adapters_off = logps, adapters_off
 
     def __call__(self, micro_batch, inputs) -> torch.Tensor:
-        with adapters_disabled(self.model):
+        off = adapters_disabled(self.adapters_off) if self.adapters_off is not None else contextlib.nullcontext()
+        with off:
             return _sequence_logps(self.logps, micro_batch, inputs)
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from ..data.data_transform import IGNORE_INDEX
 from ..utils.logging import get_logger
+from .step_count import batch_description
 
 logger = get_logger(__name__)
 
@@ -217,17 +218,12 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
             head = _shorten(tok.decode(ids[start:end]), 70)
             loss = sum(loss_flags(labels[start:end]))
             lines.append(f"  document {d + 1}: tokens {start}..{end - 1} ({end - start} tokens, {loss} loss) {head!r}")
-    if train.dyn_bsz:
-        per_step = (
-            f"a step packs up to {train.global_batch_size * data.max_seq_len:,} tokens (dyn_bsz: global_batch_size "
-            f"{train.global_batch_size} x max_seq_len {data.max_seq_len}) in {train.global_batch_size // train.micro_batch_size} "
-            f"micro-batch(es) of up to {train.micro_batch_size * data.max_seq_len:,}"
-        )
-    else:
-        per_step = (
-            f"a step takes {train.global_batch_size} samples of up to {data.max_seq_len} tokens, "
-            f"{train.micro_batch_size} per micro-batch"
-        )
+    unit = (
+        f"up to {train.micro_batch_size * data.max_seq_len:,} tokens"
+        if train.dyn_bsz
+        else f"{train.micro_batch_size} samples"
+    )
+    per_step = f"{batch_description(args, None, None)}; micro-batches of {unit}"
     epochs = getattr(trainer, "epoch_steps", [train.train_steps])
     per_epoch = " + ".join(map(str, epochs)) if len(set(epochs)) > 1 else str(epochs[0])
     lines += [

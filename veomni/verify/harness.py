@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 import veomni.trainer.text_trainer as text_trainer_module
+from veomni.plan.shards import local
 from veomni.trainer import TextTrainer
 from veomni.trainer.vlm_trainer import VLMTrainer
 
@@ -23,10 +24,6 @@ KILL_MARKER = "verify_awaiting_kill"  # written into output_dir by a run stalled
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a (sharded) DTensor; a collective: every rank calls it for the same tensors."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class RankShare:
