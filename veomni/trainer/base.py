@@ -32,6 +32,7 @@ from ..arguments import save_args
 from ..checkpoint import save_hf_model, save_lora_model
 from ..compat.torch import set_found_inf, skips_on_found_inf
 from ..data.chat_template import export_chat_template
+from ..data.data_collator import MainCollator
 from ..distributed.clip_grad_norm import clip_grad_norm_tensor
 from ..distributed.mixed_precision import resolve_precision, set_tf32
 from ..distributed.parallel_state import init_parallel_state_from_config
@@ -109,7 +110,7 @@ class BaseTrainer:
         self.compute_train_steps()
         self.run_dir.refuse_completed(self.total_steps)
         self.run_dir.announce()
-        eval_data = self.build_eval_data()  # before the model too: a held-out file that fails, fails in seconds
+        self.eval_data = self.build_eval_data()  # before the model too: a held-out file that fails, fails in seconds
         if self.is_main:
             save_args(args, self.output_dir)
         self.state = TrainState()
@@ -121,7 +122,7 @@ class BaseTrainer:
             self.train_dataloader, self.state,
         )  # fmt: skip
         self.checkpointer.resume(self.is_main)
-        self.evaluator = self.build_evaluator(*eval_data) if eval_data else None
+        self.evaluator = self.build_evaluator(*self.eval_data) if self.eval_data else None
         self.callbacks: List[Callback] = self.build_callbacks() + list(callbacks)
 
     # the loop's position, as callbacks and subclasses read it
@@ -187,11 +188,15 @@ class BaseTrainer:
         state = self.parallel_state
         return {"sp_size": state.sp_size, "sp_rank": state.sp_rank}
 
+    def build_collator(self):
+        """Samples -> one packed micro-batch (the DPO trainer packs pairs with its own)."""
+        return MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs())
+
     def build_eval_data(self):
         """(dataset, loader, collator) of `data.eval_path`, or None without it."""
         if not self.args.data.eval_path:
             return None
-        return build_eval_loader(self.args, self.build_data_transform(), self.collate_fn_kwargs())
+        return build_eval_loader(self.args, self.build_data_transform(), self.build_collator())
 
     def build_evaluator(self, dataset, loader, collate) -> Evaluator:
         """The held-out loss, through this trainer's LM loss (no auxiliary losses)."""

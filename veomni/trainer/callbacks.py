@@ -221,9 +221,8 @@ class WandbCallback(Callback):
 
     def on_step_end(self, trainer, metrics):
         if self.run is not None:
-            lists = {k for k, v in metrics.items() if isinstance(v, list)}  # per-layer lists: one scalar per layer
-            flat = {k: v for k, v in metrics.items() if k not in lists}
-            flat.update((k, v) for k, v in scalar_items({k: metrics[k] for k in lists}))
+            flat = {k: v for k, v in metrics.items() if not isinstance(v, list)}
+            flat.update(scalar_items({k: v for k, v in metrics.items() if isinstance(v, list)}))  # one per layer
             if metrics.get("samples"):  # train.eval_prompts: a table of prompt / response
                 import wandb
 

@@ -72,10 +72,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _sequence_logps(logps: SequenceLogps, micro_batch: Dict[str, Any], inputs: Dict[str, Any]) -> torch.Tensor:
+def sequence_logps(logps: SequenceLogps, micro_batch: Dict[str, Any], inputs: Dict[str, Any]):
+    """`logps`' (log-probs, tokens, ...) of every sequence of a packed pair micro-batch."""
     labels, index = micro_batch["labels"], micro_batch["sequence_index"]
     targets = micro_batch.get("num_targets")
-    return logps(labels, index, 2 * micro_batch["num_pairs"], targets, **inputs, use_cache=False)[0]
+    return logps(labels, index, 2 * micro_batch["num_pairs"], targets, **inputs, use_cache=False)
 
 
 @contextlib.contextmanager
@@ -101,7 +102,7 @@ class LogpsReference:
     def __call__(self, micro_batch, inputs) -> torch.Tensor:
         off = adapters_disabled(self.adapters_off) if self.adapters_off is not None else contextlib.nullcontext()
         with off:
-            return _sequence_logps(self.logps, micro_batch, inputs)
+            return sequence_logps(self.logps, micro_batch, inputs)[0]
 
 
 class PrecomputedReference:
@@ -109,7 +110,7 @@ class PrecomputedReference:
 
     def __init__(self, trainer, logps: SequenceLogps):
         self.table: Dict[str, List[float]] = {}
-        eval_data = getattr(trainer, "eval_data", None)  # the held-out pairs too, with the same initial model
+        eval_data = trainer.eval_data  # the held-out pairs too, with the same initial model
         for dataset in [trainer.train_dataset] + ([eval_data[0]] if eval_data else []):
             path = _store_path(trainer, dataset)
             self.table.update(torch.load(path) if os.path.isfile(path) else _precompute(trainer, logps, dataset, path))
@@ -160,7 +161,7 @@ def _precompute(trainer, logps: SequenceLogps, dataset, path: str) -> Dict[str, 
         on_device = trainer._to_device(batch)
         inputs = {k: v for k, v in on_device.items() if k not in trainer.non_model_keys}
         with torch.no_grad():
-            values = _sequence_logps(logps, on_device, inputs).double().tolist()
+            values = sequence_logps(logps, on_device, inputs)[0].double().tolist()
         if r < len(mine):
             table[batch["pair_keys"][0]] = values
     gathered = [None] * dist.get_world_size()

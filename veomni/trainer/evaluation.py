@@ -14,21 +14,20 @@ they are not summed. The same number on 1, 2 or 4 ranks and under SP, TP and EP,
 """
 
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 import torch
 import torch.distributed as dist
 
 from ..data import build_dataloader, build_dataset
-from ..data.data_collator import MainCollator
 from ..data.data_transform import IGNORE_INDEX
 from ..ops import count_loss_tokens
 from . import lifecycle
 
 
-def build_eval_loader(args, transform, collate_fn_kwargs: Dict[str, Any], collate_fn: Optional[Callable] = None):
+def build_eval_loader(args, transform, collate_fn: Callable):
     """(dataset, loader, collator) of `data.eval_path`: one process's plan, every micro-batch of it (dealt
-    round-robin to the ranks by the Evaluator). `collate_fn`: the collator, when not MainCollator(collate_fn_kwargs)."""
+    round-robin to the ranks by the Evaluator), collated by the training collator `collate_fn`."""
     skip = ("dataloader", "mm_configs", "train_path", "datasets_type")
     data = {k: v for k, v in vars(args.data).items() if k not in skip}
     dataset = build_dataset(
@@ -43,12 +42,11 @@ def build_eval_loader(args, transform, collate_fn_kwargs: Dict[str, Any], collat
         drop_last=False,
         shuffle=False,
         seed=args.train.seed,
-        collate_fn_kwargs=collate_fn_kwargs,
         collate_fn=collate_fn,
         dp_rank=0,
         dp_size=1,
     )
-    return dataset, loader, collate_fn or MainCollator(max_seq_len=args.data.max_seq_len, **collate_fn_kwargs)
+    return dataset, loader, collate_fn
 
 
 class Evaluator:

@@ -107,14 +107,10 @@ def suggest_fix(records: List[Any], data_args) -> Optional[str]:
     fields = sorted(set.intersection(*(set(r) for r in dicts)))
     conversation = data_args.data_type == "conversation"
 
-    def fits(value) -> bool:
-        if conversation:
-            return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
-        return isinstance(value, str)
-
     def chat(value) -> bool:
         return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
+    fits = chat if conversation else (lambda value: isinstance(value, str))
     candidates = [k for k in fields if all(fits(r[k]) for r in dicts)]
     if not candidates:
         if not conversation and any(all(chat(r[k]) for r in dicts) for k in fields):

@@ -140,6 +140,7 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
 
     from ..distributed import destroy_parallel_state
     from ..distributed.parallel_state import init_parallel_state_from_config
+    from ..ops.loss import count_loss_tokens
     from ..utils.device import get_device
     from .preflight import check_first_records
     from .step_count import close_loader
@@ -167,7 +168,7 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
         close_loader(trainer.train_dataloader)
         first = steps[0] if steps else []
         totals = torch.tensor(
-            [sum(mb["input_ids"].numel() for mb in first), sum(_loss_tokens(mb) for mb in first)],
+            [sum(mb["input_ids"].numel() for mb in first), sum(count_loss_tokens(mb["labels"]) for mb in first)],
             dtype=torch.int64,
             device=trainer.device,
         )
@@ -178,10 +179,6 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
             out.flush()
     finally:
         destroy_parallel_state()
-
-
-def _loss_tokens(micro_batch: Dict[str, Any]) -> int:
-    return sum(sum(loss_flags(_row(micro_batch, "labels")[s:e])) for s, e in documents(micro_batch))
 
 
 def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) -> str:

@@ -42,12 +42,7 @@ TRANSFORMS = {
 _TOKEN_MASKS = {"image_mask": "visual", "video_mask": "visual", "audio_mask": "audio"}
 # the model's special ids that must be the processor tokenizer's ids (name in config -> tokenizer attribute)
 _SPECIAL_IDS = {
-    "image_token_id": "image_token_id",
-    "image_token_index": "image_token_id",
-    "video_token_id": "video_token_id",
-    "video_token_index": "video_token_id",
-    "audio_token_id": "audio_token_id",
-    "audio_token_index": "audio_token_id",
+    f"{kind}_token_{key}": f"{kind}_token_id" for kind in ("image", "video", "audio") for key in ("id", "index")
 }
 
 
@@ -97,12 +92,8 @@ class VLMTrainer(TextTrainer):
     def build_data_collate_info(self) -> Dict[str, DataCollateInfo]:
         return build_data_collate_info(getattr(self.processor.image_processor, "merge_size", 2))
 
-    def build_dataloader(self):
-        self._collate_infos = self.build_data_collate_info()
-        return super().build_dataloader()
-
     def collate_fn_kwargs(self) -> Dict[str, Any]:
-        return dict(super().collate_fn_kwargs(), collate_infos=self._collate_infos)
+        return dict(super().collate_fn_kwargs(), collate_infos=self.build_data_collate_info())
 
     def prepare_model(self, model):
         frozen = freeze_encoders(model, self.args.model.freeze_vit, self.args.model.freeze_audio_tower)
