@@ -302,18 +302,7 @@ class BaseTrainer:
         """One optimizer step, queued on the device. Returns its metrics: host values, and device tensors that the
         loop reads a step later (loss, grad_norm, MoE statistics; `skipped` is derived from the first two)."""
         state = self.parallel_state
-        # FSDP/DDP average gradients over the dp x sp ranks; each rank's summed loss over the global token count
-        scale = state.dp_sp_size / max(totals["loss_tokens"], 1)
-        ddp = state.mode == "ddp"
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.moe_metrics.start_step()
-        on_device = [self._to_device(mb) for mb in micro_batches]  # all copies queued before the first forward
-        for i, micro_batch in enumerate(on_device):
-            if ddp:  # all-reduce gradients once per step, on the last micro-batch
-                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            micro_loss = self.forward_loss_sum(micro_batch)
-            (micro_loss * scale).backward()
-            loss_sum += micro_loss.detach().double()
+        loss_sum = self.accumulate_gradients(micro_batches, totals)
         lifecycle.set_progress(self.global_step + 1, "grad-norm and loss all-reduce")
         grad_norm = clip_grad_norm_tensor(self.model, self.args.train.optimizer.max_grad_norm)
         loss_sum = self.moe_metrics.all_reduce(loss_sum, state.dp_sp_group)  # the MoE metrics' sums ride along
@@ -326,6 +315,22 @@ class BaseTrainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, **group_lrs, **self.moe_metrics.step_tensors()}
+
+    def accumulate_gradients(self, micro_batches: List[Dict[str, Any]], totals: Dict[str, Any]) -> torch.Tensor:
+        """The step's forward/backward over its micro-batches; returns this rank's summed loss (float64)."""
+        state = self.parallel_state
+        # FSDP/DDP average gradients over the dp x sp ranks; each rank's summed loss over the global token count
+        scale = state.dp_sp_size / max(totals["loss_tokens"], 1)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.moe_metrics.start_step()
+        on_device = [self._to_device(mb) for mb in micro_batches]  # all copies queued before the first forward
+        for i, micro_batch in enumerate(on_device):
+            if state.mode == "ddp":  # all-reduce gradients once per step, on the last micro-batch
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            micro_loss = self.forward_loss_sum(micro_batch)
+            (micro_loss * scale).backward()
+            loss_sum += micro_loss.detach().double()
+        return loss_sum
 
     def _guarded_optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """The update, unless the loss or the grad norm is not finite. A fused AdamW skips it on the device (its

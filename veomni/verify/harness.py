@@ -131,16 +131,6 @@ class ProbedTrainer(SameGlobalBatches):
         if self.keep_checkpoints:
             super().save_checkpoint()
 
-    def accumulate_gradients(self, micro_batches: List[dict], totals: dict) -> None:
-        """The forward/backward half of `train_step`, same scaling, so the probe's gradients are the step's."""
-        state = self.parallel_state
-        scale = state.dp_sp_size / max(totals["loss_tokens"], 1)
-        self.moe_metrics.start_step()
-        for i, micro_batch in enumerate(micro_batches):
-            if state.mode == "ddp":
-                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            (self.forward_loss_sum(self._to_device(micro_batch)) * scale).backward()
-
     def train_step(self, micro_batches, totals):
         if self.stall_at is not None and self.global_step == self.stall_at:
             self._await_kill(micro_batches, totals)
