@@ -19,7 +19,6 @@ from .real_plan import (
     load_args,
     model_shape,
     plan_rank,
-    representative_ranks,
     reshard_after_forward,
     step_shape,
 )
@@ -103,7 +102,8 @@ def plan(
     if tokens:
         layout = replace(layout, mb_tokens=tokens)
     micro_batches = max(1, math.ceil(global_tokens / (layout.dp * layout.mb_tokens)))
-    reports = [_rank_report(args, layout, world, r, micro_batches, shape) for r in representative_ranks(world)]
+    # rank 0 holds the largest shards (torch.chunk gives the remainder to the last ranks), the last rank the smallest
+    reports = [_rank_report(args, layout, world, r, micro_batches, shape) for r in sorted({0, world - 1})]
     context = args.data.max_seq_len  # documents as long as allowed (the search assumes the same)
     local = layout.mb_tokens // layout.ulysses
     flops = micro_batches * local * shape.flops_per_token(context, layout.checkpointing) / layout.tp

@@ -59,17 +59,10 @@ def plan_rank(args, world_size: int, rank: int = 0, device_type: str = "cuda") -
     return plan
 
 
-def model_shape(args, model=None) -> ModelShape:
+def model_shape(args) -> ModelShape:
     from ..models.auto import build_config
 
-    config = model.config if model is not None else build_config(args.model.config_path, args.model.trust_remote_code)
-    return ModelShape.from_config(config)
-
-
-def representative_ranks(world_size: int, extra: Optional[List[int]] = None) -> List[int]:
-    """Rank 0 holds the largest shards (torch.chunk gives the remainder to the last ranks); the last rank the
-    smallest."""
-    return sorted({0, world_size - 1, *(extra or [])})
+    return ModelShape.from_config(build_config(args.model.config_path, args.model.trust_remote_code))
 
 
 def dtype_bytes(args, device_type: str):

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict
 import torch
 import torch.distributed as dist
 
-from ..data import build_dataloader, build_dataset
+from ..data import Batching, build_dataset, build_loader
 from ..data.data_transform import IGNORE_INDEX
 from ..ops import count_loss_tokens
 from . import lifecycle
@@ -33,19 +33,9 @@ def build_eval_loader(args, transform, collate_fn: Callable):
     dataset = build_dataset(
         dataset_name="mapping", train_path=args.data.eval_path, transform=transform, seed=args.train.seed, **data
     )
-    loader = build_dataloader(
-        dataset=dataset,
-        micro_batch_size=args.train.micro_batch_size,
-        dataloader_batch_size=1,
-        max_seq_len=args.data.max_seq_len,
-        dyn_bsz=args.train.dyn_bsz,
-        drop_last=False,
-        shuffle=False,
-        seed=args.train.seed,
-        collate_fn=collate_fn,
-        dp_rank=0,
-        dp_size=1,
-    )
+    train = args.train
+    batching = Batching(train.micro_batch_size, args.data.max_seq_len, dyn_bsz=train.dyn_bsz, drop_last=False)
+    loader = build_loader(dataset, collate_fn, batching, dp_rank=0, dp_size=1, seed=train.seed, shuffle=False)
     return dataset, loader, collate_fn
 
 
