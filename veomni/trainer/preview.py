@@ -12,7 +12,9 @@ A token carries loss when its label is not IGNORE_INDEX and it is not the first 
 predicts that one): exactly what the loss counts.
 """
 
+import itertools
 import os
+import re
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
@@ -34,45 +36,26 @@ def loss_flags(labels: Sequence[int]) -> List[bool]:
 
 
 def _decode(tokenizer, ids: Sequence[int]) -> str:
-    out, i = [], 0
-    while i < len(ids):
-        j = i
-        while j < len(ids) and ids[j] == ids[i]:
-            j += 1
-        if j - i >= _REPEAT:
-            out.append(f"{tokenizer.decode([ids[i]])}×{j - i}")
-        else:
-            out.append(tokenizer.decode(list(ids[i:j])))
-        i = j
+    out = []
+    for token, run in itertools.groupby(ids):
+        count = len(list(run))
+        out.append(f"{tokenizer.decode([token])}×{count}" if count >= _REPEAT else tokenizer.decode([token] * count))
     return "".join(out)
 
 
 def render_sample(tokenizer, input_ids: Sequence[int], labels: Sequence[int], color: bool = False) -> str:
     """The document decoded, with every run of tokens that carry loss between `[[ ]]` (ANSI colour if `color`)."""
-    ids = [int(t) for t in input_ids]
-    flags = loss_flags(labels)
     opening, closing = ANSI_MARKS if color else MARKS
-    pieces, i = [], 0
-    while i < len(ids):
-        j = i
-        while j < len(ids) and flags[j] == flags[i]:
-            j += 1
-        text = _decode(tokenizer, ids[i:j])
-        pieces.append(f"{opening}{text}{closing}" if flags[i] else text)
-        i = j
+    pieces = []
+    for carries, run in itertools.groupby(zip((int(t) for t in input_ids), loss_flags(labels)), key=lambda p: p[1]):
+        text = _decode(tokenizer, [token for token, _ in run])
+        pieces.append(f"{opening}{text}{closing}" if carries else text)
     return "".join(pieces)
 
 
 def marked_spans(rendered: str) -> List[str]:
     """The texts between `[[` and `]]` of a `render_sample` output (for checks and tests)."""
-    spans, start = [], 0
-    while True:
-        i = rendered.find(MARKS[0], start)
-        if i < 0:
-            return spans
-        j = rendered.find(MARKS[1], i + len(MARKS[0]))
-        spans.append(rendered[i + len(MARKS[0]) : j])
-        start = j + len(MARKS[1])
+    return re.findall(re.escape(MARKS[0]) + "(.*?)" + re.escape(MARKS[1]), rendered, flags=re.DOTALL)
 
 
 def _shorten(text: str, limit: int) -> str:
