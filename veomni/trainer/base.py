@@ -168,7 +168,8 @@ class BaseTrainer:
 
     def compute_train_steps(self) -> None:
         """The step plan (step_count.py): sets `train.train_steps`, `epoch_steps`, `total_steps`, `whole_epochs`."""
-        plan = plan_steps(self.args, self.train_dataloader, self.train_dataset, self._count_loader_steps)
+        dataset = getattr(self, "train_dataset", None)  # (None: a step plan without the data's description)
+        plan = plan_steps(self.args, self.train_dataloader, dataset, self._count_loader_steps)
         self.epoch_steps, self.total_steps, self.whole_epochs = plan.epoch_steps, plan.total_steps, plan.whole_epochs
 
     def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
