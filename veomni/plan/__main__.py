@@ -6,10 +6,10 @@ by predicted step time. Options other than the planner's own are config override
 """
 
 import argparse
-import contextlib
+import logging
 import sys
 import time
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
 from .cost import GPUS
 
@@ -31,23 +31,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, help="tokens per micro-batch (default micro_batch_size * max_seq_len)")
     parser.add_argument("--top", type=int, default=5, help="how many fitting layouts to list")
     return parser
-
-
-@contextlib.contextmanager
-def _quiet_build_logs() -> Iterator[None]:
-    """The plan's own model builds log as a training run's do (FSDP2 over mesh ...): noise here. Restored after,
-    since `main` may run inside another program (a test, a notebook)."""
-    import logging
-
-    names = [name for name in list(logging.root.manager.loggerDict) if name.startswith("veomni")]
-    saved = {name: logging.getLogger(name).level for name in names}
-    for name in names:
-        logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for name, level in saved.items():
-            logging.getLogger(name).setLevel(level)
 
 
 def _bad_flag(options: argparse.Namespace) -> Optional[str]:
@@ -88,9 +71,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _plan_and_print(options: argparse.Namespace, overrides: List[str]) -> int:
     from .planner import plan
     from .report import render
+    from .shards import logger_levels
 
     start = time.perf_counter()
-    with _quiet_build_logs():
+    # the plan's own model builds log as a training run's do (FSDP2 over mesh ...): noise here
+    veomni_loggers = [name for name in list(logging.root.manager.loggerDict) if name.startswith("veomni")]
+    with logger_levels(veomni_loggers, logging.WARNING):
         result = plan(
             [options.config, *overrides],
             options.nnodes,

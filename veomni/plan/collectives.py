@@ -18,8 +18,6 @@ import torch.distributed as dist
 
 from ..compat.torch import TorchDispatchMode, op_schema, resolve_process_group
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
-
 # op name -> (kind, which argument holds the counted buffer); a list argument counts all its tensors
 _C10D = {
     "allreduce_": ("all_reduce", 0),

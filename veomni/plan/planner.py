@@ -19,7 +19,6 @@ from .real_plan import (
     load_args,
     model_shape,
     plan_rank,
-    representative_ranks,
     reshard_after_forward,
     step_shape,
 )
@@ -75,15 +74,10 @@ def _rank_report(args, layout: Layout, world: int, rank: int, micro_batches: int
     plan = plan_rank(args, world, rank, "cuda")
     local = layout.mb_tokens // layout.ulysses
     step = step_shape(args, [(local, local)] * micro_batches, "cuda")
-    memory = predict_memory(plan, shape, replace(step, micro_batches=step.micro_batches[:1]), _param_dtype_bytes(args))
+    memory = predict_memory(
+        plan, shape, replace(step, micro_batches=step.micro_batches[:1]), dtype_bytes(args, "cuda")[2]
+    )
     return RankReport(rank, memory, step_collectives(plan, shape, step))
-
-
-def _param_dtype_bytes(args) -> int:
-    from ..distributed.mixed_precision import resolve_precision
-
-    fsdp = args.train.accelerator.fsdp_config
-    return resolve_precision(fsdp.mixed_precision, "cuda", fsdp.fsdp_mode).param_dtype.itemsize
 
 
 def plan(
@@ -108,7 +102,8 @@ def plan(
     if tokens:
         layout = replace(layout, mb_tokens=tokens)
     micro_batches = max(1, math.ceil(global_tokens / (layout.dp * layout.mb_tokens)))
-    reports = [_rank_report(args, layout, world, r, micro_batches, shape) for r in representative_ranks(world)]
+    # rank 0 holds the largest shards (torch.chunk gives the remainder to the last ranks), the last rank the smallest
+    reports = [_rank_report(args, layout, world, r, micro_batches, shape) for r in sorted({0, world - 1})]
     context = args.data.max_seq_len  # documents as long as allowed (the search assumes the same)
     local = layout.mb_tokens // layout.ulysses
     flops = micro_batches * local * shape.flops_per_token(context, layout.checkpointing) / layout.tp
@@ -119,20 +114,19 @@ def plan(
     return result
 
 
-def _search(result: PlanResult, args, global_tokens: int, top: int) -> None:
-    compute, reduce = dtype_bytes(args, "cuda")
+def search_layouts(args, world: int, hardware: Hardware, mb_tokens: int, global_tokens: int) -> List[Candidate]:
+    """Every layout of `world` ranks for the model and precision of `args`, sized by the shape model (GPU dtypes),
+    fastest first."""
+    compute, reduce, param = dtype_bytes(args, "cuda")
     model = build_meta_model(args, "cuda")
     shapes = ShapeModel(model, no_split_module_names(model) + list(args.model.basic_modules), args.train.optimizer.type)
-    budget = Budget(
-        global_tokens,
-        args.data.max_seq_len,
-        compute,
-        reduce,
-        _param_dtype_bytes(args),
-        args.model.ops_implementation.loss_chunk_size,
-        reshard_after_forward(args, 2),
-    )
-    found = search(shapes, result.shape, result.layout.world, budget, result.hardware, result.layout.mb_tokens)
+    chunk = args.model.ops_implementation.loss_chunk_size
+    budget = Budget(global_tokens, args.data.max_seq_len, compute, reduce, param, chunk, reshard_after_forward(args, 2))
+    return search(shapes, model_shape(args), world, budget, hardware, mb_tokens)
+
+
+def _search(result: PlanResult, args, global_tokens: int, top: int) -> None:
+    found = search_layouts(args, result.layout.world, result.hardware, result.layout.mb_tokens, global_tokens)
     fitting = [c for c in found if c.fits(result.capacity)]
     shown = fitting[:top]
     nearest = min(fitting, key=lambda c: (changes(c.layout, result.layout), c.time.total), default=None)

@@ -5,6 +5,7 @@ then sharded by `build_parallelize_model` (Ulysses, TP, EP, FSDP2/HSDP) for rank
 import copy
 import os
 from typing import List, Optional
+from unittest import mock
 
 from ..arguments import VeOmniArguments, parse_args
 from ..distributed.mixed_precision import resolve_precision
@@ -19,17 +20,11 @@ from .shards import RankPlan, read_rank_plan
 def load_args(argv: List[str], world_size: Optional[int]) -> VeOmniArguments:
     """`CONFIG.yaml --key value ...` parsed as a run on `world_size` ranks would parse it (None: as outside
     torchrun, for the smallest world its sizes fit)."""
-    saved = os.environ.get("WORLD_SIZE")
-    os.environ.pop("WORLD_SIZE", None)
-    if world_size is not None:
-        os.environ["WORLD_SIZE"] = str(world_size)  # parse_args resolves dp sizes against it
-    try:
+    with mock.patch.dict(os.environ):  # restored as it was after
+        os.environ.pop("WORLD_SIZE", None)
+        if world_size is not None:
+            os.environ["WORLD_SIZE"] = str(world_size)  # parse_args resolves dp sizes against it
         return parse_args(VeOmniArguments, list(argv))
-    finally:
-        if saved is None:
-            os.environ.pop("WORLD_SIZE", None)
-        else:
-            os.environ["WORLD_SIZE"] = saved
 
 
 def build_meta_model(args, device_type: str):
@@ -64,29 +59,22 @@ def plan_rank(args, world_size: int, rank: int = 0, device_type: str = "cuda") -
     return plan
 
 
-def model_shape(args, model=None) -> ModelShape:
+def model_shape(args) -> ModelShape:
     from ..models.auto import build_config
 
-    config = model.config if model is not None else build_config(args.model.config_path, args.model.trust_remote_code)
-    return ModelShape.from_config(config)
-
-
-def representative_ranks(world_size: int, extra: Optional[List[int]] = None) -> List[int]:
-    """Rank 0 holds the largest shards (torch.chunk gives the remainder to the last ranks); the last rank the
-    smallest."""
-    return sorted({0, world_size - 1, *(extra or [])})
+    return ModelShape.from_config(build_config(args.model.config_path, args.model.trust_remote_code))
 
 
 def dtype_bytes(args, device_type: str):
-    """(compute, gradient-reduce) bytes per element under the run's precision on `device_type`."""
+    """(compute, gradient-reduce, parameter) bytes per element under the run's precision on `device_type`."""
     fsdp = args.train.accelerator.fsdp_config
     precision = resolve_precision(fsdp.mixed_precision, device_type, fsdp.fsdp_mode)
     param = precision.param_dtype.itemsize
     if precision.policy is None:
-        return param, param
+        return param, param, param
     compute = precision.policy.param_dtype.itemsize if precision.policy.param_dtype is not None else param
     reduce = precision.policy.reduce_dtype.itemsize if precision.policy.reduce_dtype is not None else compute
-    return compute, reduce
+    return compute, reduce, param
 
 
 def step_shape(args, micro_batches, device_type: str):
@@ -94,7 +82,7 @@ def step_shape(args, micro_batches, device_type: str):
     from .comm import StepShape
 
     acc = args.train.accelerator
-    compute, reduce = dtype_bytes(args, device_type)
+    compute, reduce, _ = dtype_bytes(args, device_type)
     ep = dict(zip(acc.extra_parallel_names, acc.extra_parallel_sizes)).get("ep", 1)
     return StepShape(
         micro_batches=tuple((int(t), int(n)) for t, n in micro_batches),

@@ -62,22 +62,14 @@ def device_budget(args) -> Optional[float]:
 
 def fitting_layouts(args, world: int, capacity: float, top: int = 3) -> List[str]:
     """The planner's fastest layouts of this world size whose predicted peak fits `capacity` (GPU dtypes)."""
-    from ..distributed.torch_parallelize import no_split_module_names
-    from .analytic import ShapeModel
     from .cost import GPUS, Hardware
-    from .planner import _param_dtype_bytes
-    from .real_plan import build_meta_model, dtype_bytes, layout_of, model_shape, reshard_after_forward
+    from .planner import search_layouts
+    from .real_plan import layout_of
     from .report import describe
-    from .search import Budget, search
 
-    model = build_meta_model(args, "cuda")
-    shapes = ShapeModel(model, no_split_module_names(model) + list(args.model.basic_modules), args.train.optimizer.type)
-    compute, reduce = dtype_bytes(args, "cuda")
     tokens = (args.train.global_batch_size or args.train.micro_batch_size) * args.data.max_seq_len
-    budget = Budget(tokens, args.data.max_seq_len, compute, reduce, _param_dtype_bytes(args),
-                    args.model.ops_implementation.loss_chunk_size, reshard_after_forward(args, 2))  # fmt: skip
     hardware = Hardware(GPUS["h100"], min(world, 8), 0.4, None, None)
-    found = search(shapes, model_shape(args), world, budget, hardware, layout_of(args, world).mb_tokens)
+    found = search_layouts(args, world, hardware, layout_of(args, world).mb_tokens, tokens)
     return [describe(c.layout) for c in found if c.fits(capacity)][:top]
 
 

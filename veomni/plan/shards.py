@@ -6,8 +6,10 @@ optimizer state (the local shards, exactly as allocated), the FSDP2 units (padde
 all-gather over: what the collectives move) and the groups the gradient norm reduces over.
 """
 
+import contextlib
+import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -123,7 +125,8 @@ def grad_norm_ranks(model: nn.Module) -> List[Ranks]:
     for p in trainable:
         p.grad = torch.zeros_like(p)
     try:
-        with quiet_torch_warnings(), CollectiveCounter() as counter:
+        # DTensor warns (once per redistribution) that a 2-D norm reduces dim by dim: true, and not the planner's concern
+        with logger_levels([DTENSOR_REDISTRIBUTE_LOGGER], logging.ERROR), CollectiveCounter() as counter:
             total_grad_norm(trainable)
     finally:
         for p in trainable:
@@ -142,24 +145,19 @@ def _named_groups(state) -> Dict[str, Ranks]:
     return groups
 
 
-def quiet_torch_warnings():
-    """DTensor warns (once per redistribution) that a 2-D norm reduces dim by dim: true, and not the planner's
-    concern; silenced while the norm is counted."""
-    import logging
-
-    return _LoggerLevel(logging.getLogger(DTENSOR_REDISTRIBUTE_LOGGER), logging.ERROR)
-
-
-class _LoggerLevel:
-    def __init__(self, logger, level):
-        self.logger, self.level = logger, level
-
-    def __enter__(self):
-        self.saved = self.logger.level
-        self.logger.setLevel(self.level)
-
-    def __exit__(self, *exc):
-        self.logger.setLevel(self.saved)
+@contextlib.contextmanager
+def logger_levels(names: Iterable[str], level: int) -> Iterator[None]:
+    """Within the block the named loggers say only what is at `level` or above; their levels are restored after
+    (the planner may run inside another program: a test, a notebook)."""
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(level)
+    try:
+        yield
+    finally:
+        for logger, before in zip(loggers, saved):
+            logger.setLevel(before)
 
 
 def read_rank_plan(model: nn.Module, state, optimizer_type: str, reshard: bool) -> RankPlan:

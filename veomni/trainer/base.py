@@ -32,6 +32,7 @@ from ..arguments import save_args
 from ..checkpoint import save_hf_model, save_lora_model
 from ..compat.torch import set_found_inf, skips_on_found_inf
 from ..data.chat_template import export_chat_template
+from ..data.data_collator import MainCollator
 from ..distributed.clip_grad_norm import clip_grad_norm_tensor
 from ..distributed.mixed_precision import resolve_precision, set_tf32
 from ..distributed.parallel_state import init_parallel_state_from_config
@@ -52,7 +53,7 @@ from .evaluation import Evaluator, build_eval_loader
 from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
 from .run_callbacks import standard_callbacks
-from .step_count import StepCountMixin, close_loader, set_epoch
+from .step_count import close_loader, plan_steps, set_epoch
 from .step_metrics import PendingMetrics, StepClock, host_loss_tokens
 
 logger = get_logger(__name__)
@@ -79,7 +80,7 @@ def build_model_from_args(args, device_type: str, init_device: str):
     )
 
 
-class BaseTrainer(StepCountMixin):
+class BaseTrainer:
     """Builds everything from `args` and runs `fit()`. Subclasses choose the data (`build_dataset`,
     `build_dataloader`); `callbacks` are the task's own (e.g. the planner's check, veomni.plan.runlog)."""
 
@@ -109,7 +110,7 @@ class BaseTrainer(StepCountMixin):
         self.compute_train_steps()
         self.run_dir.refuse_completed(self.total_steps)
         self.run_dir.announce()
-        eval_data = self.build_eval_data()  # before the model too: a held-out file that fails, fails in seconds
+        self.eval_data = self.build_eval_data()  # before the model too: a held-out file that fails, fails in seconds
         if self.is_main:
             save_args(args, self.output_dir)
         self.state = TrainState()
@@ -121,7 +122,7 @@ class BaseTrainer(StepCountMixin):
             self.train_dataloader, self.state,
         )  # fmt: skip
         self.checkpointer.resume(self.is_main)
-        self.evaluator = self.build_evaluator(*eval_data) if eval_data else None
+        self.evaluator = self.build_evaluator(*self.eval_data) if self.eval_data else None
         self.callbacks: List[Callback] = self.build_callbacks() + list(callbacks)
 
     # the loop's position, as callbacks and subclasses read it
@@ -165,6 +166,20 @@ class BaseTrainer(StepCountMixin):
     def build_dataloader(self):
         raise NotImplementedError
 
+    def compute_train_steps(self) -> None:
+        """The step plan (step_count.py): sets `train.train_steps`, `epoch_steps`, `total_steps`, `whole_epochs`."""
+        dataset = getattr(self, "train_dataset", None)  # (None: a step plan without the data's description)
+        plan = plan_steps(self.args, self.train_dataloader, dataset, self._count_loader_steps)
+        self.epoch_steps, self.total_steps, self.whole_epochs = plan.epoch_steps, plan.total_steps, plan.whole_epochs
+
+    def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
+        """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data."""
+        counter = getattr(self.train_dataloader, "num_batches", None)
+        mine = counter(limit=limit) if counter is not None else None
+        steps = torch.tensor([-1 if mine is None else mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MIN, group=self.parallel_state.dp_group)
+        return None if int(steps) < 0 else int(steps)
+
     def build_data_transform(self):
         """The record -> sample transform (the held-out data is read with it too)."""
         raise NotImplementedError
@@ -174,11 +189,15 @@ class BaseTrainer(StepCountMixin):
         state = self.parallel_state
         return {"sp_size": state.sp_size, "sp_rank": state.sp_rank}
 
+    def build_collator(self):
+        """Samples -> one packed micro-batch (the DPO trainer packs pairs with its own)."""
+        return MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs())
+
     def build_eval_data(self):
         """(dataset, loader, collator) of `data.eval_path`, or None without it."""
         if not self.args.data.eval_path:
             return None
-        return build_eval_loader(self.args, self.build_data_transform(), self.collate_fn_kwargs())
+        return build_eval_loader(self.args, self.build_data_transform(), self.build_collator())
 
     def build_evaluator(self, dataset, loader, collate) -> Evaluator:
         """The held-out loss, through this trainer's LM loss (no auxiliary losses)."""
@@ -284,18 +303,7 @@ class BaseTrainer(StepCountMixin):
         """One optimizer step, queued on the device. Returns its metrics: host values, and device tensors that the
         loop reads a step later (loss, grad_norm, MoE statistics; `skipped` is derived from the first two)."""
         state = self.parallel_state
-        # FSDP/DDP average gradients over the dp x sp ranks; each rank's summed loss over the global token count
-        scale = state.dp_sp_size / max(totals["loss_tokens"], 1)
-        ddp = state.mode == "ddp"
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.moe_metrics.start_step()
-        on_device = [self._to_device(mb) for mb in micro_batches]  # all copies queued before the first forward
-        for i, micro_batch in enumerate(on_device):
-            if ddp:  # all-reduce gradients once per step, on the last micro-batch
-                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            micro_loss = self.forward_loss_sum(micro_batch)
-            (micro_loss * scale).backward()
-            loss_sum += micro_loss.detach().double()
+        loss_sum = self.accumulate_gradients(micro_batches, totals)
         lifecycle.set_progress(self.global_step + 1, "grad-norm and loss all-reduce")
         grad_norm = clip_grad_norm_tensor(self.model, self.args.train.optimizer.max_grad_norm)
         loss_sum = self.moe_metrics.all_reduce(loss_sum, state.dp_sp_group)  # the MoE metrics' sums ride along
@@ -308,6 +316,22 @@ class BaseTrainer(StepCountMixin):
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, **group_lrs, **self.moe_metrics.step_tensors()}
+
+    def accumulate_gradients(self, micro_batches: List[Dict[str, Any]], totals: Dict[str, Any]) -> torch.Tensor:
+        """The step's forward/backward over its micro-batches; returns this rank's summed loss (float64)."""
+        state = self.parallel_state
+        # FSDP/DDP average gradients over the dp x sp ranks; each rank's summed loss over the global token count
+        scale = state.dp_sp_size / max(totals["loss_tokens"], 1)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.moe_metrics.start_step()
+        on_device = [self._to_device(mb) for mb in micro_batches]  # all copies queued before the first forward
+        for i, micro_batch in enumerate(on_device):
+            if state.mode == "ddp":  # all-reduce gradients once per step, on the last micro-batch
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            micro_loss = self.forward_loss_sum(micro_batch)
+            (micro_loss * scale).backward()
+            loss_sum += micro_loss.detach().double()
+        return loss_sum
 
     def _guarded_optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """The update, unless the loss or the grad norm is not finite. A fused AdamW skips it on the device (its
@@ -440,9 +464,7 @@ class BaseTrainer(StepCountMixin):
                 f"no training step ran: data.train_path={self.args.data.train_path} did not fill one optimizer step "
                 f"of train.global_batch_size={self.args.train.global_batch_size}; use more data or smaller batches"
             )
-        if self.state.last_saved_step != self.global_step:
-            self.save_checkpoint()
-        self.checkpointer.wait()
+        self._save_last_step()
         if self.args.train.checkpoint.save_hf_weights:
             self.export_hf(os.path.join(self.output_dir, "hf"))
             if self.is_main:  # the export is served with the template the model was trained on
@@ -454,9 +476,7 @@ class BaseTrainer(StepCountMixin):
     def _stop_after_step(self, signal) -> None:
         """Every rank saw the same stop verdict in this step's all-reduce: save together and leave."""
         lifecycle.set_progress(self.global_step, "saving the checkpoint on stop")
-        if self.state.last_saved_step != self.global_step:
-            self.save_checkpoint()
-        self.checkpointer.wait()
+        self._save_last_step()
         self._fire("on_train_end")
         dist.barrier()
         saved = os.path.join(self.checkpointer.root, f"global_step_{self.global_step}")
@@ -467,6 +487,12 @@ class BaseTrainer(StepCountMixin):
             else "resume with the same command plus --train.checkpoint.load_path auto"
         )
         raise lifecycle.TrainingStopped(signal, self.global_step, saved, hint)
+
+    def _save_last_step(self) -> None:
+        """The checkpoint of the step the loop ended at (unless it is saved already), written to the end."""
+        if self.state.last_saved_step != self.global_step:
+            self.save_checkpoint()
+        self.checkpointer.wait()
 
     def export_hf(self, out_dir: str) -> None:
         """The end-of-training HF folder: the whole model, or with LoRA the merged weights or the adapter."""

@@ -114,12 +114,9 @@ class ProgressCallback(Callback):
                 f"({metrics['eval_tokens']:,} held-out tokens)"
             )
 
-    def on_train_end(self, trainer):
+    def on_train_end(self, trainer):  # (the run's closing line is run_callbacks.SummaryCallback's)
         if self.bar is not None:
             self.bar.close()
-            logger.info(
-                f"trained steps {self.first_step + 1}..{trainer.global_step} in {_clock(time.perf_counter() - self.start)}"
-            )
 
 
 class MetricsFileCallback(Callback):
@@ -224,9 +221,8 @@ class WandbCallback(Callback):
 
     def on_step_end(self, trainer, metrics):
         if self.run is not None:
-            lists = {k for k, v in metrics.items() if isinstance(v, list)}  # per-layer lists: one scalar per layer
-            flat = {k: v for k, v in metrics.items() if k not in lists}
-            flat.update((k, v) for k, v in scalar_items({k: metrics[k] for k in lists}))
+            flat = {k: v for k, v in metrics.items() if not isinstance(v, list)}
+            flat.update(scalar_items({k: v for k, v in metrics.items() if isinstance(v, list)}))  # one per layer
             if metrics.get("samples"):  # train.eval_prompts: a table of prompt / response
                 import wandb
 

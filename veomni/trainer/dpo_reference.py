@@ -36,7 +36,7 @@ def build_reference(trainer, chunk_size: int):
     kind = trainer.args.dpo.reference
     if kind == "adapters_off":
         logger.info("dpo.reference=adapters_off: the policy with its LoRA adapters disabled, no second copy")
-        return AdaptersOffReference(trainer.sequence_logps, trainer.model)
+        return LogpsReference(trainer.sequence_logps, adapters_off=trainer.model)
     if kind == "precomputed" and not hasattr(trainer.train_dataset, "prepare"):
         from ..arguments import ConfigError
 
@@ -46,7 +46,7 @@ def build_reference(trainer, chunk_size: int):
     logger.info(f"dpo.reference={kind}: a frozen copy of the initial policy, {held / 2**20:.1f} MiB on this rank")
     logps = SequenceLogps(model, chunk_size, trainer.sp_group)
     if kind == "model":
-        return ModelReference(logps)
+        return LogpsReference(logps)
     return PrecomputedReference(trainer, logps)
 
 
@@ -72,18 +72,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _sequence_logps(logps: SequenceLogps, micro_batch: Dict[str, Any], inputs: Dict[str, Any]) -> torch.Tensor:
+def sequence_logps(logps: SequenceLogps, micro_batch: Dict[str, Any], inputs: Dict[str, Any]):
+    """`logps`' (log-probs, tokens, ...) of every sequence of a packed pair micro-batch."""
     labels, index = micro_batch["labels"], micro_batch["sequence_index"]
     targets = micro_batch.get("num_targets")
-    return logps(labels, index, 2 * micro_batch["num_pairs"], targets, **inputs, use_cache=False)[0]
-
-
-class ModelReference:
-    def __init__(self, logps: SequenceLogps):
-        self.logps = logps
-
-    def __call__(self, micro_batch, inputs) -> torch.Tensor:
-        return _sequence_logps(self.logps, micro_batch, inputs)
+    return logps(labels, index, 2 * micro_batch["num_pairs"], targets, **inputs, use_cache=False)
 
 
 @contextlib.contextmanager
@@ -99,13 +92,17 @@ def adapters_disabled(model):
             layer.enable_adapters(True)
 
 
-class AdaptersOffReference:
-    def __init__(self, logps: SequenceLogps, model):
-        self.logps, self.model = logps, model
+class LogpsReference:
+    """The reference's log-probs computed on the fly: a frozen model's, or (`adapters_off`) the LoRA policy's own
+    with its adapters disabled."""
+
+    def __init__(self, logps: SequenceLogps, adapters_off=None):
+        self.logps, self.adapters_off = logps, adapters_off
 
     def __call__(self, micro_batch, inputs) -> torch.Tensor:
-        with adapters_disabled(self.model):
-            return _sequence_logps(self.logps, micro_batch, inputs)
+        off = adapters_disabled(self.adapters_off) if self.adapters_off is not None else contextlib.nullcontext()
+        with off:
+            return sequence_logps(self.logps, micro_batch, inputs)[0]
 
 
 class PrecomputedReference:
@@ -113,7 +110,7 @@ class PrecomputedReference:
 
     def __init__(self, trainer, logps: SequenceLogps):
         self.table: Dict[str, List[float]] = {}
-        eval_data = getattr(trainer, "eval_data", None)  # the held-out pairs too, with the same initial model
+        eval_data = trainer.eval_data  # the held-out pairs too, with the same initial model
         for dataset in [trainer.train_dataset] + ([eval_data[0]] if eval_data else []):
             path = _store_path(trainer, dataset)
             self.table.update(torch.load(path) if os.path.isfile(path) else _precompute(trainer, logps, dataset, path))
@@ -164,7 +161,7 @@ def _precompute(trainer, logps: SequenceLogps, dataset, path: str) -> Dict[str, 
         on_device = trainer._to_device(batch)
         inputs = {k: v for k, v in on_device.items() if k not in trainer.non_model_keys}
         with torch.no_grad():
-            values = _sequence_logps(logps, on_device, inputs).double().tolist()
+            values = sequence_logps(logps, on_device, inputs)[0].double().tolist()
         if r < len(mine):
             table[batch["pair_keys"][0]] = values
     gathered = [None] * dist.get_world_size()

@@ -28,8 +28,7 @@ from ..data.data_collator import MainCollator
 from ..data.preference import PreferenceCollator, process_preference_example
 from ..models import build_tokenizer
 from ..ops.preference_loss import SequenceLogps, preference_loss, split_pairs
-from .dpo_reference import build_reference
-from .evaluation import build_eval_loader
+from .dpo_reference import build_reference, sequence_logps
 from .preference_eval import STAT_NAMES, PreferenceEvaluator, pair_stats
 from .text_trainer import TextTrainer
 
@@ -61,14 +60,6 @@ class DPOTrainer(TextTrainer):
     def build_collator(self):
         return PreferenceCollator(MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs()))
 
-    def build_eval_data(self):
-        if not self.args.data.eval_path:
-            return None
-        self.eval_data = build_eval_loader(
-            self.args, self.build_data_transform(), self.collate_fn_kwargs(), self.build_collator()
-        )  # (kept: dpo.reference=precomputed scores the held-out pairs too)
-        return self.eval_data
-
     def build_evaluator(self, dataset, loader, collate):
         def stats(micro_batch):
             with torch.no_grad():
@@ -92,10 +83,7 @@ class DPOTrainer(TextTrainer):
         sequence-parallel group) on the device."""
         dpo = self.args.dpo
         inputs = {k: v for k, v in micro_batch.items() if k not in self.non_model_keys}
-        labels, index = micro_batch["labels"], micro_batch["sequence_index"]
-        num_sequences = 2 * micro_batch["num_pairs"]
-        targets = micro_batch["num_targets"]
-        logps, tokens, _ = self.sequence_logps(labels, index, num_sequences, targets, **inputs, use_cache=False)
+        logps, tokens, _ = sequence_logps(self.sequence_logps, micro_batch, inputs)
         with torch.no_grad():
             ref_logps = self.reference(micro_batch, inputs)
         chosen, rejected = split_pairs(logps)

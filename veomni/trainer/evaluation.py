@@ -14,41 +14,29 @@ they are not summed. The same number on 1, 2 or 4 ranks and under SP, TP and EP,
 """
 
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 import torch
 import torch.distributed as dist
 
-from ..data import build_dataloader, build_dataset
-from ..data.data_collator import MainCollator
+from ..data import Batching, build_dataset, build_loader
 from ..data.data_transform import IGNORE_INDEX
 from ..ops import count_loss_tokens
 from . import lifecycle
 
 
-def build_eval_loader(args, transform, collate_fn_kwargs: Dict[str, Any], collate_fn: Optional[Callable] = None):
+def build_eval_loader(args, transform, collate_fn: Callable):
     """(dataset, loader, collator) of `data.eval_path`: one process's plan, every micro-batch of it (dealt
-    round-robin to the ranks by the Evaluator). `collate_fn`: the collator, when not MainCollator(collate_fn_kwargs)."""
+    round-robin to the ranks by the Evaluator), collated by the training collator `collate_fn`."""
     skip = ("dataloader", "mm_configs", "train_path", "datasets_type")
     data = {k: v for k, v in vars(args.data).items() if k not in skip}
     dataset = build_dataset(
         dataset_name="mapping", train_path=args.data.eval_path, transform=transform, seed=args.train.seed, **data
     )
-    loader = build_dataloader(
-        dataset=dataset,
-        micro_batch_size=args.train.micro_batch_size,
-        dataloader_batch_size=1,
-        max_seq_len=args.data.max_seq_len,
-        dyn_bsz=args.train.dyn_bsz,
-        drop_last=False,
-        shuffle=False,
-        seed=args.train.seed,
-        collate_fn_kwargs=collate_fn_kwargs,
-        collate_fn=collate_fn,
-        dp_rank=0,
-        dp_size=1,
-    )
-    return dataset, loader, collate_fn or MainCollator(max_seq_len=args.data.max_seq_len, **collate_fn_kwargs)
+    train = args.train
+    batching = Batching(train.micro_batch_size, args.data.max_seq_len, dyn_bsz=train.dyn_bsz, drop_last=False)
+    loader = build_loader(dataset, collate_fn, batching, dp_rank=0, dp_size=1, seed=train.seed, shuffle=False)
+    return dataset, loader, collate_fn
 
 
 class Evaluator:

@@ -39,6 +39,12 @@ STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 ERROR_EXIT_CODE = 1
 _HEARTBEAT_SECONDS = 1.0
 _GROUP_POLL_SECONDS = 0.1  # until the process group exists: the first beat follows joining it this closely
+# how a stop request is told, and how to insist in its own terms (a Ctrl-C is not answered with "a second SIGTERM")
+_STOP_WORDS = {
+    signal.SIGINT: ("Ctrl-C (SIGINT) received", "a second Ctrl-C"),
+    signal.SIGTERM: ("SIGTERM received", "a second SIGTERM to the workers"),
+    signal.SIGHUP: ("the launcher died (SIGHUP)", "a second SIGTERM to the workers"),
+}
 REPEAT_WINDOW_S = 5.0  # a stop signal this soon after the first one is the same request, told twice
 _PR_SET_PDEATHSIG = 1
 
@@ -151,21 +157,9 @@ def _on_stop_signal(signum, frame) -> None:
     if not _state["loop_active"]:
         raise StopBeforeTraining(signum)
     if _rank() == 0:
-        _say(f"{_stop_request(signum)}: finishing the current step, then saving a checkpoint ({_second(signum)}, "
+        request, insist = _STOP_WORDS[signum]
+        _say(f"{request}: finishing the current step, then saving a checkpoint ({insist}, "
              f"{REPEAT_WINDOW_S:.0f} s or more later, exits at once)")  # fmt: skip
-
-
-def _stop_request(signum: int) -> str:
-    if signum == signal.SIGHUP:
-        return "the launcher died (SIGHUP)"
-    return "Ctrl-C (SIGINT) received" if signum == signal.SIGINT else f"{signal.Signals(signum).name} received"
-
-
-def _second(signum: int) -> str:
-    """How to insist, in the terms of the request (a Ctrl-C was answered with 'a second SIGTERM')."""
-    if signum == signal.SIGINT:
-        return "a second Ctrl-C"
-    return "a second SIGTERM to the workers"
 
 
 def install_stop_handlers() -> None:

@@ -32,16 +32,11 @@ from ..compat.torch import in_backward
 from ..compat.transformers import is_experts_module
 
 
-def experts_modules(model: nn.Module) -> List[nn.Module]:
-    """The experts modules of `model`, in model order: one per MoE layer (shared experts are plain MLPs)."""
-    return [m for m in model.modules() if is_experts_module(m)]
-
-
 class RoutingCounter:
     """Per-expert (token, choice) counts of every MoE layer of `model`, accumulated until `reset`."""
 
     def __init__(self, model: nn.Module, device: torch.device):
-        modules = experts_modules(model)
+        modules = [m for m in model.modules() if is_experts_module(m)]  # one per MoE layer, in model order
         self.num_layers = len(modules)
         self.num_experts = int(modules[0].num_experts) if modules else 0
         self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64, device=device)

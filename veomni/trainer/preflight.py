@@ -24,23 +24,14 @@ def check_paths(args) -> None:
     of the first path that does not exist."""
     model, data = args.model, args.data
     resolve_hub_names(args)
-    checks = [
-        ("model.config_path", model.config_path),
-        ("model.model_path", model.model_path),
-        ("model.tokenizer_path", model.tokenizer_path),
-    ]
+    if not data.train_path:
+        raise ConfigError("data.train_path is not set: give a jsonl/json/parquet/arrow file, a glob, or a folder")
+    checks = [(f"model.{k}", getattr(model, k)) for k in ("config_path", "model_path", "tokenizer_path")]
+    checks += [(f"data.{k}", getattr(data, k)) for k in ("train_path", "eval_path") if _local(getattr(data, k) or "")]
     for key, path in checks:
         if path and not os.path.exists(path):
             hint = _DEMO_HINT if ".assets" in path else ""
             raise ConfigError(f"{key}: {path} does not exist{hint}")
-    if not data.train_path:
-        raise ConfigError("data.train_path is not set: give a jsonl/json/parquet/arrow file, a glob, or a folder")
-    if _local(data.train_path) and not os.path.exists(data.train_path):
-        hint = _DEMO_HINT if ".assets" in data.train_path else ""
-        raise ConfigError(f"data.train_path: {data.train_path} does not exist{hint}")
-    if data.eval_path and _local(data.eval_path) and not os.path.exists(data.eval_path):
-        hint = _DEMO_HINT if ".assets" in data.eval_path else ""
-        raise ConfigError(f"data.eval_path: {data.eval_path} does not exist{hint}")
     train = args.train
     for key, asked in (
         ("checkpoint.keep_best", train.checkpoint.keep_best),
@@ -116,14 +107,10 @@ def suggest_fix(records: List[Any], data_args) -> Optional[str]:
     fields = sorted(set.intersection(*(set(r) for r in dicts)))
     conversation = data_args.data_type == "conversation"
 
-    def fits(value) -> bool:
-        if conversation:
-            return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
-        return isinstance(value, str)
-
     def chat(value) -> bool:
         return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
+    fits = chat if conversation else (lambda value: isinstance(value, str))
     candidates = [k for k in fields if all(fits(r[k]) for r in dicts)]
     if not candidates:
         if not conversation and any(all(chat(r[k]) for r in dicts) for k in fields):

@@ -12,12 +12,15 @@ A token carries loss when its label is not IGNORE_INDEX and it is not the first 
 predicts that one): exactly what the loss counts.
 """
 
+import itertools
 import os
+import re
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from ..data.data_transform import IGNORE_INDEX
 from ..utils.logging import get_logger
+from .step_count import batch_description
 
 logger = get_logger(__name__)
 
@@ -33,45 +36,26 @@ def loss_flags(labels: Sequence[int]) -> List[bool]:
 
 
 def _decode(tokenizer, ids: Sequence[int]) -> str:
-    out, i = [], 0
-    while i < len(ids):
-        j = i
-        while j < len(ids) and ids[j] == ids[i]:
-            j += 1
-        if j - i >= _REPEAT:
-            out.append(f"{tokenizer.decode([ids[i]])}×{j - i}")
-        else:
-            out.append(tokenizer.decode(list(ids[i:j])))
-        i = j
+    out = []
+    for token, run in itertools.groupby(ids):
+        count = len(list(run))
+        out.append(f"{tokenizer.decode([token])}×{count}" if count >= _REPEAT else tokenizer.decode([token] * count))
     return "".join(out)
 
 
 def render_sample(tokenizer, input_ids: Sequence[int], labels: Sequence[int], color: bool = False) -> str:
     """The document decoded, with every run of tokens that carry loss between `[[ ]]` (ANSI colour if `color`)."""
-    ids = [int(t) for t in input_ids]
-    flags = loss_flags(labels)
     opening, closing = ANSI_MARKS if color else MARKS
-    pieces, i = [], 0
-    while i < len(ids):
-        j = i
-        while j < len(ids) and flags[j] == flags[i]:
-            j += 1
-        text = _decode(tokenizer, ids[i:j])
-        pieces.append(f"{opening}{text}{closing}" if flags[i] else text)
-        i = j
+    pieces = []
+    for carries, run in itertools.groupby(zip((int(t) for t in input_ids), loss_flags(labels)), key=lambda p: p[1]):
+        text = _decode(tokenizer, [token for token, _ in run])
+        pieces.append(f"{opening}{text}{closing}" if carries else text)
     return "".join(pieces)
 
 
 def marked_spans(rendered: str) -> List[str]:
     """The texts between `[[` and `]]` of a `render_sample` output (for checks and tests)."""
-    spans, start = [], 0
-    while True:
-        i = rendered.find(MARKS[0], start)
-        if i < 0:
-            return spans
-        j = rendered.find(MARKS[1], i + len(MARKS[0]))
-        spans.append(rendered[i + len(MARKS[0]) : j])
-        start = j + len(MARKS[1])
+    return re.findall(re.escape(MARKS[0]) + "(.*?)" + re.escape(MARKS[1]), rendered, flags=re.DOTALL)
 
 
 def _shorten(text: str, limit: int) -> str:
@@ -139,6 +123,7 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
 
     from ..distributed import destroy_parallel_state
     from ..distributed.parallel_state import init_parallel_state_from_config
+    from ..ops.loss import count_loss_tokens
     from ..utils.device import get_device
     from .preflight import check_first_records
     from .step_count import close_loader
@@ -166,7 +151,7 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
         close_loader(trainer.train_dataloader)
         first = steps[0] if steps else []
         totals = torch.tensor(
-            [sum(mb["input_ids"].numel() for mb in first), sum(_loss_tokens(mb) for mb in first)],
+            [sum(mb["input_ids"].numel() for mb in first), sum(count_loss_tokens(mb["labels"]) for mb in first)],
             dtype=torch.int64,
             device=trainer.device,
         )
@@ -177,10 +162,6 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
             out.flush()
     finally:
         destroy_parallel_state()
-
-
-def _loss_tokens(micro_batch: Dict[str, Any]) -> int:
-    return sum(sum(loss_flags(_row(micro_batch, "labels")[s:e])) for s, e in documents(micro_batch))
 
 
 def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) -> str:
@@ -217,17 +198,12 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
             head = _shorten(tok.decode(ids[start:end]), 70)
             loss = sum(loss_flags(labels[start:end]))
             lines.append(f"  document {d + 1}: tokens {start}..{end - 1} ({end - start} tokens, {loss} loss) {head!r}")
-    if train.dyn_bsz:
-        per_step = (
-            f"a step packs up to {train.global_batch_size * data.max_seq_len:,} tokens (dyn_bsz: global_batch_size "
-            f"{train.global_batch_size} x max_seq_len {data.max_seq_len}) in {train.global_batch_size // train.micro_batch_size} "
-            f"micro-batch(es) of up to {train.micro_batch_size * data.max_seq_len:,}"
-        )
-    else:
-        per_step = (
-            f"a step takes {train.global_batch_size} samples of up to {data.max_seq_len} tokens, "
-            f"{train.micro_batch_size} per micro-batch"
-        )
+    unit = (
+        f"up to {train.micro_batch_size * data.max_seq_len:,} tokens"
+        if train.dyn_bsz
+        else f"{train.micro_batch_size} samples"
+    )
+    per_step = f"{batch_description(args, None, None)}; micro-batches of {unit}"
     epochs = getattr(trainer, "epoch_steps", [train.train_steps])
     per_epoch = " + ".join(map(str, epochs)) if len(set(epochs)) > 1 else str(epochs[0])
     lines += [

@@ -25,21 +25,18 @@ class SummaryCallback(Callback):
     """Rank 0, at the end: one line with the steps, tokens and time of this run, the final train loss, the final and
     best eval loss, and where the checkpoints and the HF export are."""
 
-    def __init__(self, enabled: bool, metrics: MetricsFileCallback, best: BestEvalCallback):
-        self.enabled, self.metrics, self.best, self.start, self.first_step = enabled, metrics, best, 0.0, 0
-
-    def on_train_begin(self, trainer):
-        self.start, self.first_step = time.perf_counter(), trainer.global_step
+    def __init__(self, metrics: MetricsFileCallback, best: BestEvalCallback, progress: ProgressCallback):
+        self.metrics, self.best, self.progress = metrics, best, progress  # (the progress bar times the run)
 
     def on_train_end(self, trainer):
-        if not self.enabled or not self.metrics.history:
+        if not self.progress.enabled or not self.metrics.history:
             return
         last = self.metrics.history[-1]
         evals = [m for m in self.metrics.history if "eval_loss" in m]
         parts = [
-            f"run summary: steps {self.first_step + 1}..{trainer.global_step} of {trainer.total_steps}",
+            f"run summary: steps {self.progress.first_step + 1}..{trainer.global_step} of {trainer.total_steps}",
             f"{trainer.state.consumed_tokens:,} tokens in total",
-            f"{_clock(time.perf_counter() - self.start)}",
+            f"{_clock(time.perf_counter() - self.progress.start)}",
             f"final train loss {last['loss']:.4f}",
         ]
         if evals:
@@ -63,14 +60,14 @@ def standard_callbacks(trainer) -> List[Callback]:
     train, ckpt = args.train, args.train.checkpoint
     metrics = MetricsFileCallback(main, os.path.join(out, "metrics.jsonl"))
     best = BestEvalCallback(ckpt.keep_best, train.early_stopping_patience, ckpt.save_steps, out, main)
-    wandb = train.wandb
+    wandb, progress = train.wandb, ProgressCallback(main, train.log_steps)
     return [
         SampleGenerationCallback(train.eval_prompts, train.eval_max_new_tokens, ckpt.save_steps),
         best,
         metrics,
-        ProgressCallback(main, train.log_steps),
+        progress,
         LossPlotCallback(main and train.loss_plot, metrics, os.path.join(out, "loss.png")),
         WandbCallback(main and wandb.enable, wandb.project, wandb.name, wandb.mode, dataclasses.asdict(args), out),
         TensorBoardCallback(main and train.use_tensorboard, os.path.join(out, "tensorboard")),
-        SummaryCallback(main, metrics, best),
+        SummaryCallback(metrics, best, progress),
     ]

@@ -10,9 +10,6 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-import torch
-import torch.distributed as dist
-
 from ..arguments import ConfigError
 from ..utils.logging import get_logger
 
@@ -100,26 +97,6 @@ def _count_later_epochs(train, loader, count_steps) -> List[int]:
         steps.append(min(counted, train.max_steps) if train.max_steps else counted)
     set_epoch(loader, 0, 0)
     return steps
-
-
-class StepCountMixin:
-    """`compute_train_steps` for BaseTrainer: sets `train.train_steps`, `self.epoch_steps`, `self.total_steps` and
-    `self.whole_epochs` from the step plan."""
-
-    def compute_train_steps(self) -> None:
-        plan = plan_steps(
-            self.args, self.train_dataloader, getattr(self, "train_dataset", None), self._count_loader_steps
-        )
-        self.step_plan = plan
-        self.epoch_steps, self.total_steps, self.whole_epochs = plan.epoch_steps, plan.total_steps, plan.whole_epochs
-
-    def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
-        """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data."""
-        counter = getattr(self.train_dataloader, "num_batches", None)
-        mine = counter(limit=limit) if counter is not None else None
-        steps = torch.tensor([-1 if mine is None else mine], dtype=torch.int64, device=self.device)
-        dist.all_reduce(steps, op=dist.ReduceOp.MIN, group=self.parallel_state.dp_group)
-        return None if int(steps) < 0 else int(steps)
 
 
 def set_epoch(loader, epoch: int, first_step: int) -> None:

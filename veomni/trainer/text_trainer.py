@@ -6,7 +6,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..data import Batching, MainCollator, build_dataset, build_loader
+from ..data import Batching, build_dataset, build_loader
 from ..data.chat_template import build_chat_template
 from ..data.data_report import data_report
 from ..data.data_transform import process_pretrain_example, process_sft_example
@@ -95,10 +95,6 @@ class TextTrainer(BaseTrainer):
             seed=train.seed,
             allow_changed_data=args.data.allow_changed_data,
         )
-
-    def build_collator(self):
-        """Samples -> one packed micro-batch (the DPO trainer packs pairs with its own)."""
-        return MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs())
 
     def collate_fn_kwargs(self):
         """MainCollator's keyword arguments (VLMTrainer adds its per-key collate infos)."""

@@ -8,7 +8,7 @@ As the seed's `train_vlm.py`: `build_processor` -> `build_multimodal_chat_templa
 """
 
 from functools import partial
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,6 @@ from ..models import build_config, build_processor
 from ..models.multimodal import freeze_encoders, thinker_config
 from ..models.position_ids import build_position_id_func
 from ..utils.logging import get_logger
-from .callbacks import Callback
 from .text_trainer import TextTrainer
 
 logger = get_logger(__name__)
@@ -43,12 +42,7 @@ TRANSFORMS = {
 _TOKEN_MASKS = {"image_mask": "visual", "video_mask": "visual", "audio_mask": "audio"}
 # the model's special ids that must be the processor tokenizer's ids (name in config -> tokenizer attribute)
 _SPECIAL_IDS = {
-    "image_token_id": "image_token_id",
-    "image_token_index": "image_token_id",
-    "video_token_id": "video_token_id",
-    "video_token_index": "video_token_id",
-    "audio_token_id": "audio_token_id",
-    "audio_token_index": "audio_token_id",
+    f"{kind}_token_{key}": f"{kind}_token_id" for kind in ("image", "video", "audio") for key in ("id", "index")
 }
 
 
@@ -56,16 +50,6 @@ def build_data_collate_info(merge_size: int = 2) -> Dict[str, DataCollateInfo]:
     """How MainCollator packs each multimodal key (veomni/data/multimodal/collate.py): sequence keys along the
     sequence, M-RoPE ids to (3, 1, L), vision patches / grids / audio features on dim 0 in sample order."""
     return multimodal_collate_infos(merge_size)
-
-
-class _ModalityRates(Callback):
-    """Adds text/visual/audio tokens per second to a step's metrics (before metrics.jsonl is written)."""
-
-    def on_step_end(self, trainer, metrics):
-        seconds = metrics.get("step_time") or float("nan")
-        for kind in ("text", "visual", "audio"):
-            if f"{kind}_tokens" in metrics:
-                metrics[f"{kind}_tokens_per_sec"] = metrics[f"{kind}_tokens"] / seconds
 
 
 class VLMTrainer(TextTrainer):
@@ -108,21 +92,14 @@ class VLMTrainer(TextTrainer):
     def build_data_collate_info(self) -> Dict[str, DataCollateInfo]:
         return build_data_collate_info(getattr(self.processor.image_processor, "merge_size", 2))
 
-    def build_dataloader(self):
-        self._collate_infos = self.build_data_collate_info()
-        return super().build_dataloader()
-
     def collate_fn_kwargs(self) -> Dict[str, Any]:
-        return dict(super().collate_fn_kwargs(), collate_infos=self._collate_infos)
+        return dict(super().collate_fn_kwargs(), collate_infos=self.build_data_collate_info())
 
     def prepare_model(self, model):
         frozen = freeze_encoders(model, self.args.model.freeze_vit, self.args.model.freeze_audio_tower)
         if frozen:
             logger.info(f"frozen: {', '.join(frozen)}")
         return model
-
-    def build_callbacks(self) -> List[Callback]:
-        return [_ModalityRates()] + super().build_callbacks()
 
     # ---------------------------------------------------------------------------------------------- step
     def train_step(self, micro_batches, totals):
@@ -140,3 +117,8 @@ class VLMTrainer(TextTrainer):
         visual, audio = counts[0], counts[1]
         metrics.update(visual_tokens=visual, audio_tokens=audio, text_tokens=totals["tokens"] - visual - audio)
         return metrics
+
+    def _finish_metrics(self, metrics: Dict[str, Any], totals: Dict[str, Any]) -> None:
+        super()._finish_metrics(metrics, totals)
+        for kind in ("text", "visual", "audio"):
+            metrics[f"{kind}_tokens_per_sec"] = metrics[f"{kind}_tokens"] / metrics["step_time"]

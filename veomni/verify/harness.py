@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 import veomni.trainer.text_trainer as text_trainer_module
+from veomni.plan.shards import local
 from veomni.trainer import TextTrainer
 from veomni.trainer.vlm_trainer import VLMTrainer
 
@@ -23,10 +24,6 @@ KILL_MARKER = "verify_awaiting_kill"  # written into output_dir by a run stalled
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a (sharded) DTensor; a collective: every rank calls it for the same tensors."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class RankShare:
@@ -133,16 +130,6 @@ class ProbedTrainer(SameGlobalBatches):
     def save_checkpoint(self):
         if self.keep_checkpoints:
             super().save_checkpoint()
-
-    def accumulate_gradients(self, micro_batches: List[dict], totals: dict) -> None:
-        """The forward/backward half of `train_step`, same scaling, so the probe's gradients are the step's."""
-        state = self.parallel_state
-        scale = state.dp_sp_size / max(totals["loss_tokens"], 1)
-        self.moe_metrics.start_step()
-        for i, micro_batch in enumerate(micro_batches):
-            if state.mode == "ddp":
-                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            (self.forward_loss_sum(self._to_device(micro_batch)) * scale).backward()
 
     def train_step(self, micro_batches, totals):
         if self.stall_at is not None and self.global_step == self.stall_at:

@@ -94,25 +94,19 @@ class Verify:
         self.killed_code: Optional[int] = None  # the exit of the launch whose last run was killed
 
     def argv(self, layout_flags, out: str, extra=()) -> List[str]:
-        flags = ["--train.max_steps", str(self.steps), "--train.checkpoint.save_steps", str(self.save_at)]
-        flags += ["--train.checkpoint.save_total_limit", "0"]  # the step-k checkpoint the resume reads stays
-        flags += [
-            "--data.eval_path",
-            "null",
-            "--train.log_steps",
-            "1000",
-            "--train.checkpoint.save_hf_weights",
-            "false",
-        ]
-        flags += [
-            "--train.use_tensorboard",
-            "false",
-            "--train.wandb.enable",
-            "false",
-            "--train.checkpoint.load_path",
-            "null",
-        ]
-        flags += ["--train.checkpoint.output_dir", out]
+        fixed = {
+            "train.max_steps": self.steps,
+            "train.checkpoint.save_steps": self.save_at,
+            "train.checkpoint.save_total_limit": 0,  # the step-k checkpoint the resume reads stays
+            "data.eval_path": "null",
+            "train.log_steps": 1000,
+            "train.checkpoint.save_hf_weights": "false",
+            "train.use_tensorboard": "false",
+            "train.wandb.enable": "false",
+            "train.checkpoint.load_path": "null",
+            "train.checkpoint.output_dir": out,
+        }
+        flags = [item for key, value in fixed.items() for item in (f"--{key}", str(value))]
         return [self.config, *self.overrides, *FP32, *layout_flags, *flags, *extra]
 
     def run_dir(self, name: str) -> str:
