@@ -7,7 +7,6 @@ The fake backend and DTensor's caches are private torch APIs, reached through ve
 import os
 from contextlib import contextmanager
 from typing import Iterator
-from unittest import mock
 
 import torch.distributed as dist
 
@@ -22,13 +21,18 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     (the planner decides GPU dtypes itself), so no device is touched. Refused inside a real process group."""
     if dist.is_initialized():
         raise RuntimeError("fake_world inside an initialised process group: plan in a process of its own")
-    env = {FORCE_ENV: "cpu", "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"}
-    with mock.patch.dict(os.environ, env):  # restored as it was after
-        init_fake_process_group(rank, world_size)
-        try:
-            yield
-        finally:
-            clear_dtensor_sharding_caches()
-            destroy_parallel_state()  # forgets the meshes and destroys the fake group
-            if dist.is_initialized():
-                dist.destroy_process_group()
+    saved = {key: os.environ.get(key) for key in (FORCE_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update({FORCE_ENV: "cpu", "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"})
+    init_fake_process_group(rank, world_size)
+    try:
+        yield
+    finally:
+        clear_dtensor_sharding_caches()
+        destroy_parallel_state()  # forgets the meshes and destroys the fake group
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

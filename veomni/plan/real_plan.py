@@ -5,7 +5,6 @@ then sharded by `build_parallelize_model` (Ulysses, TP, EP, FSDP2/HSDP) for rank
 import copy
 import os
 from typing import List, Optional
-from unittest import mock
 
 from ..arguments import VeOmniArguments, parse_args
 from ..distributed.mixed_precision import resolve_precision
@@ -20,11 +19,17 @@ from .shards import RankPlan, read_rank_plan
 def load_args(argv: List[str], world_size: Optional[int]) -> VeOmniArguments:
     """`CONFIG.yaml --key value ...` parsed as a run on `world_size` ranks would parse it (None: as outside
     torchrun, for the smallest world its sizes fit)."""
-    with mock.patch.dict(os.environ):  # restored as it was after
-        os.environ.pop("WORLD_SIZE", None)
-        if world_size is not None:
-            os.environ["WORLD_SIZE"] = str(world_size)  # parse_args resolves dp sizes against it
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ.pop("WORLD_SIZE", None)
+    if world_size is not None:
+        os.environ["WORLD_SIZE"] = str(world_size)  # parse_args resolves dp sizes against it
+    try:
         return parse_args(VeOmniArguments, list(argv))
+    finally:
+        if saved is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = saved
 
 
 def build_meta_model(args, device_type: str):
