@@ -20,12 +20,13 @@ import pytest  # noqa: E402
 # loadfile), and a long file dealt out last would leave one worker running it alone at the end. Rough order of
 # their measured durations on the 2-core box; every other file keeps collection order after them.
 LONGEST_FIRST = (
-    "test_checkpoint.py", "test_verify.py", "test_dpo_train.py", "test_hub.py", "test_ulysses.py",
-    "test_verl_engine.py", "test_first_hour.py", "test_tensor_parallel.py", "test_muon_distributed.py",
-    "test_plan.py", "test_parity_data_parallel.py", "test_compile_structure.py", "test_kernels.py", "test_moe.py",
-    "test_export_memory.py", "test_sync_count.py", "test_vlm_parallel.py", "test_expert_parallel.py",
-    "test_lora.py", "test_e2e.py", "test_reliability.py", "test_plan_check.py", "test_chat.py", "test_lifecycle.py",
-    "test_sample_cache.py", "test_hf_checkpoints.py",
+    "test_lifecycle.py", "test_checkpoint.py", "test_tensor_parallel.py", "test_verify.py", "test_gpu_speed.py",
+    "test_e2e.py", "test_lora.py", "test_dpo_train.py", "test_plan.py", "test_hf_checkpoints.py", "test_vlm_demo.py",
+    "test_ulysses.py", "test_parity_data_parallel.py", "test_verl_engine.py", "test_hub.py", "test_reliability.py",
+    "test_muon_distributed.py", "test_sft_traps.py", "test_evaluation.py", "test_kernels.py",
+    "test_expert_parallel.py", "test_compile_structure.py", "test_sft_demo.py", "test_first_hour.py", "test_chat.py",
+    "test_gpu_mfu.py", "test_export_memory.py", "test_moe.py", "test_sample_cache.py", "test_vlm_parallel.py",
+    "test_fp8.py",
 )  # fmt: skip
 
 

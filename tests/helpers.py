@@ -1,6 +1,7 @@
 """Tiny, fast, real fixtures: an HF model config, a BPE tokenizer trained on the spot, jsonl data, and a
 runner that launches a task under torchrun and reads back its metrics.jsonl."""
 
+import atexit
 import json
 import os
 import random
@@ -9,6 +10,7 @@ import sys
 from typing import Dict, List, Optional
 
 import yaml
+from zygote import Zygotes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -215,7 +217,7 @@ def torchrun(
     env = child_env()
     if nproc == 1:  # plain `python` is a world of one (init_distributed): no launcher to start, seconds saved
         cmd = [sys.executable, script, *args]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = run_python(cmd, env, timeout)
     elif check:
         cmd = [sys.executable, script, *args]
         proc = launch_ranks(cmd, nproc, env, timeout)
@@ -229,14 +231,11 @@ def torchrun(
     return proc
 
 
-def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    """`cmd` on `nproc` local ranks with torchrun's environment (one node, a fresh port), without its agent: the
-    ranks' output goes to one stdout and one stderr as under torchrun; when a rank fails the others are stopped
-    (SIGTERM, then SIGKILL after a grace period) and the first failure's exit code is returned."""
-    import signal
+def start_ranks(cmd: List[str], nproc: int, env: Dict[str, str], stdout, stderr) -> list:
+    """`cmd` started on `nproc` local ranks with torchrun's environment (one node, a fresh port), without its
+    agent, each in a session of its own and killed when this process dies; their output to the given files. Returns
+    the processes (`subprocess.Popen`, or `zygote.ForkedProcess`: the same poll, wait and signals)."""
     import socket
-    import tempfile
-    import time
 
     with socket.socket() as s:  # a free port for rank 0's store (the ranks bind it a moment later)
         s.bind(("127.0.0.1", 0))
@@ -244,26 +243,31 @@ def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float
     world = {"WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc, "GROUP_WORLD_SIZE": 1, "ROLE_WORLD_SIZE": nproc,
              "GROUP_RANK": 0, "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
              "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0}  # fmt: skip
+    rank_envs = [
+        {**env, **{k: str(v) for k, v in world.items()}, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
+        for r in range(nproc)
+    ]
+    if _forking(cmd, env):
+        return [ZYGOTES.start(cmd, REPO, rank_env, stdout, stderr) for rank_env in rank_envs]
     die_with_parent = _parent_death_signal()
+    return [
+        subprocess.Popen(
+            cmd, cwd=REPO, stdout=stdout, stderr=stderr, start_new_session=True, preexec_fn=die_with_parent, env=e
+        )
+        for e in rank_envs
+    ]
+
+
+def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`start_ranks` and wait: the ranks' output goes to one stdout and one stderr as under torchrun; when a rank
+    fails the others are stopped (SIGTERM, then SIGKILL after a grace period) and the first failure's exit code is
+    returned."""
+    import signal
+    import tempfile
+    import time
+
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        ranks = [
-            subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-                env={
-                    **env,
-                    **{k: str(v) for k, v in world.items()},
-                    "RANK": str(r),
-                    "LOCAL_RANK": str(r),
-                    "ROLE_RANK": str(r),
-                },
-            )  # fmt: skip
-            for r in range(nproc)
-        ]
+        ranks = start_ranks(cmd, nproc, env, out, err)
         deadline, code, stop_at = time.monotonic() + timeout, 0, None
         while any(p.poll() is None for p in ranks):
             failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
@@ -284,6 +288,43 @@ def launch_ranks(cmd: List[str], nproc: int, env: Dict[str, str], timeout: float
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
+
+
+ZYGOTES = Zygotes()
+atexit.register(ZYGOTES.close)  # the servers' CPU time is counted in this process's children once they are reaped
+
+
+def _forking(cmd: List[str], env: Dict[str, str]) -> bool:
+    """Whether `cmd` is launched as a fork of an imported server (tests/zygote.py): every `python script.py`,
+    except under Triton's interpreter (tests/triton_interpreter.py must patch Triton before torch imports it) or
+    when VEOMNI_TEST_FORK=0 asks for plain processes (to rule the servers out when chasing a failure)."""
+    wanted = os.environ.get("VEOMNI_TEST_FORK", "1") != "0" and "TRITON_INTERPRET" not in env
+    return wanted and Zygotes.forkable(cmd)
+
+
+def run_python(
+    cmd: List[str], env: Dict[str, str], timeout: Optional[float] = None, cwd: str = REPO, check: bool = False
+) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=check)` for a
+    `python script.py ...` command, forked from an imported server where it can be (tests/zygote.py)."""
+    if not _forking(cmd, env):
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=check)
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = ZYGOTES.start(cmd, cwd, env, out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(cmd, code, out.read(), err.read())
+    if check:
+        done.check_returncode()
+    return done
 
 
 def _parent_death_signal():

@@ -2,7 +2,6 @@
 
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -10,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
-from helpers import REPO, child_env
+from helpers import REPO, child_env, run_python
 from veomni.arguments import ConfigError, TrainingArguments, VeOmniArguments, parse_args, save_args
 
 SEED_ARGUMENTS = """
@@ -54,9 +53,7 @@ if __name__ == "__main__":
 def _run_snippet(tmp_path, code, *argv):
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    return subprocess.run(
-        [sys.executable, str(script), *argv], cwd=REPO, env=child_env(), capture_output=True, text=True
-    )
+    return run_python([sys.executable, str(script), *argv], env=child_env())
 
 
 def test_seed_arguments_snippet_prints_default_lr(tmp_path):

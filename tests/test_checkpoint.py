@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -17,11 +16,12 @@ from helpers import (
     kill_tree,
     launch_sequence,
     read_metrics,
+    run_python,
     run_text_task,
     run_text_tasks,
+    start_ranks,
     tiny_run_config,
     torchrun,
-    torchrun_cmd,
     write_model_config,
     write_token_data,
 )
@@ -57,18 +57,18 @@ def test_exact_resume_after_sigkill_with_packing_dyn_bsz_and_workers(tmp_path):
         "2",
     ]
     out = f"{tmp}/killed"
-    cmd = torchrun_cmd(2, SCENARIOS, "stall_at_11", config, "--train.checkpoint.output_dir", out, *flags)
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    cmd = [sys.executable, SCENARIOS, "stall_at_11", config, "--train.checkpoint.output_dir", out, *flags]
+    with open(os.devnull, "w") as null:
+        ranks = start_ranks(cmd, 2, child_env(), null, null)
     latest = os.path.join(out, "checkpoints", "latest")
     deadline = time.time() + 240
     while time.time() < deadline and not (os.path.isfile(latest) and open(latest).read() == "global_step_10"):
-        assert proc.poll() is None, "the run ended before its step-10 checkpoint"
+        assert all(rank.poll() is None for rank in ranks), "the run ended before its step-10 checkpoint"
         time.sleep(0.02)
-    workers = descendants(proc.pid)
-    kill_tree(proc.pid)
-    proc.wait()
+    workers = [pid for rank in ranks for pid in [rank.pid, *descendants(rank.pid)]]
+    for rank in ranks:
+        kill_tree(rank.pid)  # every rank and its loader workers at once, as a node failure
+    [rank.wait() for rank in ranks]
     for pid in workers:  # all gone before the resume starts
         while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
             time.sleep(0.01)
@@ -150,19 +150,9 @@ def test_hf_export_round_trip(tmp_path):
     out = f"{tmp}/out"
     run_text_task(config, 2, out, ["--train.max_steps", "3", "--train.checkpoint.save_hf_weights", "true"])
     merged = f"{tmp}/merged"
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "scripts", "merge_dcp_to_hf.py"),
-            "--checkpoint",
-            os.path.join(out, "checkpoints", "global_step_3"),
-            "--output",
-            merged,
-        ],
-        check=True,
-        cwd=REPO,
-        env=child_env(),
-    )
+    merge = [sys.executable, os.path.join(REPO, "scripts", "merge_dcp_to_hf.py")]
+    merge += ["--checkpoint", os.path.join(out, "checkpoints", "global_step_3"), "--output", merged]
+    run_python(merge, env=child_env(), check=True)
     ids = torch.randint(3, 500, (2, 40))
     logits = []
     for folder in (os.path.join(out, "hf"), merged):

@@ -12,12 +12,11 @@ on an H200, 308 parameters in Qwen3-1.7B's layout, 12.8 ms of host time per step
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import REPO, child_env
+from helpers import REPO, child_env, run_python
 
 CHECK = os.path.join(REPO, "tests", "dist", "check_compile_gap.py")
 
@@ -90,8 +89,7 @@ def excess(counts):
 def count(tmp_path, brk=""):
     out = str(tmp_path / "gap.json")
     env = dict(child_env(), OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    done = subprocess.run([sys.executable, CHECK, out, *([brk] if brk else [])], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = run_python([sys.executable, CHECK, out, *([brk] if brk else [])], env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     with open(out) as f:
         return json.load(f)

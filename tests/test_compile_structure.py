@@ -10,12 +10,11 @@ Qwen3 under FSDP2 with the bf16 policy, one gloo rank; backend aot_eager, see te
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import REPO, child_env
+from helpers import REPO, child_env, run_python
 
 CHECK = os.path.join(REPO, "tests", "dist", "check_compile_structure.py")
 LAYERS = 10  # tests/dist/check_compile_structure.py
@@ -30,8 +29,7 @@ BREAKS = {"eager": 4, "liger": 3}
 def test_compiled_layers_share_one_code_without_recompiles(tmp_path, kernels):
     out = str(tmp_path / "structure.json")
     env = dict(child_env(), TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    done = subprocess.run([sys.executable, CHECK, out, kernels], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    done = run_python([sys.executable, CHECK, out, kernels], env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     with open(out) as f:
         got = json.load(f)

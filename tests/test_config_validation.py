@@ -4,13 +4,12 @@
 import dataclasses
 import glob
 import os
-import subprocess
 import sys
 import typing
 
 import pytest
 
-from helpers import REPO, child_env, tiny_run_config, write_token_data
+from helpers import REPO, child_env, run_python, tiny_run_config, write_token_data
 from veomni.arguments import ConfigError, VeOmniArguments, parse_args
 from veomni.arguments.parser import _all_keys, _field_types
 from veomni.arguments.validation import RULES
@@ -181,7 +180,7 @@ def test_run_that_trains_nothing_is_an_error(tmp_path):
     out = f"{tmp}/out"
     task = os.path.join(REPO, "tasks", "train_text.py")  # plain python: a world of one, no launcher to start
     cmd = [sys.executable, task, config, "--train.checkpoint.output_dir", out, "--data.datasets_type", "iterable"]
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, env=child_env(), timeout=300)
     assert proc.returncode != 0
     assert "no training step ran" in proc.stdout + proc.stderr
     assert not os.path.isdir(os.path.join(out, "checkpoints"))

@@ -5,13 +5,21 @@ and its position; resuming on changed data is refused in one line naming what ch
 import json
 import logging
 import os
-import subprocess
 import sys
 from functools import partial
 
 import pytest
 
-from helpers import REPO, child_env, document_starts, read_metrics, tiny_run_config, token_loader, write_token_data
+from helpers import (
+    REPO,
+    child_env,
+    document_starts,
+    read_metrics,
+    run_python,
+    tiny_run_config,
+    token_loader,
+    write_token_data,
+)
 from veomni.data import build_dataset
 from veomni.data.data_transform import DataFormatError, process_pretrain_example
 
@@ -98,7 +106,7 @@ def test_a_run_resumed_on_cut_data_is_refused_and_continues_with_the_key(tmp_pat
     task = [sys.executable, os.path.join(REPO, "tasks", "train_text.py"), config, "--train.checkpoint.output_dir", out]
 
     def run(*extra):
-        return subprocess.run([*task, *extra], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+        return run_python([*task, *extra], env=child_env(), timeout=300)
 
     first = run("--train.max_steps", "2")
     assert first.returncode == 0, first.stderr[-3000:]

@@ -12,7 +12,7 @@ from functools import partial
 
 import pytest
 
-from helpers import REPO, child_env, read_metrics, tiny_run_config, write_token_data
+from helpers import REPO, child_env, read_metrics, run_python, tiny_run_config, write_token_data
 from veomni.arguments import ConfigError, VeOmniArguments, parse_args
 from veomni.arguments.parser import _field_types, format_help
 from veomni.checkpoint import RunDirError, list_checkpoints, move_run_aside, plan_run
@@ -22,13 +22,8 @@ TASK = os.path.join(REPO, "tasks", "train_text.py")
 
 def _train(config, out, *extra, check=True):
     """The trainer as a plain 1-process `python` run (no launcher: seconds saved per run)."""
-    proc = subprocess.run(
-        [sys.executable, TASK, config, "--train.checkpoint.output_dir", out, *extra],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_python(
+        [sys.executable, TASK, config, "--train.checkpoint.output_dir", out, *extra], env=child_env(), timeout=300
     )
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

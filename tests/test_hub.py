@@ -20,7 +20,7 @@ from hub_cache import (
     trained_runs,
 )
 
-from helpers import REPO, read_metrics, torchrun_cmd
+from helpers import REPO, read_metrics, run_python, torchrun_cmd
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def _plays_runs(plays, tmp_path) -> dict:
             ]
     env = {**offline_env(plays["cache"]), "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds")}
     cmd = [sys.executable, os.path.join(REPO, "tests", "dist", "trainer_scenarios.py"), *argv]  # a world of one
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {name: read_metrics(out) for name, out in runs.items()}
 

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, child_env, read_metrics, tiny_run_config, torchrun_cmd, write_model_config
+from helpers import REPO, child_env, read_metrics, run_python, tiny_run_config, torchrun_cmd, write_model_config
 from veomni.compat.transformers import bind_forward_with_global, forward_calls_global
 from veomni.ops import kernels
 from veomni.ops.kernels.liger import FAMILIES
@@ -34,7 +34,7 @@ def interpreted(tmp_path_factory):
     """Every check of tests/dist/check_kernels.py, in one interpreter process: {check: result}."""
     out = str(tmp_path_factory.mktemp("kernels") / "checks.json")
     env = dict(child_env(), TRITON_INTERPRET="1", PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, CHECK, out], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python([sys.executable, CHECK, out], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out) as f:
         return json.load(f)

@@ -201,23 +201,24 @@ def _folder_bytes(folder: str) -> int:
 def test_sigkill_then_resume_repeats_the_run_bit_for_bit(runs, tmp_path):
     """The 2-rank FSDP2 run killed (SIGKILL to launcher and workers) after its step-5 checkpoint and resumed with
     load_path auto: steps 6-10 and the step-10 checkpoint (adapters and Adam state) equal the uninterrupted run's."""
-    import subprocess
+    import sys
     import time
 
-    from helpers import child_env, descendants, kill_tree, torchrun_cmd
+    from helpers import child_env, descendants, kill_tree, start_ranks
 
     out, config = str(tmp_path / "killed"), os.path.join(os.path.dirname(runs["base"]), "config.yaml")
     flags = ["--train.init_device", "meta", "--model.lora.export", "adapter", "--train.checkpoint.save_steps", "5"]
-    cmd = torchrun_cmd(2, SCRIPT, "stall_at_6", config, "--train.checkpoint.output_dir", out, *flags)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+    cmd = [sys.executable, SCRIPT, "stall_at_6", config, "--train.checkpoint.output_dir", out, *flags]
+    with open(os.devnull, "w") as null:
+        ranks = start_ranks(cmd, 2, child_env(), null, null)
     latest, deadline = os.path.join(out, "checkpoints", "latest"), time.time() + 300
     while time.time() < deadline and not (os.path.isfile(latest) and open(latest).read() == "global_step_5"):
-        assert proc.poll() is None, "the run ended before its step-5 checkpoint"
+        assert all(rank.poll() is None for rank in ranks), "the run ended before its step-5 checkpoint"
         time.sleep(0.05)
-    workers = descendants(proc.pid)
-    kill_tree(proc.pid)
-    proc.wait()
+    workers = [pid for rank in ranks for pid in [rank.pid, *descendants(rank.pid)]]
+    for rank in ranks:
+        kill_tree(rank.pid)  # every rank and its loader workers at once, as a node failure
+    [rank.wait() for rank in ranks]
     for pid in workers:  # all gone before the resume starts
         while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
             time.sleep(0.01)

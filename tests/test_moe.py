@@ -16,6 +16,7 @@ from helpers import (
     REPO,
     TINY_QWEN3_MOE,
     child_env,
+    run_python,
     torchrun,
     write_moe_config,
 )
@@ -99,7 +100,7 @@ def _script(name, *args, cli=False):
     (each launch imports torch and transformers again: seconds that the tool's own work does not need)."""
     path = os.path.join(REPO, "scripts", name)
     if cli:
-        return subprocess.run([sys.executable, path, *args], cwd=REPO, env=child_env(), capture_output=True, text=True)
+        return run_python([sys.executable, path, *args], env=child_env())
     out, err, code = io.StringIO(), io.StringIO(), 0
     argv, sys.argv = sys.argv, [path, *args]
     try:

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from helpers import REPO, child_env, tiny_run_config
+from helpers import REPO, child_env, run_python, tiny_run_config
 
 TINY_BUDGET = ["--train.plan_check_memory_gib", "1e-5", "--train.max_steps", "1"]
 
@@ -14,7 +14,7 @@ TINY_BUDGET = ["--train.plan_check_memory_gib", "1e-5", "--train.max_steps", "1"
 def _train(config: str, out: str, *flags: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, os.path.join(REPO, "tasks", "train_text.py"), config, *TINY_BUDGET, *flags]
     cmd += ["--train.checkpoint.output_dir", out]
-    return subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    return run_python(cmd, env=child_env(), timeout=300)
 
 
 def test_refuse_is_one_line_and_warn_runs(tmp_path):

@@ -4,7 +4,6 @@ or masked as configured, Alpaca records, and `--preview` marking exactly what ca
 import json
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ import yaml
 from real_tokenizers import real_tokenizer_dir
 from transformers import AutoTokenizer
 
-from helpers import REPO, child_env, write_model_config, write_tokenizer
+from helpers import REPO, child_env, run_python, write_model_config, write_tokenizer
 from veomni.arguments import VeOmniArguments, parse_args
 from veomni.data.data_transform import IGNORE_INDEX, DataFormatError
 
@@ -128,13 +127,10 @@ def test_preview_command_shows_samples_packing_and_steps_without_a_model(tmp_pat
     steps per epoch; exit 0 without building the model."""
     records = [{"messages": NO_REASONING}] * 6 + [{"instruction": "Say hi", "input": "", "output": "hi"}]
     config = _config(str(tmp_path), qwen3, records)
-    proc = subprocess.run(
+    proc = run_python(
         [sys.executable, os.path.join(REPO, "tasks", "train_text.py"), config, "--preview", "2"]
         + ["--data.think_loss", "mask", "--data.max_seq_len", "64", "--train.global_batch_size", "2"],
-        cwd=REPO,
         env=child_env(),
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     out = proc.stdout + proc.stderr
@@ -205,10 +201,10 @@ def test_hf_export_carries_the_template_the_run_trained_on(tmp_path, qwen3):
 
     config = _config(str(tmp_path), qwen3, [{"messages": NO_REASONING}] * 8, chat_template="chatml")
     out = str(tmp_path / "out")
-    proc = subprocess.run(
+    proc = run_python(
         [sys.executable, os.path.join(REPO, "tasks", "train_text.py"), config, "--train.max_steps", "1",
          "--train.checkpoint.save_hf_weights", "true", "--data.cache_dir", str(tmp_path / "cache")],
-        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300,
+        env=child_env(), timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "not the tokenizer's own chat template" in proc.stdout

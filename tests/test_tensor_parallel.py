@@ -6,13 +6,12 @@ for the per-parameter gradients at equal weights (tests/dist/check_tp_replay.py)
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import REPO, TINY_QWEN2, TINY_QWEN3_MOE, assert_close_series, child_env, torchrun
+from helpers import REPO, TINY_QWEN2, TINY_QWEN3_MOE, assert_close_series, child_env, start_ranks, torchrun
 
 CHECK = os.path.join(REPO, "tests", "dist", "check_tensor_parallel.py")
 REPLAY = os.path.join(REPO, "tests", "dist", "check_tp_replay.py")
@@ -32,9 +31,7 @@ def runs(tmp_path_factory):
     # checkpoint, so they share the cores: the single process alone would leave one idle
     log_path = os.path.join(out, "single.log")
     with open(log_path, "w") as log:
-        single = subprocess.Popen(
-            [sys.executable, CHECK, out, "single"], cwd=REPO, env=child_env(), stdout=log, stderr=log
-        )
+        (single,) = start_ranks([sys.executable, CHECK, out, "single"], 1, child_env(), log, log)
         try:
             torchrun(CHECK, [out, "tp2"], 2, timeout=400)
             single.wait(timeout=400)
