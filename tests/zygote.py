@@ -93,8 +93,9 @@ def _become(job: dict) -> None:
     os.setsid()
     _die_with_parent()  # the server dies with its pytest worker, and the launch with the server
     for fd, target in zip(job["fds"], (0, 1, 2)):
-        os.dup2(fd, target)
-        os.close(fd)
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
     os.chdir(job["cwd"])
     os.environ.clear()
     os.environ.update(job["env"])
