@@ -15,6 +15,8 @@ import re
 from abc import ABC, abstractmethod
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from .data_transform import IGNORE_INDEX, DataFormatError
 from .dataset import Registry
 
@@ -48,19 +50,6 @@ class ChatTemplate(ABC):
         self.last_turn_only = last_turn_only
         self.think_loss = think_loss
 
-    def _trainable_spans(self, text: str, spans: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
-        """The assistant character spans after `last_turn_only` and `think_loss`."""
-        if self.last_turn_only:
-            spans = spans[-1:]
-        if self.think_loss == "train":
-            return spans
-        blocks = [
-            m.span()
-            for m in _THINK_BLOCK.finditer(text)
-            if self.think_loss == "mask" or not m.group(1).strip()  # mask_empty: only blocks with no reasoning
-        ]
-        return _subtract(spans, blocks)
-
     @abstractmethod
     def encode_messages(self, messages: Sequence[Dict[str, str]], max_seq_len: int = 8192) -> Dict[str, List[int]]:
         """Return `input_ids`, `attention_mask` and `labels` (IGNORE_INDEX outside assistant turns); a template
@@ -71,33 +60,13 @@ class ChatTemplate(ABC):
         """The equivalent HF jinja template, for inference servers and `apply_chat_template`."""
 
 
-def _subtract(spans: List[Tuple[int, int]], holes: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
-    """The parts of the sorted, disjoint `spans` outside every (sorted, disjoint) hole."""
-    out = []
-    for start, end in spans:
-        for h_start, h_end in holes:
-            if h_end <= start or h_start >= end:
-                continue
-            if h_start > start:
-                out.append((start, h_start))
-            start = max(start, h_end)
-            if start >= end:
-                break
-        if start < end:
-            out.append((start, end))
-    return out
-
-
-def label_tokens_in_spans(ids: List[int], offsets, spans: List[Tuple[int, int]]) -> List[int]:
-    """Each token's own id where the token starts inside one of the (sorted, disjoint) character spans, else
-    IGNORE_INDEX."""
-    labels, k = [], 0
-    for token, (start, _) in zip(ids, offsets):
-        while k < len(spans) and spans[k][1] <= start:
-            k += 1
-        inside = k < len(spans) and spans[k][0] <= start < spans[k][1]
-        labels.append(token if inside else IGNORE_INDEX)
-    return labels
+def _in_spans(positions: np.ndarray, spans: List[Tuple[int, int]]) -> np.ndarray:
+    """Whether each position lies inside one of the sorted, disjoint [start, end) spans."""
+    if not spans:
+        return np.zeros(len(positions), dtype=bool)
+    starts, ends = np.asarray(spans).T
+    k = np.searchsorted(starts, positions, side="right") - 1  # the last span starting at or before each position
+    return (k >= 0) & (positions < ends[k])
 
 
 def _checked(ids: List[int], labels: List[int], max_seq_len: int) -> Dict[str, List[int]]:
@@ -179,40 +148,48 @@ class TokenizerTemplate(ChatTemplate):
         if tools and not self.renders_tools:
             raise DataFormatError(f"chat template {type(self).__name__} has no tool format; use 'tokenizer'")
         messages = list(messages)
+        return self._encode_rendered(self._render(messages, tools), messages, max_seq_len, tools)
+
+    def _encode_rendered(self, text: str, messages, max_seq_len: int, tools=None) -> Dict[str, List[int]]:
+        """Tokenise the rendered `text` once; labels on its assistant spans (the `{% generation %}` blocks, or
+        the spans aligned with `messages`), after `last_turn_only` and `think_loss`."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
         if self.uses_generation_tags:
-            enc = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                tokenize=True,
-                return_dict=True,
-                return_assistant_tokens_mask=True,
-                chat_template=self.jinja,
-            )
-            ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
-            if self.last_turn_only:
-                mask = _last_run_only(mask)
-            labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
-            if self.think_loss != "train":
-                labels = self._mask_thinking(messages, tools, ids, labels)
-            return _checked(ids, labels, max_seq_len)
-        return self._encode_rendered(self._render(messages, tools), messages, max_seq_len)
+            spans = self._generation_spans(messages, tools, ids, offsets)
+        else:
+            spans = self._assistant_spans(text, messages)
+        if self.last_turn_only:
+            spans = spans[-1:]
+        holes = [  # the think blocks that carry no loss (mask_empty: only those with no reasoning)
+            m.span()
+            for m in _THINK_BLOCK.finditer(text)
+            if self.think_loss == "mask" or (self.think_loss == "mask_empty" and not m.group(1).strip())
+        ]
+        starts = np.array([start for start, _ in offsets], dtype=np.int64)
+        keep = _in_spans(starts, spans) & ~_in_spans(starts, holes)
+        return _checked(ids, np.where(keep, ids, IGNORE_INDEX).tolist(), max_seq_len)
 
-    def _encode_rendered(self, text: str, messages, max_seq_len: int) -> Dict[str, List[int]]:
-        """Tokenise the rendered `text` once; labels on the assistant spans aligned with `messages`."""
-        spans = self._trainable_spans(text, self._assistant_spans(text, messages))
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        return _checked(ids, label_tokens_in_spans(ids, enc["offset_mapping"], spans), max_seq_len)
-
-    def _mask_thinking(self, messages, tools, ids: List[int], labels: List[int]) -> List[int]:
-        """think_loss on labels from `{% generation %}` marks: the think blocks of the rendered text, by offsets."""
-        text = self._render(messages, tools)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    def _generation_spans(self, messages, tools, ids: List[int], offsets) -> List[Tuple[int, int]]:
+        """The template's `{% generation %}` blocks as HF marks them (its assistant mask), as character spans."""
+        enc = self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            chat_template=self.jinja,
+        )
         if list(enc["input_ids"]) != ids:
-            raise DataFormatError("cannot locate the <think> blocks: the rendered text tokenises differently")
-        keep = self._trainable_spans(text, [(0, len(text))])
-        kept = label_tokens_in_spans(ids, enc["offset_mapping"], keep)
-        return [lab if k != IGNORE_INDEX else IGNORE_INDEX for lab, k in zip(labels, kept)]
+            raise DataFormatError("cannot locate the assistant tokens: the rendered text tokenises differently")
+        spans, previous = [], 0
+        for (start, end), marked in zip(offsets, enc["assistant_masks"]):
+            if marked and previous:  # a run of marked tokens is one span
+                spans[-1] = (spans[-1][0], end)
+            elif marked:
+                spans.append((start, end))
+            previous = marked
+        return spans
 
     def _assistant_spans(self, text: str, messages) -> List[Tuple[int, int]]:
         spans, cursor = [], 0
@@ -259,16 +236,6 @@ def _assistant_anchors(message) -> List[str]:
     if not anchors:
         raise DataFormatError("assistant message has neither content nor tool calls: nothing to train on")
     return anchors
-
-
-def _last_run_only(mask: List[int]) -> List[int]:
-    """Keep the last contiguous run of ones (the last assistant turn)."""
-    out, i = [0] * len(mask), len(mask) - 1
-    while i >= 0 and not mask[i]:
-        i -= 1
-    while i >= 0 and mask[i]:
-        out[i], i = 1, i - 1
-    return out
 
 
 @CHAT_TEMPLATE_REGISTRY.register("chatml")
