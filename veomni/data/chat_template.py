@@ -285,13 +285,6 @@ class DefaultTemplate(TokenizerTemplate):
         return "Assistant:\n", self.tokenizer.eos_token
 
 
-def resolve_template_name(name: str, tokenizer) -> str:
-    """`auto` -> `tokenizer` when the tokenizer ships a chat template, else `default`; other names unchanged."""
-    if name == "auto":
-        return "tokenizer" if getattr(tokenizer, "chat_template", None) else "default"
-    return name
-
-
 def _custom_jinja(name: str) -> Optional[str]:
     """The jinja of a `data.chat_template` that is a template itself or a `.jinja` file, else None."""
     if "{%" in name or "{{" in name:
@@ -315,7 +308,8 @@ def build_chat_template(
     if jinja is not None:
         tokenizer.chat_template = jinja
         name = "tokenizer"
-    name = resolve_template_name(name, tokenizer)
+    if name == "auto":
+        name = "tokenizer" if getattr(tokenizer, "chat_template", None) else "default"
     cls = CHAT_TEMPLATE_REGISTRY.get(name)
     options = {}
     if last_turn_only:

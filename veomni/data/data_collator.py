@@ -111,15 +111,8 @@ class MainCollator:
             value = batch[key]
             dim = -1 if info.pack_dim == -1 else info.pack_dim
             width = -value.shape[dim] % (self.sp_size * info.sp_pad_scale)  # its own length, padded
-            if width == 0:
-                continue
-            if key == "position_ids":
-                filler = torch.arange(width).expand(*value.shape[:-1], width)
-            else:
-                shape = list(value.shape)
-                shape[dim] = width
-                filler = torch.full(shape, info.sp_pad_value, dtype=value.dtype)
-            batch[key] = torch.cat([value, filler], dim=dim)
+            if width:
+                batch[key] = _padded(key, value, width, dim, info.sp_pad_value)
         if pad:
             lengths.append(pad)
 
@@ -136,12 +129,21 @@ class MainCollator:
             return
         fill = {"labels": IGNORE_INDEX, "input_ids": self.pad_token_id}
         for key, value in batch.items():
-            if key == "position_ids":
-                batch[key] = torch.cat([value, torch.arange(pad).expand(*value.shape[:-1], pad)], dim=-1)
-            elif value.dim() >= 2 and value.shape[-2:-1] == (1,) and value.shape[-1] == sum(lengths):
-                filler = torch.full((*value.shape[:-1], pad), fill.get(key, 0), dtype=value.dtype)
-                batch[key] = torch.cat([value, filler], dim=-1)
+            per_token = value.dim() >= 2 and value.shape[-2:-1] == (1,) and value.shape[-1] == sum(lengths)
+            if key == "position_ids" or per_token:
+                batch[key] = _padded(key, value, pad, -1, fill.get(key, 0))
         lengths.append(pad)
+
+
+def _padded(key: str, value: torch.Tensor, width: int, dim: int, fill: int) -> torch.Tensor:
+    """`value` with `width` more entries along `dim`: `fill`, or for position ids one more document's positions."""
+    if key == "position_ids":
+        filler = torch.arange(width).expand(*value.shape[:-1], width)
+    else:
+        shape = list(value.shape)
+        shape[dim] = width
+        filler = torch.full(shape, fill, dtype=value.dtype)
+    return torch.cat([value, filler], dim=dim)
 
 
 def _per_token(sample, key: str, length: int, samples, info: DataCollateInfo) -> torch.Tensor:

@@ -36,10 +36,10 @@ def process_pretrain_example(
     A record that already holds `input_ids` is taken as pre-tokenised. `split_long=False` truncates instead
     (explicitly asked for, never silently).
     """
-    if "input_ids" in example:
-        return _pieces(list(example["input_ids"]), max_seq_len, split_long)
-    ids = tokenizer.encode(_text_of(example, text_keys), add_special_tokens=False)
-    return _pieces(_with_specials(ids, tokenizer, add_eos), max_seq_len, split_long)
+    [samples] = process_pretrain_batch([example], tokenizer, max_seq_len, text_keys, add_eos, split_long)
+    if isinstance(samples, DataFormatError):
+        raise samples
+    return samples
 
 
 def _with_specials(ids: List[int], tokenizer, add_eos: bool) -> List[int]:
@@ -144,20 +144,24 @@ def _messages_of(
         raise DataFormatError(f"no conversation under {keys}{alpaca} in record with keys {sorted(example)}")
     if not isinstance(raw, list) or not raw:
         raise DataFormatError("empty conversation")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise DataFormatError(f"message {i} is {type(m).__name__}, expected an object")
-        role = m.get("role", m.get("from"))
-        content = m.get("content", m.get("value"))
-        tool_call = role in ("assistant", "gpt") and content is None and m.get("tool_calls")
-        if role not in _SHAREGPT_ROLES or not (isinstance(content, str) or tool_call):
-            raise DataFormatError(f"message {i} needs a known role and string content, got {sorted(m)}")
-        rest = {k: v for k, v in m.items() if k not in ("from", "value", "role", "content")}
-        messages.append({"role": _SHAREGPT_ROLES[role], "content": content, **rest})
+    messages = [normalise_message(m, f"message {i}") for i, m in enumerate(raw)]
     if not any(m["role"] == "assistant" for m in messages):
         raise DataFormatError("conversation has no assistant message: nothing to train on")
     return messages
+
+
+def normalise_message(m: Any, where: str) -> Dict[str, Any]:
+    """One OpenAI (`role/content`, other keys kept) or ShareGPT (`from/value`) message -> OpenAI form; `where`
+    names it in the error. An assistant message may have null content when it has tool_calls."""
+    if not isinstance(m, dict):
+        raise DataFormatError(f"{where} is {type(m).__name__}, expected an object")
+    role = m.get("role", m.get("from"))
+    content = m.get("content", m.get("value"))
+    tool_call = role in ("assistant", "gpt") and content is None and m.get("tool_calls")
+    if role not in _SHAREGPT_ROLES or not (isinstance(content, str) or tool_call):
+        raise DataFormatError(f"{where} needs a known role and string content, got {sorted(m)}")
+    rest = {k: v for k, v in m.items() if k not in ("from", "value", "role", "content")}
+    return {"role": _SHAREGPT_ROLES[role], "content": content, **rest}
 
 
 def _alpaca_messages(example: Dict[str, Any]) -> List[Dict[str, Any]]:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .data_collator import DataCollateInfo, MainCollator
-from .data_transform import _SHAREGPT_ROLES, IGNORE_INDEX, DataFormatError
+from .data_transform import IGNORE_INDEX, DataFormatError, normalise_message
 
 PAIR_KEYS = ("chosen", "rejected")
 
@@ -40,13 +40,7 @@ def _as_messages(value: Any, key: str) -> List[Dict[str, Any]]:
         value = [value]
     if not isinstance(value, list) or not value:
         raise DataFormatError(f"'{key}' must be a string, a message or a list of messages, got {value!r:.60}")
-    out = []
-    for m in value:
-        role, content = m.get("role", m.get("from")), m.get("content", m.get("value"))
-        if role not in _SHAREGPT_ROLES or not isinstance(content, str):
-            raise DataFormatError(f"'{key}' holds a message without a known role and string content: {sorted(m)}")
-        out.append({"role": _SHAREGPT_ROLES[role], "content": content})
-    return out
+    return [normalise_message(m, f"'{key}' message {i}") for i, m in enumerate(value)]
 
 
 def _encode_text(example: Dict[str, Any], tokenizer) -> List[Dict[str, List[int]]]:
@@ -125,7 +119,7 @@ def process_preference_example(
         if missing:
             raise DataFormatError(f"preference record lacks {missing}: it holds fields {sorted(example)}")
         plain = isinstance(example.get("prompt"), str) and all(isinstance(example[k], str) for k in PAIR_KEYS)
-        if plain and not _looks_conversational(example):
+        if plain and not any(k in example for k in ("messages", "conversations")):
             chosen, rejected = _encode_text(example, tokenizer)
         else:
             chosen, rejected = _encode_messages(example, chat_template, text_keys)
@@ -139,10 +133,6 @@ def process_preference_example(
             "dpo_part": [0] * len(chosen["input_ids"]) + [1] * len(rejected["input_ids"]),
         }
     ]
-
-
-def _looks_conversational(example: Dict[str, Any]) -> bool:
-    return any(k in example for k in ("messages", "conversations"))
 
 
 def pair_key(sample: Dict[str, Any]) -> str:

@@ -122,15 +122,14 @@ def _encoder_call(inner: nn.Module, kind: str, getter: Callable, batch: Dict[str
     Returns (outputs, is_dummy)."""
     first, second = _ENCODER_INPUTS[kind]
     if batch.get(first) is not None:
-        if kind == "audio":
-            return getter(batch[first], batch.get(second), batch.get("audio_feature_lengths"), return_dict=True), False
-        return getter(batch[first], batch.get(second), return_dict=True), False
+        lengths = (batch.get("audio_feature_lengths"),) if kind == "audio" else ()
+        return getter(batch[first], batch.get(second), *lengths, return_dict=True), False
     param = next(inner.parameters())
     if kind == "audio":
-        features, mask = _dummy_audio_inputs(inner.config.audio_config, param.device, param.dtype)
-        return getter(features, mask, return_dict=True), True
-    pixels, grid = _dummy_visual_inputs(inner.config.vision_config, param.device, param.dtype)
-    return getter(pixels, grid, return_dict=True), True
+        dummy = _dummy_audio_inputs(inner.config.audio_config, param.device, param.dtype)
+    else:
+        dummy = _dummy_visual_inputs(inner.config.vision_config, param.device, param.dtype)
+    return getter(*dummy, return_dict=True), True
 
 
 def _tensors(value) -> List[torch.Tensor]:
@@ -154,13 +153,8 @@ def _zero_of(outputs) -> Optional[torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------------ adapter
 def encoder_kinds(model: nn.Module) -> List[str]:
-    inner = getattr(model, "model", model)
-    kinds = []
-    if getattr(inner, "visual", None) is not None:
-        kinds += ["image", "video"]
-    if getattr(inner, "audio_tower", None) is not None:
-        kinds.append("audio")
-    return kinds
+    towers = encoder_modules(model)
+    return (["image", "video"] if "vit" in towers else []) + (["audio"] if "audio_tower" in towers else [])
 
 
 def encoder_modules(model: nn.Module) -> Dict[str, nn.Module]:
@@ -186,9 +180,8 @@ def freeze_encoders(model: nn.Module, freeze_vit: bool = False, freeze_audio_tow
 def _fix_position_ids(kwargs: Dict[str, Any]) -> None:
     position_ids = kwargs.get("position_ids")
     # (1, 3|4, L) from MainCollator's packing of per-sample (3|4, L) ids -> HF's (3|4, 1, L)
-    if torch.is_tensor(position_ids) and position_ids.dim() == 3 and position_ids.shape[0] == 1:
-        if position_ids.shape[1] in (3, 4):
-            kwargs["position_ids"] = position_ids.transpose(0, 1)
+    if torch.is_tensor(position_ids) and position_ids.dim() == 3 and position_ids.shape[:2] in ((1, 3), (1, 4)):
+        kwargs["position_ids"] = position_ids.transpose(0, 1)
 
 
 # model -> its adapter; weak, so an entry goes with its model (nothing planted on the model instance)

@@ -7,7 +7,6 @@ processor class is built and loaded with `video_processor=None` (`without_video_
 through the image processor frame by frame (veomni.data.multimodal.data_transform)."""
 
 import contextlib
-import importlib.util
 import json
 import os
 
@@ -18,10 +17,8 @@ from ..compat.transformers import processor_without_video
 
 
 def torchvision_available() -> bool:
-    if importlib.util.find_spec("torchvision") is None:
-        return False
     try:
-        import torchvision  # noqa: F401  (a CUDA torchvision beside a CPU torch fails here)
+        import torchvision  # noqa: F401  (a CUDA torchvision beside a CPU torch fails here, not only a missing one)
     except Exception:
         return False
     return True

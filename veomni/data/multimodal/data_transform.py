@@ -90,14 +90,10 @@ def audio_token_count(processor, feature_lengths: torch.Tensor) -> torch.Tensor:
     return ((feature_lengths - 1) // 2 + 1 - 2) // 2 + 1
 
 
-def _merge_size(processor) -> int:
-    return processor.image_processor.merge_size
-
-
 def _replacements(processor, features, style: str, fps: float) -> Dict[str, List[str]]:
     tok = processor.tokenizer
     image_token, video_token = processor.image_token, processor.video_token
-    merge = _merge_size(processor) ** 2
+    merge = processor.image_processor.merge_size**2
     out: Dict[str, List[str]] = {}
     if "image_grid_thw" in features:
         out["image"] = [image_token * int(g.prod() // merge) for g in features["image_grid_thw"]]

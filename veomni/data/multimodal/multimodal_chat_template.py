@@ -65,16 +65,8 @@ def _text_only(i: int, message: Dict, template: MultimodalChatTemplate) -> Dict:
     return {**message, "content": "".join(part["text"] for part in content)}
 
 
-def _register(*names):
-    def wrap(cls):
-        for name in names:
-            MULTIMODAL_CHAT_TEMPLATE_REGISTRY.register(name)(cls)
-        return cls
-
-    return wrap
-
-
-@_register("qwen2_vl", "qwen2_5_vl")
+@MULTIMODAL_CHAT_TEMPLATE_REGISTRY.register("qwen2_vl")
+@MULTIMODAL_CHAT_TEMPLATE_REGISTRY.register("qwen2_5_vl")
 class Qwen2VLTemplate(MultimodalChatTemplate):
     """Qwen2-VL / Qwen2.5-VL: a default system prompt, `<|vision_start|><|image_pad|>...<|vision_end|>`."""
 
@@ -83,14 +75,16 @@ class Qwen2VLTemplate(MultimodalChatTemplate):
     jinja = hf_chat_templates.QWEN2_VL
 
 
-@_register("qwen3_vl", "qwen3_vl_moe")
+@MULTIMODAL_CHAT_TEMPLATE_REGISTRY.register("qwen3_vl")
+@MULTIMODAL_CHAT_TEMPLATE_REGISTRY.register("qwen3_vl_moe")
 class Qwen3VLTemplate(Qwen2VLTemplate):
     """Qwen3-VL (dense and MoE): as Qwen2.5-VL without a default system prompt (tool turns are not supported)."""
 
     jinja = hf_chat_templates.QWEN3_VL
 
 
-@_register("qwen2_5_omni", "qwen_omni")
+@MULTIMODAL_CHAT_TEMPLATE_REGISTRY.register("qwen2_5_omni")
+@MULTIMODAL_CHAT_TEMPLATE_REGISTRY.register("qwen_omni")
 class Qwen2_5OmniTemplate(MultimodalChatTemplate):
     """Qwen2.5-Omni thinker: `<|vision_bos|><|IMAGE|>...<|vision_eos|>`, `<|audio_bos|><|AUDIO|>...<|audio_eos|>`."""
 
