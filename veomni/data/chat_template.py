@@ -77,6 +77,17 @@ def _checked(ids: List[int], labels: List[int], max_seq_len: int) -> Dict[str, L
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 
+def require_tokens(tokenizer, tokens: Sequence[str], template: str, hint: str) -> None:
+    """A template's special tokens must be single tokens of the tokenizer, else ChatTemplateError."""
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ChatTemplateError(
+            f"chat template {template!r} needs the special tokens {missing}, which the tokenizer lacks (they would be "
+            f"split into pieces): {hint}"
+        )
+
+
 @CHAT_TEMPLATE_REGISTRY.register("tokenizer")
 class TokenizerTemplate(ChatTemplate):
     """The tokenizer's own HF jinja template, rendered once per conversation (as `apply_chat_template` does).
@@ -249,13 +260,8 @@ class ChatmlTemplate(TokenizerTemplate):
     renders_tools = False
 
     def __init__(self, tokenizer, **options):
-        vocab = tokenizer.get_vocab()
-        missing = [t for t in ("<|im_start|>", "<|im_end|>") if t not in vocab]
-        if missing:
-            raise ChatTemplateError(
-                f"chat template 'chatml' needs the special tokens {missing}, which the tokenizer lacks (they would be "
-                "split into pieces): use data.chat_template auto for the tokenizer's own template, or another tokenizer"
-            )
+        hint = "use data.chat_template auto for the tokenizer's own template, or another tokenizer"
+        require_tokens(tokenizer, ("<|im_start|>", "<|im_end|>"), "chatml", hint)
         super().__init__(tokenizer, **options)
 
     def _turn_markers(self) -> Tuple[str, str]:

@@ -24,15 +24,12 @@ def torchvision_available() -> bool:
     return True
 
 
-@contextlib.contextmanager
 def without_video_processor(processor_cls, saving: bool = False, force: bool = False):
-    """Within the block, `processor_cls` is built, loaded (and with `saving=True` saved) with no video processor;
-    a no-op where torchvision works, unless `force` (a folder saved without one)."""
+    """A context within which `processor_cls` is built, loaded (and with `saving=True` saved) with no video
+    processor; a no-op where torchvision works, unless `force` (a folder saved without one)."""
     if (torchvision_available() and not force) or "video_processor" not in processor_cls.get_attributes():
-        yield
-        return
-    with processor_without_video(processor_cls, saving=saving):
-        yield
+        return contextlib.nullcontext()
+    return processor_without_video(processor_cls, saving=saving)
 
 
 def _saved_without_video_processor(processor_path: str) -> bool:
@@ -65,10 +62,9 @@ def build_processor(processor_path: str, trust_remote_code: bool = False, **kwar
         raise FileNotFoundError(f"processor folder not found: {processor_path}")
     kwargs.setdefault("local_files_only", True)
     processor_cls = _processor_class(processor_path)
-    no_video = _saved_without_video_processor(processor_path)
-    if processor_cls is not None and (no_video or not torchvision_available()):
-        with without_video_processor(processor_cls, force=no_video):
-            processor = processor_cls.from_pretrained(processor_path, **kwargs)
-        processor.video_processor = getattr(processor, "video_processor", None)
-        return processor
-    return AutoProcessor.from_pretrained(processor_path, trust_remote_code=trust_remote_code, **kwargs)
+    if processor_cls is None:  # a custom processor (remote code) or a folder that names none
+        return AutoProcessor.from_pretrained(processor_path, trust_remote_code=trust_remote_code, **kwargs)
+    with without_video_processor(processor_cls, force=_saved_without_video_processor(processor_path)):
+        processor = processor_cls.from_pretrained(processor_path, **kwargs)
+    processor.video_processor = getattr(processor, "video_processor", None)
+    return processor

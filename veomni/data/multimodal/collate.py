@@ -12,6 +12,7 @@ needs the full-sequence masks to scatter the visual/audio embeddings before the 
 from typing import Dict
 
 from ..data_collator import DataCollateInfo, default_collate_infos
+from .preprocess import MEDIA_TYPES
 
 PER_ITEM_FIELDS = (
     "image_grid_thw",
@@ -36,13 +37,6 @@ def multimodal_collate_infos(merge_size: int = 2, vision_sp_slice: bool = False)
         sp_pad_value=0 if vision_sp_slice else None,
         sp_pad_scale=merge_size**2,
     )
-    infos = {
-        **default_collate_infos(),
-        "image_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0),
-        "video_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0),
-        "audio_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0),
-        "pixel_values": vision,
-        "pixel_values_videos": vision,
-    }
-    infos.update({key: DataCollateInfo(pack_dim=0) for key in PER_ITEM_FIELDS})
-    return infos
+    masks = {f"{kind}_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0) for kind in MEDIA_TYPES}
+    per_item = {key: DataCollateInfo(pack_dim=0) for key in PER_ITEM_FIELDS}
+    return {**default_collate_infos(), **masks, "pixel_values": vision, "pixel_values_videos": vision, **per_item}

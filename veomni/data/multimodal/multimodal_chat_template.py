@@ -10,7 +10,7 @@ content and its `<|im_end|>`, everything else is IGNORE_INDEX.
 import re
 from typing import Dict, List, Optional, Sequence
 
-from ..chat_template import CHAT_TEMPLATE_REGISTRY, ChatTemplate, TokenizerTemplate
+from ..chat_template import CHAT_TEMPLATE_REGISTRY, ChatTemplate, TokenizerTemplate, require_tokens
 from ..data_transform import DataFormatError
 from ..dataset import Registry
 from . import hf_chat_templates
@@ -27,11 +27,8 @@ class MultimodalChatTemplate(TokenizerTemplate):
     special_tokens: Sequence[str] = ()  # the media markers around the placeholders
 
     def __init__(self, tokenizer):
-        vocab = tokenizer.get_vocab()
-        needed = {"<|im_start|>", "<|im_end|>", *self.placeholders.values(), *self.special_tokens}
-        missing = sorted(t for t in needed if t not in vocab)
-        if missing:
-            raise ValueError(f"chat template {type(self).__name__} needs tokens {missing} in the tokenizer")
+        needed = sorted({"<|im_start|>", "<|im_end|>", *self.placeholders.values(), *self.special_tokens})
+        require_tokens(tokenizer, needed, type(self).__name__, "use the model's own processor (build_processor)")
         super().__init__(tokenizer)
         self._placeholder = re.compile("|".join(re.escape(t) for t in self.placeholders.values()))
 
