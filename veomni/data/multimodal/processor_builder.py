@@ -12,7 +12,6 @@ renames them in tokenizer.json. `save_pretrained` writes the folder; `veomni.mod
 import functools
 import json
 import os
-import shutil
 import tempfile
 from typing import Optional
 
@@ -47,16 +46,18 @@ KINDS = {
 }
 
 
-def _tokenizer_folder(kind: str, tokenizer_dir: str, out_dir: str) -> str:
-    """A copy of the tokenizer files, with Omni's special-token names where the model needs them."""
-    folder = os.path.join(out_dir, "_tokenizer_src")
-    os.makedirs(folder, exist_ok=True)
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(omni: bool, tokenizer_dir: str):
+    """The tokenizer, with Omni's special-token names where the model needs them (the renamed files are loaded from
+    a temporary folder). Loading a 151k-token tokenizer takes seconds: the VL kinds share one load per process."""
+    from transformers import AutoTokenizer
+
     with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
         tok = json.load(f)
     with open(os.path.join(tokenizer_dir, "tokenizer_config.json")) as f:
         cfg = json.load(f)
     cfg.pop("chat_template", None)  # the text model's template; the processor carries the multimodal one
-    if kind == "qwen2_5_omni":
+    if omni:
         renamed = {}
         for added in tok["added_tokens"]:
             if added["id"] in OMNI_RENAMES:
@@ -67,23 +68,12 @@ def _tokenizer_folder(kind: str, tokenizer_dir: str, out_dir: str) -> str:
             if int(idx) in OMNI_RENAMES:
                 entry["content"] = OMNI_RENAMES[int(idx)]
         cfg["extra_special_tokens"] = dict(OMNI_TOKEN_ATTRS)
-    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-        json.dump(tok, f, ensure_ascii=False)
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f, ensure_ascii=False, indent=1)
-    return folder
-
-
-@functools.lru_cache(maxsize=4)
-def _load_tokenizer(omni: bool, tokenizer_dir: str):
-    """Loading a 151k-token tokenizer takes seconds: the VL kinds share one load per process."""
-    from transformers import AutoTokenizer
-
-    src = _tokenizer_folder("qwen2_5_omni" if omni else "qwen2_5_vl", tokenizer_dir, tempfile.mkdtemp())
-    try:
-        return AutoTokenizer.from_pretrained(src)
-    finally:
-        shutil.rmtree(os.path.dirname(src))
+    with tempfile.TemporaryDirectory() as folder:
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            json.dump(tok, f, ensure_ascii=False)
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, ensure_ascii=False, indent=1)
+        return AutoTokenizer.from_pretrained(folder)
 
 
 def build_qwen_processor_folder(
