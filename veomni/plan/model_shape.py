@@ -38,13 +38,29 @@ class ModelShape:
     moe_intermediate: int = 0
     moe_layers: int = 0
     qk_norm: bool = False
+    router_logits: bool = False  # output_router_logits: the aux loss is logged beside the loss
 
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
 
+    @property
+    def moe_metric_values(self) -> int:
+        """What veomni.trainer.moe_metrics packs beside the loss: the aux sum (with router logits) and a
+        [MoE layers, experts] count table."""
+        return int(self.router_logits) + self.moe_layers * self.experts if self.is_moe else 0
+
+    def tp_refusal(self, tp: int) -> Optional[str]:
+        """Why tensor parallel of size `tp` cannot split this model, or None when it can."""
+        if self.is_moe:
+            return "tensor parallel does not take MoE models (use EP)"
+        if any(size % tp for size in (self.heads, self.kv_heads, self.intermediate, self.vocab)):
+            return f"heads, KV heads, intermediate or vocab size not divisible by {tp}"
+        return None
+
     @classmethod
     def from_config(cls, config) -> "ModelShape":
+        router_logits = bool(getattr(config, "output_router_logits", False))  # the model's, as MoEMetrics reads it
         config = getattr(config, "get_text_config", lambda: config)()
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -70,6 +86,7 @@ class ModelShape:
             moe_intermediate=getattr(config, "moe_intermediate_size", 0) or 0,
             moe_layers=moe_layers,
             qk_norm=config.model_type in ("qwen3", "qwen3_moe"),
+            router_logits=router_logits,
         )
 
     # ------------------------------------------------------------------------------------------- FLOPs

@@ -1,35 +1,70 @@
 """The real parallel plan of a config on a fake world: the model built on `meta` exactly as the trainer builds it,
 then sharded by `build_parallelize_model` (Ulysses, TP, EP, FSDP2/HSDP) for rank r of W, and read back.
+
+The fake world is torch's "fake" process group, whose collectives return at once and move nothing, so meshes,
+FSDP2, TP and EP plans can be built for rank r of W without W processes or a network. The fake backend and
+DTensor's caches are private torch APIs, reached through veomni.compat.torch.
 """
 
 import copy
 import os
-from typing import List, Optional
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional
+
+import torch.distributed as dist
 
 from ..arguments import VeOmniArguments, parse_args
+from ..compat.torch import clear_dtensor_sharding_caches, init_fake_process_group
 from ..distributed.mixed_precision import resolve_precision
-from ..distributed.parallel_state import init_parallel_state_from_config
+from ..distributed.parallel_state import destroy_parallel_state, init_parallel_state_from_config
 from ..distributed.torch_parallelize import parallelize
 from ..trainer.base import build_model_from_args
-from .fake_cluster import fake_world
+from ..utils.device import FORCE_ENV
 from .model_shape import ModelShape
 from .shards import RankPlan, read_rank_plan
+
+
+def _set_environ(values: Dict[str, Optional[str]]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@contextmanager
+def _environ(values: Dict[str, Optional[str]]) -> Iterator[None]:
+    """Within the block the environment holds `values` (None: unset); what it held before is restored after."""
+    saved = {key: os.environ.get(key) for key in values}
+    _set_environ(values)
+    try:
+        yield
+    finally:
+        _set_environ(saved)
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Within the block this process is rank `rank` of a fake world of `world_size`; meshes are built on CPU
+    (the planner decides GPU dtypes itself), so no device is touched. Refused inside a real process group."""
+    if dist.is_initialized():
+        raise RuntimeError("fake_world inside an initialised process group: plan in a process of its own")
+    with _environ({FORCE_ENV: "cpu", "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"}):
+        init_fake_process_group(rank, world_size)
+        try:
+            yield
+        finally:
+            clear_dtensor_sharding_caches()
+            destroy_parallel_state()  # forgets the meshes and destroys the fake group
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def load_args(argv: List[str], world_size: Optional[int]) -> VeOmniArguments:
     """`CONFIG.yaml --key value ...` parsed as a run on `world_size` ranks would parse it (None: as outside
     torchrun, for the smallest world its sizes fit)."""
-    saved = os.environ.get("WORLD_SIZE")
-    os.environ.pop("WORLD_SIZE", None)
-    if world_size is not None:
-        os.environ["WORLD_SIZE"] = str(world_size)  # parse_args resolves dp sizes against it
-    try:
+    with _environ({"WORLD_SIZE": None if world_size is None else str(world_size)}):  # parse_args resolves dp sizes
         return parse_args(VeOmniArguments, list(argv))
-    finally:
-        if saved is None:
-            os.environ.pop("WORLD_SIZE", None)
-        else:
-            os.environ["WORLD_SIZE"] = saved
 
 
 def build_meta_model(args, device_type: str):
@@ -98,20 +133,8 @@ def step_shape(args, micro_batches, device_type: str):
         tp=acc.tp_size,
         sp=acc.ulysses_size,
         ep=ep,
-        moe_metric_values=moe_metric_values(args),
+        moe_metric_values=model_shape(args).moe_metric_values,
     )
-
-
-def moe_metric_values(args) -> int:
-    """What veomni.trainer.moe_metrics packs beside the loss: the aux sum (with router logits) and a
-    [MoE layers, experts] count table."""
-    from ..models.auto import build_config
-
-    config = build_config(args.model.config_path, trust_remote_code=args.model.trust_remote_code)
-    shape = ModelShape.from_config(config)
-    if not shape.is_moe:
-        return 0
-    return int(bool(getattr(config, "output_router_logits", False))) + shape.moe_layers * shape.experts
 
 
 def args_for_layout(args, layout):

@@ -38,10 +38,8 @@ class Budget:
 
     global_tokens: int
     max_seq_len: int
-    compute_bytes: int
-    reduce_bytes: int
+    step: StepShape  # the run's precision and loss chunk; evaluate() sets its layout and one micro-batch
     param_bytes: int
-    loss_chunk: int
     reshard: bool = True
 
 
@@ -50,9 +48,7 @@ def _powers_of_two(limit: int) -> List[int]:
 
 
 def _splits_ok(shape: ModelShape, tp: int, sp: int) -> bool:
-    if tp > 1 and (shape.is_moe or shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp):
-        return False
-    if tp > 1 and shape.vocab % tp:
+    if tp > 1 and shape.tp_refusal(tp):
         return False
     if sp > 1:
         from ..distributed.sequence_parallel.comm import kv_replication
@@ -91,15 +87,13 @@ def evaluate(
     plan = cache[key]
     micro_batches = max(1, math.ceil(budget.global_tokens / (layout.dp * layout.mb_tokens)))
     local = layout.mb_tokens // layout.ulysses
-    step = StepShape(  # one micro-batch; every collective of the step scales with their number
-        ((local, local),),
-        budget.compute_bytes,
-        budget.reduce_bytes,
-        layout.checkpointing,
-        budget.loss_chunk,
-        layout.tp,
-        layout.ulysses,
-        layout.ep,
+    step = replace(  # one micro-batch; every collective of the step scales with their number
+        budget.step,
+        micro_batches=((local, local),),
+        checkpointing=layout.checkpointing,
+        tp=layout.tp,
+        sp=layout.ulysses,
+        ep=layout.ep,
     )
     memory = predict_memory(plan, shape, step, budget.param_bytes)
     context = budget.max_seq_len  # documents as long as allowed, whatever the packing
