@@ -58,14 +58,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..trainer.task import user_error_types
 
     bad = _bad_flag(options)
-    if bad is not None:
-        print(f"python -m veomni.plan: {bad}", file=sys.stderr)
-        return 2
-    try:
-        return _plan_and_print(options, overrides)
-    except (*user_error_types(), FileNotFoundError) as err:
-        print(f"python -m veomni.plan: {err}", file=sys.stderr)
-        return 2
+    if bad is None:
+        try:
+            return _plan_and_print(options, overrides)
+        except (*user_error_types(), FileNotFoundError) as err:
+            bad = str(err)
+    print(f"python -m veomni.plan: {bad}", file=sys.stderr)
+    return 2
 
 
 def _plan_and_print(options: argparse.Namespace, overrides: List[str]) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List
 
 from ..distributed.torch_parallelize import no_split_module_names
+from ..trainer.base import build_model_from_args
 from .analytic import Layout, ShapeModel
 from .comm import Collective, step_collectives
 from .cost import GPUS, Hardware, StepTime, step_time
@@ -14,7 +15,6 @@ from .memory import Memory, predict_memory
 from .model_shape import ModelShape
 from .real_plan import (
     args_for_layout,
-    build_meta_model,
     dtype_bytes,
     layout_of,
     load_args,
@@ -89,7 +89,7 @@ def plan(argv: List[str], options: argparse.Namespace) -> PlanResult:
     layout = layout_of(args, world)
     if options.tokens:
         layout = replace(layout, mb_tokens=options.tokens)
-    micro_batches = max(1, math.ceil(global_tokens / (layout.dp * layout.mb_tokens)))
+    micro_batches = max(1, math.ceil(global_tokens / (layout.dims.dp * layout.mb_tokens)))
     # rank 0 holds the largest shards (torch.chunk gives the remainder to the last ranks), the last rank the smallest
     reports = [_rank_report(args, layout, world, r, micro_batches, shape) for r in sorted({0, world - 1})]
     context = args.data.max_seq_len  # documents as long as allowed (the search assumes the same)
@@ -104,7 +104,7 @@ def plan(argv: List[str], options: argparse.Namespace) -> PlanResult:
 def search_layouts(args, world: int, hardware: Hardware, mb_tokens: int, global_tokens: int) -> List[Candidate]:
     """Every layout of `world` ranks for the model and precision of `args`, sized by the shape model (GPU dtypes),
     fastest first."""
-    model = build_meta_model(args, "cuda")
+    model = build_model_from_args(args, "cuda", "meta")
     shapes = ShapeModel(model, no_split_module_names(model) + list(args.model.basic_modules), args.train.optimizer.type)
     step, param = step_shape(args, (), "cuda"), dtype_bytes(args, "cuda")[2]
     budget = Budget(global_tokens, args.data.max_seq_len, step, param, reshard_after_forward(args, 2))

@@ -67,11 +67,6 @@ def load_args(argv: List[str], world_size: Optional[int]) -> VeOmniArguments:
         return parse_args(VeOmniArguments, list(argv))
 
 
-def build_meta_model(args, device_type: str):
-    """The model as the trainer builds it, on meta, in the dtype its parameters will have on `device_type`."""
-    return build_model_from_args(args, device_type, "meta")
-
-
 def reshard_after_forward(args, fsdp_size: int) -> bool:
     """What build_parallelize_model decides: resharded unless full_shard is off, or unset over a single rank."""
     fsdp = args.train.accelerator.fsdp_config
@@ -84,7 +79,7 @@ def sharded_meta_model(args, device_type: str):
     if args.train.accelerator.fsdp_config.fsdp_mode != "fsdp2":
         raise ValueError("the planner plans fsdp_mode=fsdp2 runs (DDP keeps a full replica: param bytes x world)")
     state = init_parallel_state_from_config(args.train.accelerator)
-    model = build_meta_model(args, device_type)
+    model = build_model_from_args(args, device_type, "meta")  # as the trainer builds it, in its dtype there
     planned = copy.deepcopy(args)  # the shards' shapes are all it reads: no compile, no offload, nothing allocated
     planned.train.init_device, planned.model.ops_implementation.compile = "meta", False
     planned.train.accelerator.fsdp_config.offload = False
@@ -141,7 +136,7 @@ def args_for_layout(args, layout):
     """A copy of `args` set to `layout`'s parallel sizes and checkpointing (batch sizes left as they are)."""
     args = copy.deepcopy(args)
     acc = args.train.accelerator
-    acc.dp_size, acc.dp_replicate_size, acc.dp_shard_size = layout.dp, layout.dp_replicate, layout.dp_shard
+    acc.dp_size, acc.dp_replicate_size, acc.dp_shard_size = layout.dims.dp, layout.dp_replicate, layout.dp_shard
     acc.tp_size, acc.ulysses_size = layout.tp, layout.ulysses
     names = [n for n in acc.extra_parallel_names if n != "ep"]
     sizes = [s for n, s in zip(acc.extra_parallel_names, acc.extra_parallel_sizes) if n != "ep"]

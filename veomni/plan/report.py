@@ -13,11 +13,10 @@ def _gib(value: float) -> str:
 
 
 def describe(layout: Layout) -> str:
-    parts = [f"dp_replicate={layout.dp_replicate}", f"dp_shard={layout.dp_shard}"]
-    parts += [f"{name}={value}" for name, value in (("ulysses", layout.ulysses), ("tp", layout.tp), ("ep", layout.ep))]
-    parts.append(f"checkpointing={'on' if layout.checkpointing else 'off'}")
-    parts.append(f"micro-batch {layout.mb_tokens:,} tokens")
-    return ", ".join(parts)
+    return (
+        f"dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}, ulysses={layout.ulysses}, tp={layout.tp}, "
+        f"ep={layout.ep}, checkpointing={'on' if layout.checkpointing else 'off'}, micro-batch {layout.mb_tokens:,} tokens"
+    )
 
 
 def _memory_lines(result: PlanResult) -> List[str]:
@@ -65,7 +64,7 @@ def _candidate_lines(result: PlanResult) -> List[str]:
     lines = [f"layouts that fit, by predicted step time {mfu} (and the nearest to the configured one):", header]
     for c in result.candidates:
         lay, checked = c.layout, result.validated.get(c.layout)
-        tokens = c.micro_batches * lay.mb_tokens * lay.dp / lay.world
+        tokens = c.micro_batches * lay.mb_tokens * lay.dims.dp / lay.world
         lines.append(
             f"  {lay.dp_replicate:6d} {lay.dp_shard:8d} {lay.ulysses:7d} {lay.tp:2d} {lay.ep:3d} "
             f"{'on ' if lay.checkpointing else 'off'}  {lay.mb_tokens:9,d}  {c.memory.peak / GIB:8.1f}  "

@@ -29,7 +29,7 @@ class Candidate:
     def seconds_per_token(self) -> float:
         """Step time per token of the step: the step time for the global batch, where every layout takes it in
         full; a layout whose one micro-batch per rank already exceeds it is not credited for the surplus idly."""
-        return self.time.total / (self.micro_batches * self.layout.mb_tokens * self.layout.dp)
+        return self.time.total / (self.micro_batches * self.layout.mb_tokens * self.layout.dims.dp)
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def evaluate(
     if key not in cache:  # checkpointing and micro-batch size do not change the shards
         cache[key] = model.rank_plan(replace(layout, checkpointing=False, mb_tokens=0), budget.reshard)
     plan = cache[key]
-    micro_batches = max(1, math.ceil(budget.global_tokens / (layout.dp * layout.mb_tokens)))
+    micro_batches = max(1, math.ceil(budget.global_tokens / (layout.dims.dp * layout.mb_tokens)))
     local = layout.mb_tokens // layout.ulysses
     step = replace(  # one micro-batch; every collective of the step scales with their number
         budget.step,
