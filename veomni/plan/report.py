@@ -1,6 +1,6 @@
 """The planner's printout: per rank memory, per collective bytes, step time, and the layouts that fit."""
 
-from typing import List
+from typing import Dict, List
 
 from .analytic import Layout
 from .comm import by_label
@@ -21,7 +21,7 @@ def describe(layout: Layout) -> str:
 
 def _memory_lines(result: PlanResult) -> List[str]:
     """One block per distinct memory prediction: ranks predicted alike share theirs (`ranks 0 and 7:`)."""
-    blocks: List[tuple] = []  # (rank numbers, lines without the header)
+    blocks: Dict[tuple, List[int]] = {}  # lines without the header -> the ranks predicted so
     for report in result.ranks:
         m = report.memory
         verdict = "fits" if m.peak <= result.capacity else "DOES NOT FIT"
@@ -34,13 +34,9 @@ def _memory_lines(result: PlanResult) -> List[str]:
             f"  backward / loss     {_gib(m.transient)}  (one layer's backward or the output head, the larger)",
             f"  predicted peak      {_gib(m.peak)}  of {result.capacity / GIB:.1f} GiB usable: {verdict}",
         ]
-        same = next((ranks for ranks, lines in blocks if lines == body), None)
-        if same is not None:
-            same.append(report.rank)
-        else:
-            blocks.append(([report.rank], body))
+        blocks.setdefault(tuple(body), []).append(report.rank)
     lines = []
-    for ranks, body in blocks:
+    for body, ranks in blocks.items():
         names = (
             f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
         )
