@@ -23,7 +23,7 @@ from .real_plan import (
     reshard_after_forward,
     step_shape,
 )
-from .search import Budget, Candidate, changes, search
+from .search import Budget, Candidate, changes, evaluate, layouts
 
 HEADROOM = 0.95  # of the GPU's memory: the caching allocator's fragmentation needs some
 
@@ -108,7 +108,10 @@ def search_layouts(args, world: int, hardware: Hardware, mb_tokens: int, global_
     shapes = ShapeModel(model, no_split_module_names(model) + list(args.model.basic_modules), args.train.optimizer.type)
     step, param = step_shape(args, (), "cuda"), dtype_bytes(args, "cuda")[2]
     budget = Budget(global_tokens, args.data.max_seq_len, step, param, reshard_after_forward(args, 2))
-    return search(shapes, model_shape(args), world, budget, hardware, mb_tokens)
+    shape, cache = model_shape(args), {}
+    candidates = layouts(shape, world, hardware.gpus_per_node, mb_tokens, budget.max_seq_len)
+    found = [evaluate(shapes, shape, layout, budget, hardware, cache) for layout in candidates]
+    return sorted(found, key=lambda c: c.seconds_per_token)  # per token of the step: Candidate.seconds_per_token
 
 
 def _search(result: PlanResult, args, global_tokens: int, top: int) -> None:

@@ -1,12 +1,12 @@
 """Layouts of a world: every split into dp_replicate x dp_shard x ulysses x tp (and ep for MoE models), with and
 without activation checkpointing, at the configured micro-batch tokens and at 1/2 and 1/4 of them; each sized by
-the shape model (analytic.py), costed (cost.py) and ranked by predicted step time for the same global batch
-(micro-batches never below max_seq_len tokens).
+the shape model (analytic.py) and costed (cost.py) for the same global batch (micro-batches never below
+max_seq_len tokens); planner.search_layouts ranks them by predicted step time.
 """
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List
 
 from .analytic import Layout, ShapeModel
 from .comm import StepShape, step_collectives
@@ -103,18 +103,6 @@ def evaluate(
         item.nbytes *= micro_batches
     time = step_time(flops, collectives, hardware, layout.strides())
     return Candidate(layout, memory, time, micro_batches)
-
-
-def search(
-    model: ShapeModel, shape: ModelShape, world: int, budget: Budget, hardware: Hardware, mb_tokens: int
-) -> List[Candidate]:
-    """Every layout, fastest first (per token of the step, see Candidate.seconds_per_token)."""
-    cache: Dict[Tuple, object] = {}
-    found = [
-        evaluate(model, shape, layout, budget, hardware, cache)
-        for layout in layouts(shape, world, hardware.gpus_per_node, mb_tokens, budget.max_seq_len)
-    ]
-    return sorted(found, key=lambda c: c.seconds_per_token)
 
 
 def changes(a: Layout, b: Layout) -> int:
