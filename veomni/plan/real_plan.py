@@ -74,24 +74,18 @@ def reshard_after_forward(args, fsdp_size: int) -> bool:
     return bool(reshard and fsdp.full_shard)
 
 
-def sharded_meta_model(args, device_type: str):
-    """Inside a (fake) world with its parallel state: the meta model, sharded; returns (model, state)."""
+def plan_rank(args, world_size: int, rank: int = 0, device_type: str = "cuda") -> RankPlan:
+    """Rank `rank`'s share under the real plan of `args` on a fake world of `world_size`: the meta model, built as
+    the trainer builds it (in its parameters' dtype on `device_type`), then sharded."""
     if args.train.accelerator.fsdp_config.fsdp_mode != "fsdp2":
         raise ValueError("the planner plans fsdp_mode=fsdp2 runs (DDP keeps a full replica: param bytes x world)")
-    state = init_parallel_state_from_config(args.train.accelerator)
-    model = build_model_from_args(args, device_type, "meta")  # as the trainer builds it, in its dtype there
     planned = copy.deepcopy(args)  # the shards' shapes are all it reads: no compile, no offload, nothing allocated
     planned.train.init_device, planned.model.ops_implementation.compile = "meta", False
     planned.train.accelerator.fsdp_config.offload = False
-    return parallelize(model, state, planned, materialize=False), state
-
-
-def plan_rank(args, world_size: int, rank: int = 0, device_type: str = "cuda") -> RankPlan:
-    """Rank `rank`'s share under the real plan of `args` on a fake world of `world_size`."""
     with fake_world(world_size, rank):
-        model, state = sharded_meta_model(args, device_type)
-        plan = read_rank_plan(model, state, args.train.optimizer.type, reshard_after_forward(args, state.fsdp_size))
-    return plan
+        state = init_parallel_state_from_config(args.train.accelerator)
+        model = parallelize(build_model_from_args(args, device_type, "meta"), state, planned, materialize=False)
+        return read_rank_plan(model, state, args.train.optimizer.type, reshard_after_forward(args, state.fsdp_size))
 
 
 def model_shape(args) -> ModelShape:
