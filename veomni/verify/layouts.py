@@ -14,9 +14,6 @@ class Layout:
     kind: str  # one of KINDS, or "config" (the config's own parallel sizes)
     name: str  # what the table shows: "TP 2 x FSDP2 2"
     flags: Tuple[str, ...]  # config overrides that select it
-    tp: int = 1
-    sp: int = 1
-    ep: int = 1
 
 
 def _sizes(tp: int = 1, sp: int = 1, ep: int = 1, replicate: int = 1, asynchronous: bool = False) -> Tuple[str, ...]:
@@ -48,23 +45,23 @@ def _candidate(kind: str, nproc: int, shape: ModelShape, multimodal: bool) -> Tu
             return None, f"no tensor-parallel plan for model_type {shape.model_type}"
         if shape.tp_refusal(2):
             return None, shape.tp_refusal(2)
-        return Layout(kind, f"TP 2{_dp_name(nproc // 2)}", _sizes(tp=2), tp=2), ""
+        return Layout(kind, f"TP 2{_dp_name(nproc // 2)}", _sizes(tp=2)), ""
     if kind in ("ulysses", "ulysses_async"):
         if shape.heads % 2:
             return None, f"num_attention_heads {shape.heads} not divisible by 2"
         mode = "async" if kind == "ulysses_async" else "sync"
         flags = _sizes(sp=2, asynchronous=kind == "ulysses_async")
-        return Layout(kind, f"Ulysses 2 {mode}{_dp_name(nproc // 2)}", flags, sp=2), ""
+        return Layout(kind, f"Ulysses 2 {mode}{_dp_name(nproc // 2)}", flags), ""
     if kind in ("ep", "ep_ulysses"):
         if not shape.experts:
             return None, "not a MoE model"
         if shape.experts % 2:
             return None, f"num_experts {shape.experts} not divisible by 2"
         if kind == "ep":
-            return Layout(kind, f"EP 2 (FSDP2 {nproc})", _sizes(ep=2), ep=2), ""
+            return Layout(kind, f"EP 2 (FSDP2 {nproc})", _sizes(ep=2)), ""
         if nproc < 4 or shape.heads % 2:
             return None, f"needs EP 2 x Ulysses 2: 4 ranks (--nproc is {nproc})"
-        return Layout(kind, f"EP 2 + Ulysses 2 sync (FSDP2 {nproc // 2})", _sizes(sp=2, ep=2), sp=2, ep=2), ""
+        return Layout(kind, f"EP 2 + Ulysses 2 sync (FSDP2 {nproc // 2})", _sizes(sp=2, ep=2)), ""
     raise ValueError(f"--layouts: unknown layout {kind!r} (known: auto, {', '.join(KINDS)})")
 
 
@@ -78,7 +75,7 @@ def own_layout(args, nproc: int) -> Tuple[Optional[Layout], str]:
     if nproc % ranks:
         return None, f"its parallel sizes need a multiple of {ranks} ranks (--nproc is {nproc})"
     name = f"config: tp {acc.tp_size}, ulysses {acc.ulysses_size}, ep {ep}, dp_replicate {acc.dp_replicate_size}"
-    return Layout("config", name, (), tp=acc.tp_size, sp=acc.ulysses_size, ep=ep), ""
+    return Layout("config", name, ()), ""
 
 
 def choose_layouts(
