@@ -9,19 +9,15 @@ import sys
 EVERY_RANK = {"every_rank": True}
 
 
-def _rank() -> str:
-    return os.environ.get("RANK", "0")
-
-
 def _said_by_this_rank(record: logging.LogRecord) -> bool:
     """Decided when the record is emitted, not when the logger was made: a module first imported while RANK named
     another rank (a planner's fake world, a test) must not stay quiet on rank 0 for the rest of the process. Stamps
     the record with the rank the format names."""
-    record.rank = _rank()
-    if record.rank == "0":
-        return True
-    return record.levelno >= logging.ERROR or (
-        record.levelno >= logging.WARNING and getattr(record, "every_rank", False)
+    record.rank = os.environ.get("RANK", "0")
+    return (
+        record.rank == "0"
+        or record.levelno >= logging.ERROR
+        or (record.levelno >= logging.WARNING and getattr(record, "every_rank", False))
     )
 
 
