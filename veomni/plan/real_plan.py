@@ -18,8 +18,11 @@ from ..compat.torch import clear_dtensor_sharding_caches, init_fake_process_grou
 from ..distributed.mixed_precision import resolve_precision
 from ..distributed.parallel_state import destroy_parallel_state, init_parallel_state_from_config
 from ..distributed.torch_parallelize import parallelize
+from ..models.auto import build_config
 from ..trainer.base import build_model_from_args
 from ..utils.device import FORCE_ENV
+from .analytic import Layout
+from .comm import StepShape
 from .model_shape import ModelShape
 from .shards import RankPlan, read_rank_plan
 
@@ -89,8 +92,6 @@ def plan_rank(args, world_size: int, rank: int = 0, device_type: str = "cuda") -
 
 
 def model_shape(args) -> ModelShape:
-    from ..models.auto import build_config
-
     return ModelShape.from_config(build_config(args.model.config_path, args.model.trust_remote_code))
 
 
@@ -108,8 +109,6 @@ def dtype_bytes(args, device_type: str):
 
 def step_shape(args, micro_batches, device_type: str):
     """The StepShape of `args` for micro-batches given as (local tokens, loss tokens)."""
-    from .comm import StepShape
-
     acc = args.train.accelerator
     compute, reduce, _ = dtype_bytes(args, device_type)
     ep = dict(zip(acc.extra_parallel_names, acc.extra_parallel_sizes)).get("ep", 1)
@@ -143,8 +142,6 @@ def args_for_layout(args, layout):
 
 def layout_of(args, world_size: int):
     """The Layout `args` describes on `world_size` ranks (parse_args resolved its -1 sizes)."""
-    from .analytic import Layout
-
     acc, data, train = args.train.accelerator, args.data, args.train
     ep = dict(zip(acc.extra_parallel_names, acc.extra_parallel_sizes)).get("ep", 1)
     tokens = train.micro_batch_size * data.max_seq_len  # dyn_bsz: the token budget; else samples of up to max_seq_len
