@@ -17,8 +17,8 @@ from torch import nn
 
 from helpers import write_model_config
 from veomni.checkpoint import Checkpointer, CheckpointError, list_checkpoints, resolve_checkpoint
+from veomni.checkpoint.integrity import file_crc32
 from veomni.models import build_foundation_model
-from veomni.utils.checksum import file_crc32
 
 uses_group = pytest.mark.usefixtures("one_process_group")
 

@@ -176,7 +176,7 @@ def test_checkpoint_holds_adapters_and_optimizer_state_and_references_the_base(r
     """The DCP checkpoint: adapters, their Adam moments and the run state; meta.json names the base folder and the
     CRC-32 of its weights. Its size: adapters x 3 (weights, two moments) plus DCP's framing of each of its ~160
     tensors, 10% of the base here (40 adapters of r 8 on a 4M model), where it held the whole base before."""
-    from veomni.utils.checksum import file_crc32
+    from veomni.checkpoint.integrity import file_crc32
 
     step = os.path.join(runs["fsdp2"], "checkpoints", "global_step_10")
     with open(os.path.join(step, "meta.json")) as f:

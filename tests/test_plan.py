@@ -111,12 +111,13 @@ def test_predicted_bytes_equal_measured(measured, name, world):
 def test_shape_model_sizes_shards_as_the_real_plan(config, world, sizes):
     from veomni.distributed.torch_parallelize import no_split_module_names
     from veomni.plan.analytic import Layout, ShapeModel
-    from veomni.plan.real_plan import args_for_layout, build_meta_model, load_args, plan_rank
+    from veomni.plan.real_plan import args_for_layout, load_args, plan_rank
+    from veomni.trainer.base import build_model_from_args
 
     layout = Layout(world=world, **{"dp_replicate": 1, **sizes})
     args = args_for_layout(load_args([config], 1), layout)
     real = plan_rank(args, world, 0, "cuda")
-    model = build_meta_model(args, "cuda")
+    model = build_model_from_args(args, "cuda", "meta")
     shaped = ShapeModel(model, no_split_module_names(model), "adamw").rank_plan(layout, True)
     assert (real.param_bytes, real.grad_bytes, real.optimizer_bytes) == (
         shaped.param_bytes,

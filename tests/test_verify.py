@@ -103,10 +103,12 @@ def test_ep_gradient_scaling_break_is_named(tmp_path):
 
 def test_layouts_auto_lists_skipped_layouts_with_reasons():
     from veomni.arguments import VeOmniArguments, parse_args
-    from veomni.verify.layouts import ModelFacts, choose_layouts
+    from veomni.plan.model_shape import ModelShape
+    from veomni.verify.layouts import choose_layouts
 
     args = parse_args(VeOmniArguments, [os.path.join(REPO, "configs", "text", "qwen3_moe_demo.yaml")])
-    moe = ModelFacts("qwen3_moe", 4, 2, 8, (4, 2, 128, 512), True)
+    sizes = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, tied=False)
+    moe = ModelShape("qwen3_moe", **sizes, experts=8, top_k=2, moe_intermediate=32, moe_layers=2)
     runs, skipped = choose_layouts(args, moe, 2, ["auto"])
     assert [r.name for r in runs] == ["FSDP2 2", "Ulysses 2 sync", "Ulysses 2 async", "EP 2 (FSDP2 2)"]
     assert dict(skipped) == {
@@ -114,7 +116,7 @@ def test_layouts_auto_lists_skipped_layouts_with_reasons():
         "tp": "tensor parallel does not take MoE models (use EP)",
         "ep_ulysses": "needs EP 2 x Ulysses 2: 4 ranks (--nproc is 2)",
     }
-    dense = ModelFacts("qwen2", 4, 2, 0, (4, 2, 128, 512), True)
+    dense = ModelShape("qwen2", **sizes)
     runs, skipped = choose_layouts(args, dense, 4, ["auto"])
     names = [r.name for r in runs]
     assert names == ["FSDP2 4", "HSDP 2x2", "TP 2 x FSDP2 2", "Ulysses 2 sync x FSDP2 2", "Ulysses 2 async x FSDP2 2"]

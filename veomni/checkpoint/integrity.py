@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from ..utils.checksum import file_crc32
 from ..utils.collectives import on_every_rank, on_rank0
 from ..utils.hub import first_line
 from ..utils.logging import get_logger
@@ -80,6 +79,15 @@ def checksumming_writer(folder: str, root: str, crcs: Dict[str, int]) -> FileSys
     writer = FileSystemWriter(folder)
     writer.fs = ChecksummingFileSystem(root, crcs)
     return writer
+
+
+def file_crc32(path: str) -> int:
+    """CRC-32 of a file, read in 4 MiB blocks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 def _files(folder: str) -> List[str]:

@@ -58,14 +58,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..trainer.task import user_error_types
 
     bad = _bad_flag(options)
-    if bad is not None:
-        print(f"python -m veomni.plan: {bad}", file=sys.stderr)
-        return 2
-    try:
-        return _plan_and_print(options, overrides)
-    except (*user_error_types(), FileNotFoundError) as err:
-        print(f"python -m veomni.plan: {err}", file=sys.stderr)
-        return 2
+    if bad is None:
+        try:
+            return _plan_and_print(options, overrides)
+        except (*user_error_types(), FileNotFoundError) as err:
+            bad = str(err)
+    print(f"python -m veomni.plan: {bad}", file=sys.stderr)
+    return 2
 
 
 def _plan_and_print(options: argparse.Namespace, overrides: List[str]) -> int:
@@ -77,17 +76,7 @@ def _plan_and_print(options: argparse.Namespace, overrides: List[str]) -> int:
     # the plan's own model builds log as a training run's do (FSDP2 over mesh ...): noise here
     veomni_loggers = [name for name in list(logging.root.manager.loggerDict) if name.startswith("veomni")]
     with logger_levels(veomni_loggers, logging.WARNING):
-        result = plan(
-            [options.config, *overrides],
-            options.nnodes,
-            options.nproc_per_node,
-            options.gpu,
-            options.mfu,
-            options.intra_node_gbps,
-            options.inter_node_gbps,
-            options.tokens,
-            options.top,
-        )
+        result = plan([options.config, *overrides], options)
     print(render(result))
     print(f"(planned in {time.perf_counter() - start:.1f} s)")
     return 0

@@ -38,14 +38,6 @@ class Layout:
         extras = (ExtraDim("ep", self.ep),) if self.ep > 1 else ()
         return ParallelDims(self.world, self.dp_replicate, self.dp_shard, self.ulysses, self.tp, extras)
 
-    @property
-    def dp(self) -> int:
-        return self.dims.dp
-
-    @property
-    def fsdp(self) -> int:
-        return self.dims.fsdp
-
     def strides(self) -> Dict[str, int]:
         """Rank distance between neighbours of each group: mesh (dp_replicate, dp_shard, ulysses, tp), tp innermost;
         the expert mesh (ep_fsdp, ep), ep innermost."""
@@ -54,7 +46,7 @@ class Layout:
             "ulysses": self.tp,
             "fsdp": self.tp,
             "dp_sp": self.tp,
-            "dp_replicate": self.tp * self.fsdp,
+            "dp_replicate": self.tp * self.dims.fsdp,
             "ep": 1,
             "ep_fsdp": self.ep,
         }
@@ -118,7 +110,7 @@ class ShapeModel:
             return tuple(shape), 1, layout.world // layout.ep
         if p.tp_dim is not None and layout.tp > 1:
             shape[p.tp_dim] //= layout.tp
-        return tuple(shape), 0, layout.fsdp
+        return tuple(shape), 0, layout.dims.fsdp
 
     def rank_plan(self, layout: Layout, reshard: bool) -> RankPlan:
         units: Dict[Tuple[str, str], List[int]] = {}

@@ -12,7 +12,7 @@ the reduce dtype. Without resharding every unit stays gathered. A one-rank unit 
 Activation bytes assume every micro-batch holds its full token budget (the dyn_bsz packer fills toward it).
 """
 
-from dataclasses import dataclass
+import dataclasses
 from typing import Dict
 
 from .comm import StepShape
@@ -22,7 +22,7 @@ from .shards import RankPlan
 GIB = 2**30
 
 
-@dataclass
+@dataclasses.dataclass
 class Memory:
     params: float
     grads: float
@@ -32,23 +32,11 @@ class Memory:
     transient: float
 
     @property
-    def static(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-    @property
     def peak(self) -> float:
-        return self.static + self.gathered + self.activations + self.transient
+        return sum(dataclasses.astuple(self))
 
     def as_dict(self) -> Dict[str, float]:
-        return {
-            "params": self.params,
-            "grads": self.grads,
-            "optimizer": self.optimizer,
-            "gathered": self.gathered,
-            "activations": self.activations,
-            "transient": self.transient,
-            "peak": self.peak,
-        }
+        return {**dataclasses.asdict(self), "peak": self.peak}
 
 
 def gathered_bytes(plan: RankPlan, step: StepShape, param_bytes: int) -> float:

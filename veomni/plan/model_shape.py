@@ -38,13 +38,29 @@ class ModelShape:
     moe_intermediate: int = 0
     moe_layers: int = 0
     qk_norm: bool = False
+    router_logits: bool = False  # output_router_logits: the aux loss is logged beside the loss
 
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
 
+    @property
+    def moe_metric_values(self) -> int:
+        """What veomni.trainer.moe_metrics packs beside the loss: the aux sum (with router logits) and a
+        [MoE layers, experts] count table."""
+        return int(self.router_logits) + self.moe_layers * self.experts if self.is_moe else 0
+
+    def tp_refusal(self, tp: int) -> Optional[str]:
+        """Why tensor parallel of size `tp` cannot split this model, or None when it can."""
+        if self.is_moe:
+            return "tensor parallel does not take MoE models (use EP)"
+        if any(size % tp for size in (self.heads, self.kv_heads, self.intermediate, self.vocab)):
+            return f"heads, KV heads, intermediate or vocab size not divisible by {tp}"
+        return None
+
     @classmethod
     def from_config(cls, config) -> "ModelShape":
+        router_logits = bool(getattr(config, "output_router_logits", False))  # the model's, as MoEMetrics reads it
         config = getattr(config, "get_text_config", lambda: config)()
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -70,6 +86,7 @@ class ModelShape:
             moe_intermediate=getattr(config, "moe_intermediate_size", 0) or 0,
             moe_layers=moe_layers,
             qk_norm=config.model_type in ("qwen3", "qwen3_moe"),
+            router_logits=router_logits,
         )
 
     # ------------------------------------------------------------------------------------------- FLOPs
@@ -93,14 +110,13 @@ class ModelShape:
     def _norm_bytes(self, width: int, c: int) -> int:
         return (F32 * width if c != F32 else 0) + c * width + F32
 
-    def layer_activation_bytes(self, c: int, tp: int = 1, ep: int = 1, moe: Optional[bool] = None) -> float:
-        """Bytes one decoder layer keeps per (local) token; see the module docstring."""
+    def layer_activation_bytes(self, c: int, tp: int, ep: int, moe: bool) -> float:
+        """Bytes one (MoE or dense) decoder layer keeps per (local) token; see the module docstring."""
         h, nh, nkv, dh = self.hidden, self.heads, self.kv_heads, self.head_dim
         norms = 2 * self._norm_bytes(h, c)
         attention = (c * (nh + 2 * nkv) * dh + c * nh * dh + F32 * nh) / tp
         if self.qk_norm:
             attention += (self._norm_bytes(nh * dh, c) + self._norm_bytes(nkv * dh, c)) / tp
-        moe = self.is_moe if moe is None else moe
         if moe:
             per_copy = c * h + 4 * c * self.moe_intermediate + c * h + (3 * c * h if ep > 1 else 0)
             mlp = (c + F32) * self.experts + self.top_k * per_copy
@@ -110,22 +126,15 @@ class ModelShape:
 
     def activation_bytes(self, tokens: int, c: int, tp: int, ep: int, checkpointing: bool) -> Tuple[float, float]:
         """(kept from forward to backward, one layer's working set in backward) for `tokens` local tokens."""
-        dense_layers = self.layers - self.moe_layers
-        per_layer = max(
-            self.layer_activation_bytes(c, tp, ep, moe=bool(self.moe_layers)),
-            self.layer_activation_bytes(c, tp, ep, moe=False) if dense_layers else 0,
-        )
-        final_norm = self._norm_bytes(self.hidden, c)
+        layers = {True: self.moe_layers, False: self.layers - self.moe_layers}  # MoE and dense layers
+        per_layer = {moe: self.layer_activation_bytes(c, tp, ep, moe) for moe, n in layers.items() if n}
         if checkpointing:
-            kept = self.layers * c * self.hidden + final_norm
+            kept = self.layers * c * self.hidden
         else:
-            kept = sum(
-                n * self.layer_activation_bytes(c, tp, ep, moe=m)
-                for n, m in ((self.moe_layers, True), (dense_layers, False))
-            )
-            kept += final_norm
+            kept = sum(layers[moe] * size for moe, size in per_layer.items())
+        kept += self._norm_bytes(self.hidden, c)  # the final norm
         # backward of one layer: its recomputed activations (checkpointing) or their gradients, about as large
-        return tokens * kept, tokens * per_layer
+        return tokens * kept, tokens * max(per_layer.values())
 
     def loss_bytes(self, tokens: int, c: int, chunk: int, tp: int) -> float:
         """Peak of the output head and loss. Chunked (fused linear + cross-entropy): the fp32 head gradient

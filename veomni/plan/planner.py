@@ -1,10 +1,12 @@
 """`plan(...)`: the configured layout under the real plan on a fake world, and the layouts that fit, ranked."""
 
+import argparse
 import math
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from ..distributed.torch_parallelize import no_split_module_names
+from ..trainer.base import build_model_from_args
 from .analytic import Layout, ShapeModel
 from .comm import Collective, step_collectives
 from .cost import GPUS, Hardware, StepTime, step_time
@@ -13,7 +15,6 @@ from .memory import Memory, predict_memory
 from .model_shape import ModelShape
 from .real_plan import (
     args_for_layout,
-    build_meta_model,
     dtype_bytes,
     layout_of,
     load_args,
@@ -22,7 +23,7 @@ from .real_plan import (
     reshard_after_forward,
     step_shape,
 )
-from .search import Budget, Candidate, changes, search
+from .search import Budget, Candidate, changes, evaluate, layouts
 
 HEADROOM = 0.95  # of the GPU's memory: the caching allocator's fragmentation needs some
 
@@ -46,10 +47,6 @@ class PlanResult:
     candidates: List[Candidate] = field(default_factory=list)
     validated: Dict[Layout, bool] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
-
-    @property
-    def fits(self) -> bool:
-        return max(r.memory.peak for r in self.ranks) <= self.capacity
 
 
 def _parse(argv: List[str], world: int, notes: List[str]):
@@ -80,49 +77,41 @@ def _rank_report(args, layout: Layout, world: int, rank: int, micro_batches: int
     return RankReport(rank, memory, step_collectives(plan, shape, step))
 
 
-def plan(
-    argv: List[str],
-    nnodes: int,
-    nproc_per_node: int,
-    gpu: str = "h100",
-    mfu: Optional[float] = None,
-    intra_gbps: Optional[float] = None,
-    inter_gbps: Optional[float] = None,
-    tokens: Optional[int] = None,
-    top: int = 5,
-) -> PlanResult:
-    world, notes = nnodes * nproc_per_node, []
+def plan(argv: List[str], options: argparse.Namespace) -> PlanResult:
+    """The plan of config `argv` for the planner's flags `options` (veomni/plan/__main__.py's)."""
+    world, notes, mfu, gpu = options.nnodes * options.nproc_per_node, [], options.mfu, GPUS[options.gpu]
     args, global_tokens = _parse(argv, world, notes)
     shape = model_shape(args)
     if mfu is None:  # measured on this GPU for the nearest benchmarked size, said beside the throughputs
-        mfu, source = measured_mfu(gpu, model_billions(shape), GPUS[gpu].tflops)
+        mfu, source = measured_mfu(options.gpu, model_billions(shape), gpu.tflops)
         notes.append(f"MFU {mfu:.2f} ({source}; --mfu to assume another)")
-    hardware = Hardware(GPUS[gpu], nproc_per_node, mfu, intra_gbps, inter_gbps)
+    hardware = Hardware(gpu, options.nproc_per_node, mfu, options.intra_node_gbps, options.inter_node_gbps)
     layout = layout_of(args, world)
-    if tokens:
-        layout = replace(layout, mb_tokens=tokens)
-    micro_batches = max(1, math.ceil(global_tokens / (layout.dp * layout.mb_tokens)))
+    if options.tokens:
+        layout = replace(layout, mb_tokens=options.tokens)
+    micro_batches = max(1, math.ceil(global_tokens / (layout.dims.dp * layout.mb_tokens)))
     # rank 0 holds the largest shards (torch.chunk gives the remainder to the last ranks), the last rank the smallest
     reports = [_rank_report(args, layout, world, r, micro_batches, shape) for r in sorted({0, world - 1})]
     context = args.data.max_seq_len  # documents as long as allowed (the search assumes the same)
     local = layout.mb_tokens // layout.ulysses
     flops = micro_batches * local * shape.flops_per_token(context, layout.checkpointing) / layout.tp
     time = step_time(flops, reports[0].collectives, hardware, layout.strides())
-    result = PlanResult(shape, layout, hardware, micro_batches, reports, time, hardware.gpu.memory * HEADROOM)
-    result.notes = notes
-    _search(result, args, global_tokens, top)
+    result = PlanResult(shape, layout, hardware, micro_batches, reports, time, gpu.memory * HEADROOM, notes=notes)
+    _search(result, args, global_tokens, options.top)
     return result
 
 
 def search_layouts(args, world: int, hardware: Hardware, mb_tokens: int, global_tokens: int) -> List[Candidate]:
     """Every layout of `world` ranks for the model and precision of `args`, sized by the shape model (GPU dtypes),
     fastest first."""
-    compute, reduce, param = dtype_bytes(args, "cuda")
-    model = build_meta_model(args, "cuda")
+    model = build_model_from_args(args, "cuda", "meta")
     shapes = ShapeModel(model, no_split_module_names(model) + list(args.model.basic_modules), args.train.optimizer.type)
-    chunk = args.model.ops_implementation.loss_chunk_size
-    budget = Budget(global_tokens, args.data.max_seq_len, compute, reduce, param, chunk, reshard_after_forward(args, 2))
-    return search(shapes, model_shape(args), world, budget, hardware, mb_tokens)
+    step, param = step_shape(args, (), "cuda"), dtype_bytes(args, "cuda")[2]
+    budget = Budget(global_tokens, args.data.max_seq_len, step, param, reshard_after_forward(args, 2))
+    shape, cache = model_shape(args), {}
+    candidates = layouts(shape, world, hardware.gpus_per_node, mb_tokens, budget.max_seq_len)
+    found = [evaluate(shapes, shape, layout, budget, hardware, cache) for layout in candidates]
+    return sorted(found, key=lambda c: c.seconds_per_token)  # per token of the step: Candidate.seconds_per_token
 
 
 def _search(result: PlanResult, args, global_tokens: int, top: int) -> None:

@@ -1,6 +1,6 @@
 """The planner's printout: per rank memory, per collective bytes, step time, and the layouts that fit."""
 
-from typing import List
+from typing import Dict, List
 
 from .analytic import Layout
 from .comm import by_label
@@ -13,16 +13,15 @@ def _gib(value: float) -> str:
 
 
 def describe(layout: Layout) -> str:
-    parts = [f"dp_replicate={layout.dp_replicate}", f"dp_shard={layout.dp_shard}"]
-    parts += [f"{name}={value}" for name, value in (("ulysses", layout.ulysses), ("tp", layout.tp), ("ep", layout.ep))]
-    parts.append(f"checkpointing={'on' if layout.checkpointing else 'off'}")
-    parts.append(f"micro-batch {layout.mb_tokens:,} tokens")
-    return ", ".join(parts)
+    return (
+        f"dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}, ulysses={layout.ulysses}, tp={layout.tp}, "
+        f"ep={layout.ep}, checkpointing={'on' if layout.checkpointing else 'off'}, micro-batch {layout.mb_tokens:,} tokens"
+    )
 
 
 def _memory_lines(result: PlanResult) -> List[str]:
     """One block per distinct memory prediction: ranks predicted alike share theirs (`ranks 0 and 7:`)."""
-    blocks: List[tuple] = []  # (rank numbers, lines without the header)
+    blocks: Dict[tuple, List[int]] = {}  # lines without the header -> the ranks predicted so
     for report in result.ranks:
         m = report.memory
         verdict = "fits" if m.peak <= result.capacity else "DOES NOT FIT"
@@ -35,13 +34,9 @@ def _memory_lines(result: PlanResult) -> List[str]:
             f"  backward / loss     {_gib(m.transient)}  (one layer's backward or the output head, the larger)",
             f"  predicted peak      {_gib(m.peak)}  of {result.capacity / GIB:.1f} GiB usable: {verdict}",
         ]
-        same = next((ranks for ranks, lines in blocks if lines == body), None)
-        if same is not None:
-            same.append(report.rank)
-        else:
-            blocks.append(([report.rank], body))
+        blocks.setdefault(tuple(body), []).append(report.rank)
     lines = []
-    for ranks, body in blocks:
+    for body, ranks in blocks.items():
         names = (
             f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
         )
@@ -65,7 +60,7 @@ def _candidate_lines(result: PlanResult) -> List[str]:
     lines = [f"layouts that fit, by predicted step time {mfu} (and the nearest to the configured one):", header]
     for c in result.candidates:
         lay, checked = c.layout, result.validated.get(c.layout)
-        tokens = c.micro_batches * lay.mb_tokens * lay.dp / lay.world
+        tokens = c.micro_batches * lay.mb_tokens * lay.dims.dp / lay.world
         lines.append(
             f"  {lay.dp_replicate:6d} {lay.dp_shard:8d} {lay.ulysses:7d} {lay.tp:2d} {lay.ep:3d} "
             f"{'on ' if lay.checkpointing else 'off'}  {lay.mb_tokens:9,d}  {c.memory.peak / GIB:8.1f}  "

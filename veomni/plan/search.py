@@ -1,12 +1,12 @@
 """Layouts of a world: every split into dp_replicate x dp_shard x ulysses x tp (and ep for MoE models), with and
 without activation checkpointing, at the configured micro-batch tokens and at 1/2 and 1/4 of them; each sized by
-the shape model (analytic.py), costed (cost.py) and ranked by predicted step time for the same global batch
-(micro-batches never below max_seq_len tokens).
+the shape model (analytic.py) and costed (cost.py) for the same global batch (micro-batches never below
+max_seq_len tokens); planner.search_layouts ranks them by predicted step time.
 """
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List
 
 from .analytic import Layout, ShapeModel
 from .comm import StepShape, step_collectives
@@ -29,7 +29,7 @@ class Candidate:
     def seconds_per_token(self) -> float:
         """Step time per token of the step: the step time for the global batch, where every layout takes it in
         full; a layout whose one micro-batch per rank already exceeds it is not credited for the surplus idly."""
-        return self.time.total / (self.micro_batches * self.layout.mb_tokens * self.layout.dp)
+        return self.time.total / (self.micro_batches * self.layout.mb_tokens * self.layout.dims.dp)
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,8 @@ class Budget:
 
     global_tokens: int
     max_seq_len: int
-    compute_bytes: int
-    reduce_bytes: int
+    step: StepShape  # the run's precision and loss chunk; evaluate() sets its layout and one micro-batch
     param_bytes: int
-    loss_chunk: int
     reshard: bool = True
 
 
@@ -50,9 +48,7 @@ def _powers_of_two(limit: int) -> List[int]:
 
 
 def _splits_ok(shape: ModelShape, tp: int, sp: int) -> bool:
-    if tp > 1 and (shape.is_moe or shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp):
-        return False
-    if tp > 1 and shape.vocab % tp:
+    if tp > 1 and shape.tp_refusal(tp):
         return False
     if sp > 1:
         from ..distributed.sequence_parallel.comm import kv_replication
@@ -89,17 +85,15 @@ def evaluate(
     if key not in cache:  # checkpointing and micro-batch size do not change the shards
         cache[key] = model.rank_plan(replace(layout, checkpointing=False, mb_tokens=0), budget.reshard)
     plan = cache[key]
-    micro_batches = max(1, math.ceil(budget.global_tokens / (layout.dp * layout.mb_tokens)))
+    micro_batches = max(1, math.ceil(budget.global_tokens / (layout.dims.dp * layout.mb_tokens)))
     local = layout.mb_tokens // layout.ulysses
-    step = StepShape(  # one micro-batch; every collective of the step scales with their number
-        ((local, local),),
-        budget.compute_bytes,
-        budget.reduce_bytes,
-        layout.checkpointing,
-        budget.loss_chunk,
-        layout.tp,
-        layout.ulysses,
-        layout.ep,
+    step = replace(  # one micro-batch; every collective of the step scales with their number
+        budget.step,
+        micro_batches=((local, local),),
+        checkpointing=layout.checkpointing,
+        tp=layout.tp,
+        sp=layout.ulysses,
+        ep=layout.ep,
     )
     memory = predict_memory(plan, shape, step, budget.param_bytes)
     context = budget.max_seq_len  # documents as long as allowed, whatever the packing
@@ -109,18 +103,6 @@ def evaluate(
         item.nbytes *= micro_batches
     time = step_time(flops, collectives, hardware, layout.strides())
     return Candidate(layout, memory, time, micro_batches)
-
-
-def search(
-    model: ShapeModel, shape: ModelShape, world: int, budget: Budget, hardware: Hardware, mb_tokens: int
-) -> List[Candidate]:
-    """Every layout, fastest first (per token of the step, see Candidate.seconds_per_token)."""
-    cache: Dict[Tuple, object] = {}
-    found = [
-        evaluate(model, shape, layout, budget, hardware, cache)
-        for layout in layouts(shape, world, hardware.gpus_per_node, mb_tokens, budget.max_seq_len)
-    ]
-    return sorted(found, key=lambda c: c.seconds_per_token)
 
 
 def changes(a: Layout, b: Layout) -> int:

@@ -62,11 +62,11 @@ def _ranks(group) -> Ranks:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def optimizer_state_bytes(model: nn.Module, optimizer_type: str, momentum_bytes: int = 4) -> int:
+def optimizer_state_bytes(model: nn.Module, optimizer_type: str) -> int:
     """Optimizer state of the trainable local shards, as torch allocates it on the first step: AdamW keeps
     exp_avg and exp_avg_sq (the parameter's dtype) and a 4-byte fp32 `step` per parameter; Muon one momentum buffer
     per matrix it trains (veomni.optim.optimizer.muon_params) and AdamW's state for the rest;
-    anyprecision_adamw its moments in `momentum_bytes` each (fp32 by default)."""
+    anyprecision_adamw its two moments in fp32 (its default)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer_type == "muon":
         from ..optim.optimizer import muon_params
@@ -74,7 +74,7 @@ def optimizer_state_bytes(model: nn.Module, optimizer_type: str, momentum_bytes:
         muon = {id(p) for p in muon_params(model)}
         return sum(nbytes(p) if id(p) in muon else 2 * nbytes(p) + 4 for p in params)
     if optimizer_type == "anyprecision_adamw":
-        return sum(2 * local(p).numel() * momentum_bytes + 4 for p in params)
+        return sum(2 * local(p).numel() * 4 + 4 for p in params)
     return sum(2 * nbytes(p) + 4 for p in params)
 
 

@@ -10,7 +10,6 @@ _LAZY = {
     "get_device": "device",
     "get_device_type": "device",
     "get_dist_backend": "device",
-    "get_nccl_backend": "device",
     "get_logger": "logging",
 }
 

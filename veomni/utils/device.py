@@ -47,26 +47,16 @@ def select_device_type(local_world_size: Optional[int] = None, cuda_count: Optio
     return "cuda"
 
 
-def get_device_type() -> str:
-    return select_device_type()
+get_device_type = select_device_type  # for this process's LOCAL_WORLD_SIZE and GPUs
 
 
 def get_dist_backend() -> str:
     return "nccl" if get_device_type() == "cuda" else "gloo"
 
 
-def get_nccl_backend() -> str:
-    """VeOmni's name for the collective backend; picks gloo where there is no GPU."""
-    return get_dist_backend()
-
-
-def get_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
 def get_device(local_rank: int | None = None) -> torch.device:
     if get_device_type() == "cuda":
-        return torch.device("cuda", get_local_rank() if local_rank is None else local_rank)
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank)
     return torch.device("cpu")
 
 

@@ -98,12 +98,6 @@ def folder_of_hub_name(name: Optional[str]) -> Optional[str]:
     return next((folder for folder, known in _resolved_names.items() if known == name), None)
 
 
-def cache_dir() -> str:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
-
-
 def offline() -> bool:
     from huggingface_hub import constants
 
@@ -152,15 +146,17 @@ def first_line(err: BaseException) -> str:
 
 
 def explain(key: str, path: str, err: BaseException) -> str:
-    first = first_line(err)
+    from huggingface_hub.constants import HF_HUB_CACHE
+
     if offline():
         return (
-            f"{key}: {path} is neither a local path nor in the hub cache {cache_dir()} "
+            f"{key}: {path} is neither a local path nor in the hub cache {HF_HUB_CACHE} "
             f"(HF_HUB_OFFLINE=1: nothing is downloaded; unset it to download, or set HF_HOME/HF_HUB_CACHE to the "
             f"cache that holds it)"
         )
     return (
-        f"{key}: {path} is not a local path and could not be downloaded into the hub cache {cache_dir()}: {first} "
+        f"{key}: {path} is not a local path and could not be downloaded into the hub cache {HF_HUB_CACHE}: "
+        f"{first_line(err)} "
         f"(HF_HUB_OFFLINE is not set; check the name and revision, HF_TOKEN for a gated repo, or the network)"
     )
 

@@ -9,24 +9,16 @@ import sys
 EVERY_RANK = {"every_rank": True}
 
 
-def _rank() -> str:
-    return os.environ.get("RANK", "0")
-
-
 def _said_by_this_rank(record: logging.LogRecord) -> bool:
     """Decided when the record is emitted, not when the logger was made: a module first imported while RANK named
-    another rank (a planner's fake world, a test) must not stay quiet on rank 0 for the rest of the process."""
-    if _rank() == "0":
-        return True
-    return record.levelno >= logging.ERROR or (
-        record.levelno >= logging.WARNING and getattr(record, "every_rank", False)
+    another rank (a planner's fake world, a test) must not stay quiet on rank 0 for the rest of the process. Stamps
+    the record with the rank the format names."""
+    record.rank = os.environ.get("RANK", "0")
+    return (
+        record.rank == "0"
+        or record.levelno >= logging.ERROR
+        or (record.levelno >= logging.WARNING and getattr(record, "every_rank", False))
     )
-
-
-class _RankFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        record.rank = _rank()
-        return super().format(record)
 
 
 def get_logger(name: str = "veomni") -> logging.Logger:
@@ -34,7 +26,7 @@ def get_logger(name: str = "veomni") -> logging.Logger:
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(
-            _RankFormatter("[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S")
+            logging.Formatter("[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S")
         )
         handler.addFilter(_said_by_this_rank)
         logger.addHandler(handler)

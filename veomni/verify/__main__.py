@@ -72,13 +72,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _verify(options, overrides: List[str]) -> int:
     from ..arguments import VeOmniArguments, parse_args
     from ..models.auto import build_config
-    from .layouts import ModelFacts, choose_layouts
+    from ..models.multimodal import is_multimodal
+    from ..plan.model_shape import ModelShape
+    from .layouts import choose_layouts
     from .report import render_plans, write_report
     from .run import Verify
 
     args = parse_args(VeOmniArguments, [options.config, *overrides])
-    facts = ModelFacts.from_config(build_config(args.model.config_path))
-    layouts, skipped = choose_layouts(args, facts, options.nproc, options.layouts.split(","))
+    config = build_config(args.model.config_path)
+    shape = ModelShape.from_config(config)
+    layouts, skipped = choose_layouts(args, shape, options.nproc, options.layouts.split(","), is_multimodal(config))
     overrides = overrides + _split_batches(args.train, options.nproc)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="veomni_verify_") as tmp:

@@ -52,11 +52,11 @@ def compare_series(ref: List[dict], got: List[dict], layout: str, grad_diffs: Di
         return row
     row.loss = max(rel(r["loss"], g["loss"]) for r, g in zip(ref, got))
     row.grad_norm = max(rel(r["grad_norm"], g["grad_norm"]) for r, g in zip(ref, got))
-    for step in sorted(grad_diffs, key=int):
+    steps = sorted(grad_diffs, key=int)
+    worst = ((diff, name, int(step)) for step in steps for name, diff in grad_diffs[step].items())
+    row.worst_grad = max(worst, key=lambda entry: entry[0], default=None)  # the first of equals
+    for step in steps:
         diffs = grad_diffs[step]
-        for name, diff in diffs.items():
-            if row.worst_grad is None or diff > row.worst_grad[0]:
-                row.worst_grad = (diff, name, int(step))
         # at the first step that fails, the parameter furthest off: a wrong gradient also moves the gradients
         # of the layers below it a little, its own the most
         if row.first_failing is None and diffs and max(diffs.values()) > GRAD_RTOL:

@@ -3,6 +3,8 @@
 import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
+from ..plan.model_shape import ModelShape
+
 ACC = "--train.accelerator."
 KINDS = ("fsdp2", "hsdp", "tp", "ulysses", "ulysses_async", "ep", "ep_ulysses")
 
@@ -12,29 +14,6 @@ class Layout:
     kind: str  # one of KINDS, or "config" (the config's own parallel sizes)
     name: str  # what the table shows: "TP 2 x FSDP2 2"
     flags: Tuple[str, ...]  # config overrides that select it
-    tp: int = 1
-    sp: int = 1
-    ep: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFacts:
-    """What decides which layouts a model supports (read from its HF config)."""
-
-    model_type: str
-    heads: int
-    kv_heads: int
-    experts: int  # 0: dense
-    divisible_by_tp: Tuple[int, ...]  # sizes that must divide by tp_size
-    text_only: bool
-
-    @classmethod
-    def from_config(cls, config) -> "ModelFacts":
-        text = getattr(config, "text_config", None) or config
-        sizes = (text.num_attention_heads, text.num_key_value_heads, text.intermediate_size, text.vocab_size)
-        experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
-        text_only = getattr(config, "vision_config", None) is None and getattr(config, "audio_config", None) is None
-        return cls(text.model_type, text.num_attention_heads, text.num_key_value_heads, experts, sizes, text_only)
 
 
 def _sizes(tp: int = 1, sp: int = 1, ep: int = 1, replicate: int = 1, asynchronous: bool = False) -> Tuple[str, ...]:
@@ -51,7 +30,7 @@ def _dp_name(dp: int) -> str:
     return f" x FSDP2 {dp}" if dp > 1 else ""
 
 
-def _candidate(kind: str, nproc: int, facts: ModelFacts) -> Tuple[Optional[Layout], str]:
+def _candidate(kind: str, nproc: int, shape: ModelShape, multimodal: bool) -> Tuple[Optional[Layout], str]:
     """The layout of `kind` on nproc ranks, or None and why it does not apply."""
     if kind == "fsdp2":
         return Layout(kind, f"FSDP2 {nproc}", _sizes()), ""
@@ -62,29 +41,27 @@ def _candidate(kind: str, nproc: int, facts: ModelFacts) -> Tuple[Optional[Layou
     if kind == "tp":
         from ..distributed.tensor_parallel import TP_PLANS
 
-        if facts.experts:
-            return None, "tensor parallel does not take MoE models (use EP)"
-        if facts.model_type not in TP_PLANS or not facts.text_only:
-            return None, f"no tensor-parallel plan for model_type {facts.model_type}"
-        if any(size % 2 for size in facts.divisible_by_tp):
-            return None, "heads, KV heads, intermediate or vocab size not divisible by 2"
-        return Layout(kind, f"TP 2{_dp_name(nproc // 2)}", _sizes(tp=2), tp=2), ""
+        if not shape.is_moe and (shape.model_type not in TP_PLANS or multimodal):
+            return None, f"no tensor-parallel plan for model_type {shape.model_type}"
+        if shape.tp_refusal(2):
+            return None, shape.tp_refusal(2)
+        return Layout(kind, f"TP 2{_dp_name(nproc // 2)}", _sizes(tp=2)), ""
     if kind in ("ulysses", "ulysses_async"):
-        if facts.heads % 2:
-            return None, f"num_attention_heads {facts.heads} not divisible by 2"
+        if shape.heads % 2:
+            return None, f"num_attention_heads {shape.heads} not divisible by 2"
         mode = "async" if kind == "ulysses_async" else "sync"
         flags = _sizes(sp=2, asynchronous=kind == "ulysses_async")
-        return Layout(kind, f"Ulysses 2 {mode}{_dp_name(nproc // 2)}", flags, sp=2), ""
+        return Layout(kind, f"Ulysses 2 {mode}{_dp_name(nproc // 2)}", flags), ""
     if kind in ("ep", "ep_ulysses"):
-        if not facts.experts:
+        if not shape.experts:
             return None, "not a MoE model"
-        if facts.experts % 2:
-            return None, f"num_experts {facts.experts} not divisible by 2"
+        if shape.experts % 2:
+            return None, f"num_experts {shape.experts} not divisible by 2"
         if kind == "ep":
-            return Layout(kind, f"EP 2 (FSDP2 {nproc})", _sizes(ep=2), ep=2), ""
-        if nproc < 4 or facts.heads % 2:
+            return Layout(kind, f"EP 2 (FSDP2 {nproc})", _sizes(ep=2)), ""
+        if nproc < 4 or shape.heads % 2:
             return None, f"needs EP 2 x Ulysses 2: 4 ranks (--nproc is {nproc})"
-        return Layout(kind, f"EP 2 + Ulysses 2 sync (FSDP2 {nproc // 2})", _sizes(sp=2, ep=2), sp=2, ep=2), ""
+        return Layout(kind, f"EP 2 + Ulysses 2 sync (FSDP2 {nproc // 2})", _sizes(sp=2, ep=2)), ""
     raise ValueError(f"--layouts: unknown layout {kind!r} (known: auto, {', '.join(KINDS)})")
 
 
@@ -98,15 +75,18 @@ def own_layout(args, nproc: int) -> Tuple[Optional[Layout], str]:
     if nproc % ranks:
         return None, f"its parallel sizes need a multiple of {ranks} ranks (--nproc is {nproc})"
     name = f"config: tp {acc.tp_size}, ulysses {acc.ulysses_size}, ep {ep}, dp_replicate {acc.dp_replicate_size}"
-    return Layout("config", name, (), tp=acc.tp_size, sp=acc.ulysses_size, ep=ep), ""
+    return Layout("config", name, ()), ""
 
 
-def choose_layouts(args, facts: ModelFacts, nproc: int, requested: Sequence[str]) -> Tuple[List[Layout], List[tuple]]:
-    """(layouts to run, [(kind, reason skipped)]); `requested` is ["auto"] or names from KINDS."""
+def choose_layouts(
+    args, shape: ModelShape, nproc: int, requested: Sequence[str], multimodal: bool = False
+) -> Tuple[List[Layout], List[tuple]]:
+    """(layouts to run, [(kind, reason skipped)]) for a model of `shape` (its text model's, for a `multimodal` one);
+    `requested` is ["auto"] or names from KINDS."""
     kinds = KINDS if list(requested) == ["auto"] else requested
     runs, skipped = [], []
     for kind in kinds:
-        layout, why = _candidate(kind, nproc, facts)
+        layout, why = _candidate(kind, nproc, shape, multimodal)
         if layout is None:
             skipped.append((kind, why))
         else:

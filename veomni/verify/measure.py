@@ -39,8 +39,8 @@ def peak_reader(device: torch.device) -> Optional[PeakReader]:
 
 
 class PlanMeasure(Callback):
-    def __init__(self, trainer, peak: Optional[PeakReader] = None):
-        self.trainer, self.peak = trainer, peak
+    def __init__(self, peak: Optional[PeakReader] = None):
+        self.peak = peak
         self.predicted: Optional[Dict[str, float]] = None
         self.measured: Dict[str, float] = {}
         self.steps = 0
@@ -49,9 +49,8 @@ class PlanMeasure(Callback):
         from ..plan.runlog import predict_for_trainer
 
         try:
-            memory = predict_for_trainer(trainer)
-            self.predicted = {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer}
-            self.predicted["peak"] = memory.peak
+            memory = predict_for_trainer(trainer).as_dict()
+            self.predicted = {key: memory[key] for key in ("params", "grads", "optimizer", "peak")}
         except Exception as err:  # a model the planner cannot read: the table says so, the check goes on
             self.predicted = {"error": f"{type(err).__name__}: {err}"}
 

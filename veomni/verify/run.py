@@ -41,7 +41,7 @@ def _env() -> dict:
     return env
 
 
-def launch(workdir: str, name: str, nproc: int, runs: List[dict], ref_dir: str, log, kill_at: str = "") -> int:
+def launch(workdir: str, name: str, nproc: int, runs: List[dict], ref_dir: str, kill_at: str = "") -> int:
     """One launch of the worker over `runs`; its output goes to workdir/<name>.log. Returns the exit code:
     -SIGKILL when the file `kill_at` appeared and this process killed the launch (every process of it at once)."""
     plan_path = os.path.join(workdir, f"{name}.json")
@@ -53,7 +53,7 @@ def launch(workdir: str, name: str, nproc: int, runs: List[dict], ref_dir: str, 
     else:
         rendezvous = ["--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "--master_port=0"]
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *rendezvous, *worker]
-    log(f"verify: {name} on {nproc} rank(s): {', '.join(run['name'] for run in runs)}")
+    print(f"verify: {name} on {nproc} rank(s): {', '.join(run['name'] for run in runs)}")
     with open(os.path.join(workdir, f"{name}.log"), "w") as out:
         # a session of its own: one killpg reaches the launch and its loader workers (a one-rank launch)
         proc = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -85,15 +85,13 @@ def _read(out: str, name: str) -> Optional[dict]:
 
 
 class Verify:
-    def __init__(self, config: str, overrides: List[str], workdir: str, steps: int, nproc: int, log=print):
-        self.config, self.overrides, self.workdir, self.steps, self.nproc, self.log = (
-            config, overrides, workdir, steps, nproc, log,
-        )  # fmt: skip
+    def __init__(self, config: str, overrides: List[str], workdir: str, steps: int, nproc: int):
+        self.config, self.overrides, self.workdir, self.steps, self.nproc = config, overrides, workdir, steps, nproc
         self.ref_dir = os.path.join(workdir, "reference")
         self.save_at = max(steps - 1, 1)  # the resume continues from here
         self.killed_code: Optional[int] = None  # the exit of the launch whose last run was killed
 
-    def argv(self, layout_flags, out: str, extra=()) -> List[str]:
+    def argv(self, layout_flags, out: str) -> List[str]:
         fixed = {
             "train.max_steps": self.steps,
             "train.checkpoint.save_steps": self.save_at,
@@ -107,7 +105,7 @@ class Verify:
             "train.checkpoint.output_dir": out,
         }
         flags = [item for key, value in fixed.items() for item in (f"--{key}", str(value))]
-        return [self.config, *self.overrides, *FP32, *layout_flags, *flags, *extra]
+        return [self.config, *self.overrides, *FP32, *layout_flags, *flags]
 
     def run_dir(self, name: str) -> str:
         return os.path.join(self.workdir, "".join(c if c.isalnum() else "_" for c in name))
@@ -122,7 +120,7 @@ class Verify:
             killed = self.run_dir(KILLED)
             runs.append({"name": KILLED, "argv": self.argv(_sizes(), killed), "stall_at": self.save_at})
             kill_at = os.path.join(killed, KILL_MARKER)
-        self.killed_code = launch(self.workdir, "reference", 1, runs, self.ref_dir, self.log, kill_at=kill_at)
+        self.killed_code = launch(self.workdir, "reference", 1, runs, self.ref_dir, kill_at=kill_at)
         result = _read(out, "verify.json")  # the run to kill, after it, has a row of its own (resumes)
         if not result or result["error"] or not _read(out, "metrics.jsonl"):
             return f"the one-process run failed: see {os.path.join(self.workdir, 'reference.log')}"
@@ -142,7 +140,7 @@ class Verify:
             for lay in layouts  # the FSDP2 layout's checkpoint is the one the reshard resume reads
         ]
         if runs:
-            launch(self.workdir, "layouts", self.nproc, runs, self.ref_dir, self.log)
+            launch(self.workdir, "layouts", self.nproc, runs, self.ref_dir)
         rows, plans = [], {}
         for lay in layouts:
             out = self.run_dir(lay.name)
@@ -183,7 +181,7 @@ class Verify:
             runs.append({"name": label, "argv": argv, "resume": True, "save": False})
             sources.append((label, self.run_dir(label), GRAD_NORM_RTOL))
         if runs:
-            launch(self.workdir, "resume", 1, runs, self.ref_dir, self.log)
+            launch(self.workdir, "resume", 1, runs, self.ref_dir)
         ref = _read(self.run_dir("one process"), "metrics.jsonl")
         rows = [] if not_killed is None else [Row(kill_label, error=not_killed, tolerance="bit-identical")]
         for label, out, rtol in sources:

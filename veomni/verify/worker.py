@@ -46,7 +46,7 @@ def one_run(run: dict, ref_dir: str) -> None:
     if not run.get("resume"):
         trainer.probe = GradProbe(ref_dir, record=run.get("record", False))
     apply_break(trainer)
-    measure = PlanMeasure(trainer, peak_reader(trainer.device))
+    measure = PlanMeasure(peak_reader(trainer.device))
     trainer.callbacks.append(measure)
     trainer.step_watch = measure.watch
     error = None
