@@ -58,12 +58,9 @@ class ParallelDims(ParallelSizes):
         """Ranks that hold their own tokens: loss-token counts are summed over them."""
         return self.dp * self.ulysses
 
-    def extra_size(self, name: str) -> int:
-        return next((extra.size for extra in self.extras if extra.name == name), 1)
-
     @property
     def ep(self) -> int:
-        return self.extra_size("ep")
+        return next((extra.size for extra in self.extras if extra.name == "ep"), 1)
 
     # ------------------------------------------------------------------- meshes
     def build_meshes(self, device_type: str) -> "ParallelMeshes":

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ..compat.torch import local_tensor
 from ..utils.logging import get_logger
+from .multi_optimizer import closure_loss
 
 logger = get_logger(__name__)
 
@@ -285,10 +286,7 @@ class DistributedMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             self._step_group(group)
         return loss
