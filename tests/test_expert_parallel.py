@@ -172,11 +172,11 @@ def test_ep_checkpoint_resumes_on_one_process(runs):
 
 
 def test_expert_parallel_refuses_eager_experts(tmp_path):
-    from veomni.distributed.parallel_plan import apply_expert_parallel
+    from veomni.distributed.parallel_plan import apply_ep
 
     model = build_foundation_model(write_moe_config(str(tmp_path)), torch_dtype="float32", moe_implementation="eager")
     with pytest.raises(ValueError, match="expert parallel needs model.ops_implementation.moe_implementation=fused"):
-        apply_expert_parallel(model, state=None)  # refused before any mesh is touched
+        apply_ep(model, state=None)  # refused before any mesh is touched
 
 
 def _short_real_documents(path: str) -> str:

@@ -278,12 +278,20 @@ def test_package_has_a_description():
 def test_exported_safetensors_are_readable_by_others(tmp_path):
     import torch
 
-    from veomni.checkpoint.hf_export import write_safetensors
+    from veomni.checkpoint.safetensors_layout import Layout, shard_names
+
+    def write_safetensors(tensors, out_dir, files=1):  # the export's writer: one file, or one tensor per file
+        specs = [[(n, tuple(t.shape), t.dtype)] for n, t in tensors.items()]
+        layout = Layout(dict(zip(shard_names(files), specs if files > 1 else [sum(specs, [])])))
+        layout.create(out_dir)
+        for name, tensor in tensors.items():
+            layout.write(out_dir, name, tensor)
+        layout.close()
 
     old = os.umask(0o022)
     try:
         write_safetensors({"w": torch.zeros(2)}, str(tmp_path / "one"))
-        write_safetensors({"a": torch.zeros(4), "b": torch.zeros(4)}, str(tmp_path / "two"), max_shard_bytes=16)
+        write_safetensors({"a": torch.zeros(4), "b": torch.zeros(4)}, str(tmp_path / "two"), files=2)
     finally:
         os.umask(old)
     files = glob.glob(str(tmp_path / "*" / "*.safetensors"))

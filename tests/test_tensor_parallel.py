@@ -131,15 +131,15 @@ def _model(config: dict):
 
 
 def test_plan_refusals_name_what_is_wrong():
-    from veomni.distributed.tensor_parallel import apply_tensor_parallel
+    from veomni.distributed.tensor_parallel import apply_tp
 
     with pytest.raises(ValueError, match=r"key/value heads \(num_key_value_heads=1\) must divide by .*tp_size=2"):
-        apply_tensor_parallel(_model(dict(TINY_QWEN2, num_key_value_heads=1)), _Mesh())
+        apply_tp(_model(dict(TINY_QWEN2, num_key_value_heads=1)), _Mesh())
     with pytest.raises(NotImplementedError, match="MoE models .* not supported: use expert parallel"):
-        apply_tensor_parallel(_model(TINY_QWEN3_MOE), _Mesh())
+        apply_tp(_model(TINY_QWEN3_MOE), _Mesh())
     model = _model(TINY_QWEN2)
     model.model.layers[0].mlp.gate_proj_renamed = model.model.layers[0].mlp.gate_proj  # an unknown layout:
     for layer in model.model.layers:
         del layer.mlp.gate_proj
     with pytest.raises(ValueError, match=r"match no module: \['model.layers.\*.mlp.gate_proj'\]"):
-        apply_tensor_parallel(model, _Mesh())
+        apply_tp(model, _Mesh())

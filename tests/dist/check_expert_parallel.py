@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from veomni.distributed import destroy_parallel_state, init_parallel_state
-from veomni.distributed.parallel_plan import apply_expert_parallel
+from veomni.distributed.parallel_plan import apply_ep
 from veomni.models import build_foundation_model
 from veomni.ops.moe import fused_experts_forward
 
@@ -51,7 +51,7 @@ def main(model_dir):
     total.backward()
     ref_grads = [reference.gate_up_proj.grad.clone(), reference.down_proj.grad.clone()]
 
-    owners = apply_expert_parallel(model, state)
+    owners = apply_ep(model, state)
     experts = owners[0]
     assert isinstance(experts.gate_up_proj, DTensor) and experts.gate_up_proj.to_local().shape[0] == experts_total // 2
     x, idx, w = inputs[rank]

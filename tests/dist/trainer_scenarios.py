@@ -29,14 +29,30 @@ from veomni.distributed import destroy_parallel_state
 from veomni.distributed.offload import (
     load_veomni_model_to_gpu,
     load_veomni_optimizer,
-    model_device_bytes,
     offload_veomni_model_to_cpu,
     offload_veomni_optimizer,
-    optimizer_device_bytes,
 )
+from veomni.optim.multi_optimizer import named_optimizers
 from veomni.trainer import TextTrainer
 from veomni.utils import get_device
 from veomni.verify.harness import SameGlobalBatches
+
+
+def _local_bytes(tensors, device) -> int:
+    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local if t.device == device)
+
+
+def model_device_bytes(model, device) -> int:
+    """Bytes of this rank's parameters, gradients and buffers that sit on `device`."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return _local_bytes([*model.parameters(), *grads, *model.buffers()], device)
+
+
+def optimizer_device_bytes(optimizer, device) -> int:
+    """Bytes of every inner optimizer's state tensors on `device`."""
+    states = [s for opt in named_optimizers(optimizer).values() for s in opt.state.values()]
+    return _local_bytes([v for state in states for v in state.values() if torch.is_tensor(v)], device)
 
 
 class MoveSpy:

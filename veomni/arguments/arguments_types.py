@@ -425,11 +425,8 @@ class TrainingArguments:
         smallest world the configured sizes fit, see `resolve_parallel_sizes`)."""
         acc = self.accelerator
         sizes = resolve_parallel_sizes(acc, world_size)
-        acc.dp_size, acc.dp_replicate_size, acc.dp_shard_size = (
-            sizes.dp_replicate * sizes.dp_shard,
-            sizes.dp_replicate,
-            sizes.dp_shard,
-        )
+        acc.dp_replicate_size, acc.dp_shard_size = sizes.dp_replicate, sizes.dp_shard
+        acc.dp_size = sizes.dp_replicate * sizes.dp_shard
         per_step = self.micro_batch_size * acc.dp_size
         if self.global_batch_size is None:
             self.global_batch_size = per_step

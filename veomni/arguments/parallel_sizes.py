@@ -35,8 +35,8 @@ def resolve_parallel_sizes(acc, world_size: Optional[int]) -> ParallelSizes:
     """
     tp, ulysses = acc.tp_size, acc.ulysses_size
     if world_size is None:
-        world_size = _smallest_world(acc.dp_size, acc.dp_replicate_size, acc.dp_shard_size, tp * ulysses)
-        world_size = math.lcm(world_size, *acc.extra_parallel_sizes)
+        dp = acc.dp_size if acc.dp_size != -1 else max(acc.dp_replicate_size, 1) * max(acc.dp_shard_size, 1)
+        world_size = math.lcm(dp * tp * ulysses, *acc.extra_parallel_sizes)
     for name, size in (("pp_size", acc.pp_size), ("cp_size", acc.cp_size)):
         if size != 1:
             raise NotImplementedError(f"{name}={size} is not supported yet: set it to 1")
@@ -55,12 +55,6 @@ def resolve_parallel_sizes(acc, world_size: Optional[int]) -> ParallelSizes:
         world_size, acc.extra_parallel_names, acc.extra_parallel_sizes, acc.extra_parallel_placement_innermost
     )
     return ParallelSizes(world_size, dp_replicate, dp_shard, ulysses, tp, extras)
-
-
-def _smallest_world(dp_size: int, dp_replicate_size: int, dp_shard_size: int, model_parallel: int) -> int:
-    if dp_size == -1:
-        dp_size = max(dp_replicate_size, 1) * max(dp_shard_size, 1)
-    return dp_size * model_parallel
 
 
 def _split_dp(dp_size: int, dp_replicate_size: int, dp_shard_size: int) -> Tuple[int, int]:

@@ -187,7 +187,7 @@ def _save_failure(err: BaseException, folder: str) -> CheckpointError:
             why += f"; {free / 2**20:.1f} MiB free there" + _last_checkpoint_size(folder)
     else:  # the first failure that is not DCP's wrapper, which names only the ranks
         cause = next((c for c in chain if type(c).__name__ != "CheckpointException"), err)
-        why = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+        why = f"{type(cause).__name__}: {first_line(cause)}"
     return CheckpointError(f"saving checkpoint {folder} failed: {why}; the previous checkpoint is left as it was")
 
 
@@ -391,7 +391,7 @@ class Checkpointer:
             dcp.load(state, checkpoint_id=os.path.join(path, "model_optimizer"), storage_reader=reader)
         except (OSError, RuntimeError, EOFError, ValueError, CheckpointException) as err:
             inner = next(iter(getattr(err, "failures", {}).values()), (err,))[0]  # DCP wraps per-rank failures
-            first = f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
+            first = f"{type(inner).__name__}: {first_line(inner)}"
             raise CheckpointError(f"checkpoint {path} could not be read ({first}); {_previous_good(path)}") from err
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=BASE not in meta))  # adapters
         for name, opt in named_optimizers(optimizer).items():

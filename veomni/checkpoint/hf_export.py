@@ -324,13 +324,3 @@ def dcp_writer(reader, shapes: Shapes, all_ranks: bool) -> Callable[[int, Item, 
             sink.write(lambda: produce(item, read(item.keys)))
 
     return write
-
-
-def write_safetensors(state_dict: Dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Tensors exactly as given (no renaming), in shards of at most `max_shard_bytes`, by this process alone."""
-    items = [Item([n], [(n, tuple(t.shape), t.dtype)]) for n, t in sorted(state_dict.items())]
-    layout = Layout(_files(items, max_shard_bytes, None))
-    layout.create(out_dir)
-    for name, tensor in state_dict.items():
-        layout.write(out_dir, name, tensor)
-    layout.close()

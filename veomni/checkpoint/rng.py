@@ -4,6 +4,7 @@ saved state belongs to."""
 import random
 from typing import Any, Dict
 
+import numpy as np
 import torch
 
 
@@ -13,13 +14,8 @@ def rng_state() -> Dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
-    except ImportError:
-        pass
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
     return state
 
 
@@ -33,8 +29,6 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)
     if "numpy" in state:
-        import numpy as np
-
         name, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
 
@@ -44,9 +38,4 @@ def reseed(seed: int, rank: int, step: int) -> None:
     value = (seed * 1_000_003 + rank * 10_007 + step) % 2**32
     torch.manual_seed(value)
     random.seed(value)
-    try:
-        import numpy as np
-
-        np.random.seed(value)
-    except ImportError:
-        pass
+    np.random.seed(value)

@@ -16,9 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..models.loader import SAFETENSORS_DTYPES
+from ..models.loader import INDEX_FILE, SAFETENSORS_DTYPES
 
-INDEX_FILE = "model.safetensors.index.json"
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 # the order safetensors writes a file's tensors in: by dtype, this list first to last, then by name
 _ORDER = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E5M2", "F8_E4M3", "I8")

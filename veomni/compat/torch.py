@@ -36,7 +36,6 @@ __all__ = [
     "grouped_mm_available",
     "grouped_mm",
     "parameter_slots",
-    "non_persistent_buffer_names",
     "reset_optimizer_step_hooks",
     "unhooked_step",
     "DCP_PRIVATE_PICKLED",
@@ -183,12 +182,6 @@ def parameter_slots(module: nn.Module) -> Dict[str, Optional[nn.Parameter]]:
     """`module._parameters`: the module's own parameter dict, written in place (meta-device init, re-tying shared
     parameters). `named_parameters()` cannot replace a parameter object; `register_parameter` re-runs checks."""
     return module._parameters
-
-
-def non_persistent_buffer_names(module: nn.Module) -> set:
-    """`module._non_persistent_buffers_set`: the module's own buffers that `state_dict()` leaves out (rotary
-    `inv_freq`); torch exposes no public query."""
-    return module._non_persistent_buffers_set
 
 
 def reset_optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> None:

@@ -112,8 +112,5 @@ def set_tf32(enabled: bool, device_type: str) -> None:
     if device_type != "cuda":
         return
     precision = "tf32" if enabled else "ieee"
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
-        torch.backends.cuda.matmul.fp32_precision = precision
-        torch.backends.cudnn.conv.fp32_precision = precision
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision

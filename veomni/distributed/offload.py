@@ -10,27 +10,8 @@ optimizer of a MultiOptimizer. On a CPU-only machine the moves are no-ops and tr
 import torch
 from torch import nn
 
-from ..compat.torch import local_tensor
 from ..optim.multi_optimizer import named_optimizers
 from ..utils.device import empty_cache, get_device, synchronize
-
-
-def model_device_bytes(model: nn.Module, device: torch.device) -> int:
-    """Bytes of this rank's parameters, gradients and buffers that sit on `device`."""
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *model.buffers()]
-    return sum(
-        local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors if local_tensor(t).device == device
-    )
-
-
-def optimizer_device_bytes(optimizer, device: torch.device) -> int:
-    total = 0
-    for opt in named_optimizers(optimizer).values():
-        for state in opt.state.values():
-            for value in state.values():
-                if torch.is_tensor(value) and local_tensor(value).device == device:
-                    total += local_tensor(value).numel() * local_tensor(value).element_size()
-    return total
 
 
 @torch.no_grad()

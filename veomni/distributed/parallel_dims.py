@@ -14,7 +14,7 @@ degrees come from the config by one formula (veomni.arguments.parallel_sizes), w
 reads too.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -35,8 +35,7 @@ class ParallelDims(ParallelSizes):
     @classmethod
     def from_config(cls, acc, world_size: Optional[int]) -> "ParallelDims":
         """The degrees `train.accelerator` (an AcceleratorArguments) means on `world_size` ranks."""
-        sizes = resolve_parallel_sizes(acc, world_size)
-        return cls(**{f.name: getattr(sizes, f.name) for f in fields(ParallelSizes)})
+        return cls(**vars(resolve_parallel_sizes(acc, world_size)))
 
     @classmethod
     def resolve(cls, world_size: Optional[int], **sizes) -> "ParallelDims":
@@ -59,12 +58,9 @@ class ParallelDims(ParallelSizes):
         """Ranks that hold their own tokens: loss-token counts are summed over them."""
         return self.dp * self.ulysses
 
-    def extra_size(self, name: str) -> int:
-        return next((extra.size for extra in self.extras if extra.name == name), 1)
-
     @property
     def ep(self) -> int:
-        return self.extra_size("ep")
+        return next((extra.size for extra in self.extras if extra.name == "ep"), 1)
 
     # ------------------------------------------------------------------- meshes
     def build_meshes(self, device_type: str) -> "ParallelMeshes":

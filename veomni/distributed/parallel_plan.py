@@ -72,6 +72,3 @@ def expert_shard_placement(param: torch.Tensor, zero_comm: bool = False, ep_fsdp
     """
     local_experts = (param.to_local() if isinstance(param, DTensor) else param).shape[0]
     return Shard(0) if zero_comm and local_experts % ep_fsdp_size == 0 else Shard(1)
-
-
-apply_expert_parallel = apply_ep  # the name earlier releases exported

@@ -143,6 +143,3 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     tie_again(model, tied)
     logger.info(f"tensor parallel over tp={tp_size}: {len(plan)} plan entries, {len(tied)} tied parameter(s)")
     return model
-
-
-apply_tensor_parallel = apply_tp  # the name earlier releases exported

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..compat.torch import non_persistent_buffer_names, parameter_slots
+from ..compat.torch import parameter_slots
 from ..compat.transformers import keys_to_ignore_on_load_unexpected
 from ..utils.hub import first_line
 from ..utils.logging import get_logger
@@ -279,14 +279,6 @@ def local_index(target: torch.Tensor) -> Optional[Tuple[slice, ...]]:
     return tuple(slice(lo, hi) for lo, hi in bounds)
 
 
-def non_persistent_buffers(model: nn.Module) -> set:
-    names = set()
-    for prefix, module in model.named_modules():
-        for b in non_persistent_buffer_names(module):
-            names.add(f"{prefix}.{b}" if prefix else b)
-    return names
-
-
 def ignored_unexpected(model: nn.Module) -> Optional["re.Pattern"]:
     """Checkpoint keys `from_pretrained` drops without a word (`_adjust_missing_and_unexpected_keys`): the model's
     `_keys_to_ignore_on_load_unexpected` (an MTP head, an Omni talker), old per-layer `rotary_emb.inv_freq`, and
@@ -387,7 +379,7 @@ class ModelWeights:
         if plan.skipped:
             logger.info(f"{weights_path}: skipped {len(plan.skipped)} tensors of the Omni speech output (talker etc.)")
         provided = {target for group in self.groups for target in group.targets()} | set(self.tie_checks.values())
-        missing = [n for n in state if n not in provided and n not in tied and n not in non_persistent_buffers(model)]
+        missing = [n for n in state if n not in provided and n not in tied]  # (no non-persistent buffer in state)
         if missing:
             raise WeightsMismatchError(self._missing_message(missing))
         for group in self.groups:

@@ -41,7 +41,7 @@ def lora_config(args, base_model_path: Optional[str] = None):
     # absolute, so `AutoPeftModelForCausalLM.from_pretrained(adapter)` finds the base from any directory; a base
     # that came by hub name (resolved into the hub cache) records that name, and any other name stays as given
     hub_name = hub_name_of(base_model_path)
-    if hub_name is None and _is_folder(base_model_path):
+    if hub_name is None and os.path.isdir(base_model_path or ""):
         base_model_path = os.path.abspath(base_model_path)
     return LoraConfig(
         r=args.r,
@@ -54,10 +54,6 @@ def lora_config(args, base_model_path: Optional[str] = None):
     )
 
 
-def _is_folder(path: Optional[str]) -> bool:
-    return path is not None and os.path.isdir(path)
-
-
 def peft_target_modules(names: List[str]):
     """Our list form to PEFT's: names (suffix match), `all-linear`, or one `re:` pattern (full match)."""
     if len(names) == 1 and names[0].startswith(REGEX_PREFIX):
@@ -65,11 +61,6 @@ def peft_target_modules(names: List[str]):
     if names == ["all-linear"]:
         return "all-linear"
     return list(names)
-
-
-def _linear_names(model: nn.Module, limit: int = 8) -> List[str]:
-    names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-    return names[:limit]
 
 
 def is_lora_model(model: nn.Module) -> bool:
@@ -94,9 +85,10 @@ def attach_lora(model: nn.Module, args, seed: int, base_model_path: Optional[str
     try:
         inject_adapter_in_model(lora_config(args, base_model_path), model, adapter_name=ADAPTER)
     except ValueError as err:  # PEFT's "Target modules ... not found": say which key and what there is
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(
             f"model.lora.target_modules={args.target_modules}: {err}. Linear layers of "
-            f"{type(model).__name__}: {_linear_names(model)}"
+            f"{type(model).__name__}: {linear[:8]}"
         ) from err
     _refuse_tied_targets(model, args.target_modules)
     initial = _initial_adapters(model, seed)

@@ -223,11 +223,6 @@ def _unpacked_forward(module, query, key, value, attention_mask, dropout, scalin
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
 
 
-def _varlen_mask(*args, **kwargs):
-    """No (S x S) mask: at most the 2-D padding mask, as for flash attention."""
-    return flash_attention_mask(*args, **kwargs)
-
-
 AttentionInterface.register(VARLEN, varlen_attention_forward)
-AttentionMaskInterface.register(VARLEN, _varlen_mask)
+AttentionMaskInterface.register(VARLEN, flash_attention_mask)  # no (S x S) mask: at most the 2-D padding mask
 skip_packed_sequence_detection(VARLEN)  # it finds the documents itself: transformers' search would read the device

@@ -6,6 +6,8 @@ from typing import Iterable, Tuple
 import torch
 from torch.optim import Optimizer
 
+from .multi_optimizer import closure_loss
+
 
 class AnyPrecisionAdamW(Optimizer):
     def __init__(
@@ -34,10 +36,7 @@ class AnyPrecisionAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]

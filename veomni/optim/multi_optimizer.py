@@ -1,10 +1,18 @@
 """MultiOptimizer: several optimizers over disjoint parameter sets, driven as one (e.g. Muon + AdamW)."""
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from ..compat.torch import reset_optimizer_step_hooks
+
+
+def closure_loss(closure) -> Optional[torch.Tensor]:
+    """An optimizer step's `closure()` (re-evaluating the loss with gradients on), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def named_optimizers(optimizer) -> Dict[str, torch.optim.Optimizer]:
@@ -60,10 +68,7 @@ class MultiOptimizer(torch.optim.Optimizer):
         return {name: opt.param_groups[0]["lr"] for name, opt in self.optimizers_dict.items()}
 
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for opt in self.optimizers_dict.values():
             opt.step()
         return loss

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ..compat.torch import local_tensor
 from ..utils.logging import get_logger
+from .multi_optimizer import closure_loss
 
 logger = get_logger(__name__)
 
@@ -152,6 +153,28 @@ def _own_piece(full: torch.Tensor, m: _Matrix, rank: int) -> torch.Tensor:
     return full.narrow(m.dim, sum(m.sizes[:rank]), m.sizes[rank])
 
 
+def _pack(rows: List[List[torch.Tensor]], width: int, dtype, device) -> torch.Tensor:
+    """[len(rows), width] zeros whose row j holds the pieces of `rows[j]`, flattened one after another."""
+    out = torch.zeros(len(rows), width, dtype=dtype, device=device)
+    for j, pieces in enumerate(rows):
+        if pieces:
+            flat = torch.cat([p.reshape(-1) for p in pieces])
+            out[j, : flat.numel()] = flat
+    return out
+
+
+def _unpack(received: torch.Tensor, mats: List[_Matrix]) -> List[torch.Tensor]:
+    """The whole matrices `mats`, each assembled from its pieces: rank r's piece of each, in order, in row r."""
+    offsets, whole = [0] * received.shape[0], []
+    for m in mats:
+        pieces = []
+        for r in range(received.shape[0]):
+            pieces.append(received[r, offsets[r] : offsets[r] + m.numel_of(r)])
+            offsets[r] += m.numel_of(r)
+        whole.append(_assemble(pieces, m))
+    return whole
+
+
 def _exchange_owner(mats: List[_Matrix], group, size: int, rank: int, ns, dtype) -> None:
     """Deal whole-matrix NS out to the ranks: shards -> owner (all-to-all), NS, results -> shards (all-to-all)."""
     load = [0.0] * size
@@ -162,31 +185,15 @@ def _exchange_owner(mats: List[_Matrix], group, size: int, rank: int, ns, dtype)
     owned = [[k for k in range(len(mats)) if owner[k] == j] for j in range(size)]
     # the longest payload any rank sends to any rank: everyone pads to it (equal splits work on gloo)
     width = max(sum(mats[k].numel_of(r) for k in owned[j]) for j in range(size) for r in range(size))
-    device = mats[0].shard.device
-    send = torch.zeros(size, width, dtype=dtype, device=device)
-    for j in range(size):
-        pieces = [mats[k].shard.reshape(-1) for k in owned[j]]
-        if pieces:
-            flat = torch.cat(pieces)
-            send[j, : flat.numel()] = flat
+    send = _pack([[mats[k].shard for k in owned[j]] for j in range(size)], width, dtype, mats[0].shard.device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     # recv[r] holds rank r's shards of the matrices this rank owns, in order
-    offsets, whole = [0] * size, []
-    for k in owned[rank]:
-        pieces = []
-        for r in range(size):
-            n = mats[k].numel_of(r)
-            pieces.append(recv[r, offsets[r] : offsets[r] + n])
-            offsets[r] += n
-        whole.append(_assemble(pieces, mats[k]))
-    results = _ns_batched(whole, ns)
-    back = torch.zeros_like(send)
-    for r in range(size):
-        pieces = [_own_piece(res, mats[k], r).reshape(-1) for k, res in zip(owned[rank], results)]
-        if pieces:
-            flat = torch.cat(pieces)
-            back[r, : flat.numel()] = flat
+    mine = [mats[k] for k in owned[rank]]
+    results = _ns_batched(_unpack(recv, mine), ns)
+    back = _pack(
+        [[_own_piece(res, m, r) for m, res in zip(mine, results)] for r in range(size)], width, dtype, send.device
+    )
     recv_back = torch.empty_like(back)
     dist.all_to_all_single(recv_back, back, group=group)
     for j in range(size):  # recv_back[j]: my shards of the matrices rank j owns
@@ -200,21 +207,10 @@ def _exchange_owner(mats: List[_Matrix], group, size: int, rank: int, ns, dtype)
 def _exchange_all_gather(mats: List[_Matrix], group, size: int, rank: int, ns, dtype) -> None:
     """Every rank gathers every matrix whole (one all-gather) and orthogonalises all of them."""
     width = max(sum(m.numel_of(r) for m in mats) for r in range(size))
-    flat = torch.cat([m.shard.reshape(-1) for m in mats])
-    send = torch.zeros(width, dtype=dtype, device=flat.device)
-    send[: flat.numel()] = flat
-    recv = torch.empty(size * width, dtype=dtype, device=flat.device)  # flat: gloo wants chunks shaped like `send`
+    send = _pack([[m.shard for m in mats]], width, dtype, mats[0].shard.device)[0]
+    recv = torch.empty(size * width, dtype=dtype, device=send.device)  # flat: gloo wants chunks shaped like `send`
     dist.all_gather_into_tensor(recv, send, group=group)
-    recv = recv.view(size, width)
-    offsets, whole = [0] * size, []
-    for m in mats:
-        pieces = []
-        for r in range(size):
-            n = m.numel_of(r)
-            pieces.append(recv[r, offsets[r] : offsets[r] + n])
-            offsets[r] += n
-        whole.append(_assemble(pieces, m))
-    for m, res in zip(mats, _ns_batched(whole, ns)):
+    for m, res in zip(mats, _ns_batched(_unpack(recv.view(size, width), mats), ns)):
         m.result = _own_piece(res, m, rank)
 
 
@@ -285,10 +281,7 @@ class DistributedMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             self._step_group(group)
         return loss

@@ -42,10 +42,6 @@ def launch_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> PendingHea
     return PendingHeads(received, batch, heads // sp, seq, dim, sp)
 
 
-def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return launch_seq_to_heads(x, group).wait()
-
-
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[B, sp * S, H / sp, D] (attention output for this rank's heads) -> [B, S, H, D] for this rank's shard."""
     sp = dist.get_world_size(group)
