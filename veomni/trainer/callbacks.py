@@ -1,7 +1,7 @@
 """What a run shows and leaves behind: a progress bar, metrics.jsonl, optional wandb/TensorBoard, loss.png (loss,
 LR and resume points).
 
-Every callback is a no-op on ranks other than 0, so the trainer calls them unconditionally.
+They act on rank 0 only: the trainer builds them there (run_callbacks.standard_callbacks), and only those asked for.
 """
 
 import json
@@ -56,13 +56,11 @@ class ProgressCallback(Callback):
     """Rank 0: a line when training starts (with the set-up time), a tqdm bar on a terminal (step/total, elapsed,
     ETA, loss, tokens/s), and every `log_steps` a plain line with the same facts, which is what a log file keeps."""
 
-    def __init__(self, enabled: bool, log_steps: int = 1):
-        self.enabled, self.log_steps, self.bar = enabled, max(log_steps, 1), None
+    def __init__(self, log_steps: int = 1):
+        self.log_steps, self.bar = max(log_steps, 1), None
         self.start, self.first_step = 0.0, 0
 
     def on_train_begin(self, trainer):
-        if not self.enabled:
-            return
         import sys
 
         from tqdm import tqdm
@@ -102,7 +100,7 @@ class ProgressCallback(Callback):
                 f"lr {metrics['lr']:.3e}{moe_summary(metrics)} {metrics['tokens_per_sec']:.0f} tok/s | "
                 f"{_clock(elapsed)} elapsed, ETA {_clock(self.eta(step, total))}"
             )
-        if "eval_pairs" in metrics:  # a preference run's held-out pairs (veomni.trainer.preference_eval)
+        if "eval_pairs" in metrics:  # a preference run's held-out pairs (veomni.trainer.dpo_trainer)
             self.bar.write(
                 f"step {step}/{total}: eval loss {metrics['eval_loss']:.4f} reward accuracy "
                 f"{metrics['eval_rewards/accuracies']:.3f} margin {metrics['eval_rewards/margins']:.4f} "
@@ -122,13 +120,13 @@ class ProgressCallback(Callback):
 class MetricsFileCallback(Callback):
     """One JSON object per optimizer step, appended (a resumed run continues the same file)."""
 
-    def __init__(self, enabled: bool, path: str):
-        self.enabled, self.path = enabled, path
+    def __init__(self, path: str):
+        self.path, self.resumed_from = path, None
         self.history: List[Dict[str, Any]] = []
 
     def on_train_begin(self, trainer):
         self.resumed_from = trainer.global_step or None  # marked on the first step after a resume (loss.png)
-        if self.enabled and os.path.isfile(self.path):
+        if os.path.isfile(self.path):
             with open(self.path) as f:
                 self.history = [json.loads(line) for line in f if line.strip()]
             # a resumed run rewrites the steps after its checkpoint
@@ -137,9 +135,7 @@ class MetricsFileCallback(Callback):
                 f.writelines(json.dumps(m) + "\n" for m in self.history)
 
     def on_step_end(self, trainer, metrics):
-        if not self.enabled:
-            return
-        if getattr(self, "resumed_from", None):
+        if self.resumed_from:
             metrics["resumed_from"], self.resumed_from = self.resumed_from, None
         self.history.append(metrics)
         with open(self.path, "a") as f:
@@ -150,11 +146,11 @@ class LossPlotCallback(Callback):
     """loss.png beside metrics.jsonl at the end of training: train and eval loss, the LR (right axis) and the steps
     where the run was resumed."""
 
-    def __init__(self, enabled: bool, metrics: MetricsFileCallback, path: str):
-        self.enabled, self.metrics, self.path = enabled, metrics, path
+    def __init__(self, metrics: MetricsFileCallback, path: str):
+        self.metrics, self.path = metrics, path
 
     def on_train_end(self, trainer):
-        if not self.enabled or not self.metrics.history:
+        if not self.metrics.history:
             return
         draw_loss_plot(self.metrics.history, self.path)
         logger.info(f"loss curve written to {self.path}")
@@ -206,13 +202,10 @@ def draw_loss_plot(history: List[Dict[str, Any]], path: str) -> List[str]:
 
 
 class WandbCallback(Callback):
-    def __init__(self, enabled: bool, project: str, name: Optional[str], mode: str, config: Dict[str, Any], out: str):
-        self.enabled, self.run = enabled, None
-        self.kwargs = dict(project=project, name=name, mode=mode, config=config, dir=out)
+    def __init__(self, project: str, name: Optional[str], mode: str, config: Dict[str, Any], out: str):
+        self.run, self.kwargs = None, dict(project=project, name=name, mode=mode, config=config, dir=out)
 
     def on_train_begin(self, trainer):
-        if not self.enabled:
-            return
         try:
             import wandb
         except ImportError:
@@ -236,16 +229,15 @@ class WandbCallback(Callback):
 
 
 class TensorBoardCallback(Callback):
-    def __init__(self, enabled: bool, log_dir: str):
-        self.enabled, self.log_dir, self.writer = enabled, log_dir, None
+    def __init__(self, log_dir: str):
+        self.log_dir, self.writer = log_dir, None
 
     def on_train_begin(self, trainer):
-        if self.enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ImportError("train.use_tensorboard needs tensorboard: pip install tensorboard") from None
-            self.writer = SummaryWriter(self.log_dir)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ImportError("train.use_tensorboard needs tensorboard: pip install tensorboard") from None
+        self.writer = SummaryWriter(self.log_dir)
 
     def on_step_end(self, trainer, metrics):
         if self.writer is not None:

@@ -29,8 +29,34 @@ from ..data.preference import PreferenceCollator, process_preference_example
 from ..models import build_tokenizer
 from ..ops.preference_loss import SequenceLogps, preference_loss, split_pairs
 from .dpo_reference import build_reference, sequence_logps
-from .preference_eval import STAT_NAMES, PreferenceEvaluator, pair_stats
+from .evaluation import Evaluator
 from .text_trainer import TextTrainer
+
+STAT_NAMES = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def pair_stats(losses, chosen, rejected, ref_chosen, ref_rejected, beta: float) -> torch.Tensor:
+    """Sums over the pairs of STAT_NAMES (float64, detached); rewards are beta * (policy - reference) log-probs."""
+    chosen_rewards = beta * (chosen - ref_chosen).detach()
+    rejected_rewards = beta * (rejected - ref_rejected).detach()
+    values = (
+        losses.detach(),
+        chosen_rewards,
+        rejected_rewards,
+        (chosen_rewards > rejected_rewards).float(),
+        chosen_rewards - rejected_rewards,
+        chosen.detach(),
+        rejected.detach(),
+    )
+    return torch.stack([v.double().sum() for v in values])
 
 
 class DPOTrainer(TextTrainer):
@@ -61,12 +87,15 @@ class DPOTrainer(TextTrainer):
         return PreferenceCollator(MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs()))
 
     def build_evaluator(self, dataset, loader, collate):
-        def stats(micro_batch):
-            with torch.no_grad():
-                return self.dpo_forward(self._to_device(micro_batch))[1]
+        """The pair statistics' means over the held-out pairs (eval_loss, eval_rewards/accuracies, ..., eval_pairs)."""
 
-        state, eval_steps = self.parallel_state, self.args.train.eval_steps
-        return PreferenceEvaluator(dataset, loader, collate, stats, self.model, state, self.device, eval_steps)
+        def stats(micro_batch):  # [STAT_NAMES sums (once per sequence-parallel group), pairs]
+            with torch.no_grad():
+                sums = self.dpo_forward(self._to_device(micro_batch))[1]
+            return torch.cat([sums, sums.new_tensor([micro_batch["loss_units"]])])
+
+        state, steps = self.parallel_state, self.args.train.eval_steps
+        return Evaluator(dataset, loader, collate, stats, STAT_NAMES, "pairs", self.model, state, self.device, steps)
 
     def build_model(self) -> None:
         super().build_model()

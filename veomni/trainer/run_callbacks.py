@@ -29,7 +29,7 @@ class SummaryCallback(Callback):
         self.metrics, self.best, self.progress = metrics, best, progress  # (the progress bar times the run)
 
     def on_train_end(self, trainer):
-        if not self.progress.enabled or not self.metrics.history:
+        if not self.metrics.history:
             return
         last = self.metrics.history[-1]
         evals = [m for m in self.metrics.history if "eval_loss" in m]
@@ -54,20 +54,22 @@ class SummaryCallback(Callback):
 
 
 def standard_callbacks(trainer) -> List[Callback]:
-    """metrics.jsonl, progress, eval_prompts samples, the best eval loss, loss.png, wandb, TensorBoard, summary.
-    Order matters: what adds to a step's metrics (samples) comes before what writes them."""
-    args, main, out = trainer.args, trainer.is_main, trainer.output_dir
+    """eval_prompts samples and the best eval loss (every rank); on rank 0 metrics.jsonl, progress, and those asked
+    for of loss.png, wandb and TensorBoard, then the summary. Order matters: what adds to a step's metrics (samples)
+    comes before what writes them."""
+    args, out = trainer.args, trainer.output_dir
     train, ckpt = args.train, args.train.checkpoint
-    metrics = MetricsFileCallback(main, os.path.join(out, "metrics.jsonl"))
-    best = BestEvalCallback(ckpt.keep_best, train.early_stopping_patience, ckpt.save_steps, out, main)
-    wandb, progress = train.wandb, ProgressCallback(main, train.log_steps)
-    return [
-        SampleGenerationCallback(train.eval_prompts, train.eval_max_new_tokens, ckpt.save_steps),
-        best,
-        metrics,
-        progress,
-        LossPlotCallback(main and train.loss_plot, metrics, os.path.join(out, "loss.png")),
-        WandbCallback(main and wandb.enable, wandb.project, wandb.name, wandb.mode, dataclasses.asdict(args), out),
-        TensorBoardCallback(main and train.use_tensorboard, os.path.join(out, "tensorboard")),
-        SummaryCallback(metrics, best, progress),
-    ]
+    best = BestEvalCallback(ckpt.keep_best, train.early_stopping_patience, ckpt.save_steps, out, trainer.is_main)
+    every_rank = [SampleGenerationCallback(train.eval_prompts, train.eval_max_new_tokens, ckpt.save_steps), best]
+    if not trainer.is_main:
+        return every_rank
+    metrics, progress = MetricsFileCallback(os.path.join(out, "metrics.jsonl")), ProgressCallback(train.log_steps)
+    sinks = [metrics, progress]
+    if train.loss_plot:
+        sinks.append(LossPlotCallback(metrics, os.path.join(out, "loss.png")))
+    if train.wandb.enable:
+        wandb = train.wandb
+        sinks.append(WandbCallback(wandb.project, wandb.name, wandb.mode, dataclasses.asdict(args), out))
+    if train.use_tensorboard:
+        sinks.append(TensorBoardCallback(os.path.join(out, "tensorboard")))
+    return every_rank + sinks + [SummaryCallback(metrics, best, progress)]
