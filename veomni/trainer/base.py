@@ -47,12 +47,11 @@ from ..utils.collectives import HostGroup
 from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
 from . import lifecycle
-from .callbacks import Callback
+from .callbacks import Callback, standard_callbacks
 from .checkpointing import RunDir, TrainCheckpointer, TrainState
 from .evaluation import Evaluator, build_eval_loader
 from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
-from .run_callbacks import standard_callbacks
 from .step_count import close_loader, plan_steps
 from .step_metrics import PendingMetrics, host_loss_tokens, timed
 
@@ -111,7 +110,7 @@ class BaseTrainer:
         self.train_dataloader = self.build_dataloader()
         self.compute_train_steps()
         self.run_dir.refuse_completed(self.total_steps)
-        self.run_dir.announce()
+        logger.info(self.run_dir.message)  # (once the run is known to go ahead: not before a refusal just above)
         self.eval_data = None  # (dataset, loader, collator) of data.eval_path
         if args.data.eval_path:  # before the model too: a held-out file that fails, fails in seconds
             self.eval_data = build_eval_loader(args, self.build_data_transform(), self.build_collator())
@@ -167,8 +166,10 @@ class BaseTrainer:
     def compute_train_steps(self) -> None:
         """The step plan (step_count.py): sets `train.train_steps`, `epoch_steps`, `total_steps`, `whole_epochs`."""
         dataset = getattr(self, "train_dataset", None)  # (None: a step plan without the data's description)
-        plan = plan_steps(self.args, self.train_dataloader, dataset, self._count_loader_steps)
-        self.epoch_steps, self.total_steps, self.whole_epochs = plan.epoch_steps, plan.total_steps, plan.whole_epochs
+        self.epoch_steps, self.whole_epochs = plan_steps(
+            self.args, self.train_dataloader, dataset, self._count_loader_steps
+        )
+        self.total_steps = sum(self.epoch_steps)
 
     def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
         """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data."""
@@ -203,28 +204,15 @@ class BaseTrainer:
 
     def build_optimizer(self) -> None:
         opt = self.args.train.optimizer
-        # the muon_* keys are Muon's (its AdamW sibling group takes lr / weight_decay / betas / eps)
-        muon = {k: v for k, v in dataclasses.asdict(opt).items() if k.startswith("muon_")} if opt.type == "muon" else {}
-        self.optimizer = build_optimizer(
-            self.model,
-            lr=opt.lr,
-            weight_decay=opt.weight_decay,
-            betas=opt.betas,
-            eps=opt.eps,
-            optimizer_type=opt.type,
-            **({} if opt.type == "anyprecision_adamw" else {"fused": opt.fused}),
-            **muon,
-        )
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer,
-            train_steps=self.total_steps,
-            lr=opt.lr,
-            lr_min=opt.lr_min,
-            lr_decay_style=opt.lr_decay_style,
-            lr_decay_ratio=opt.lr_decay_ratio,
-            lr_warmup_ratio=opt.lr_warmup_ratio,
-            lr_start=opt.lr_start,
-        )
+        kwargs = {k: getattr(opt, k) for k in ("lr", "weight_decay", "betas", "eps")}
+        if opt.type != "anyprecision_adamw":
+            kwargs["fused"] = opt.fused
+        if opt.type == "muon":  # the muon_* keys are Muon's (its AdamW sibling group takes the keys above)
+            kwargs.update({k: v for k, v in dataclasses.asdict(opt).items() if k.startswith("muon_")})
+        self.optimizer = build_optimizer(self.model, optimizer_type=opt.type, **kwargs)
+        keys = ("lr", "lr_min", "lr_decay_style", "lr_decay_ratio", "lr_warmup_ratio", "lr_start")
+        schedule = {k: getattr(opt, k) for k in keys}
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, train_steps=self.total_steps, **schedule)
 
     def build_callbacks(self) -> List[Callback]:
         return standard_callbacks(self)  # metrics.jsonl, progress, plots, samples, best eval, wandb/TensorBoard

@@ -23,14 +23,13 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from ..data.chat_template import build_chat_template
 from ..data.data_collator import MainCollator
 from ..data.preference import PreferenceCollator, process_preference_example
 from ..models import build_tokenizer
 from ..ops.preference_loss import SequenceLogps, preference_loss, split_pairs
 from .dpo_reference import build_reference, sequence_logps
 from .evaluation import Evaluator
-from .text_trainer import TextTrainer
+from .text_trainer import TextTrainer, conversation_keys
 
 STAT_NAMES = (
     "loss",
@@ -69,18 +68,12 @@ class DPOTrainer(TextTrainer):
     def build_data_transform(self):
         data = self.args.data
         self.tokenizer = build_tokenizer(self.args.model.tokenizer_path, self.args.model.trust_remote_code)
-        # the response is the last assistant turn: only it carries log-probs
-        chat_template = build_chat_template(
-            data.chat_template, self.tokenizer, last_turn_only=True, think_loss=data.think_loss
-        )
-        self.training_chat_template = chat_template.get_jinja_template() or None
-        text_keys = "messages" if data.text_keys == "text" else data.text_keys
         return partial(
             process_preference_example,
             tokenizer=self.tokenizer,
-            chat_template=chat_template,
+            chat_template=self.conversation_template(last_turn_only=True),  # the response: only it carries log-probs
             max_seq_len=data.max_seq_len,
-            text_keys=text_keys,
+            text_keys=conversation_keys(data),
         )
 
     def build_collator(self):

@@ -204,7 +204,7 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
         else f"{train.micro_batch_size} samples"
     )
     per_step = f"{batch_description(args, None, None)}; micro-batches of {unit}"
-    epochs = getattr(trainer, "epoch_steps", [train.train_steps])
+    epochs = trainer.epoch_steps
     per_epoch = " + ".join(map(str, epochs)) if len(set(epochs)) > 1 else str(epochs[0])
     lines += [
         "=== steps ===",
@@ -235,7 +235,7 @@ def first_sample(dataset) -> Optional[Tuple[Dict[str, Any], str]]:
 
 def log_first_sample(trainer, limit: int = 1200) -> None:
     """Log the first sample once, on rank 0, decoded and marked (the whole of it when short, else both ends)."""
-    if not getattr(trainer, "is_main", False) or getattr(trainer, "tokenizer", None) is None:
+    if not trainer.is_main or trainer.tokenizer is None:
         return
     try:
         found = first_sample(trainer.train_dataset)

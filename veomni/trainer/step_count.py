@@ -6,8 +6,7 @@ schedule spans the planned steps. The loader is never rebuilt: a token-budget wa
 counted steps, is set on it (`set_warmup_steps`) until the count no longer moves.
 """
 
-from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from ..arguments import ConfigError
 from ..utils.logging import get_logger
@@ -15,18 +14,9 @@ from ..utils.logging import get_logger
 logger = get_logger(__name__)
 
 
-@dataclass
-class StepPlan:
-    epoch_steps: List[int]  # optimizer steps of each epoch
-    whole_epochs: bool  # every epoch runs to the end of its data (not cut by max_steps)
-
-    @property
-    def total_steps(self) -> int:
-        return sum(self.epoch_steps)
-
-
-def plan_steps(args, loader, dataset, count_steps: Callable[[Optional[int]], Optional[int]]) -> StepPlan:
-    """The run's step plan; sets `args.train.train_steps` (steps of the first epoch) and the loader's warmup.
+def plan_steps(args, loader, dataset, count_steps: Callable[[Optional[int]], Optional[int]]) -> Tuple[List[int], bool]:
+    """The run's step plan: the optimizer steps of each epoch, and whether every epoch runs to the end of its data
+    (not cut by max_steps). Sets `args.train.train_steps` (steps of the first epoch) and the loader's warmup.
     `count_steps(limit)`: steps every data-parallel rank's loader yields this epoch (None for streamed data)."""
     train = args.train
     for _ in range(3):  # a token-budget warmup changes the batches, and the warmup length follows the steps
@@ -51,7 +41,7 @@ def plan_steps(args, loader, dataset, count_steps: Callable[[Optional[int]], Opt
     held = sum(epoch_steps)  # what the epochs hold (each counted up to max_steps at most)
     epoch_steps = _stop_at(epoch_steps, train.max_steps)
     whole = counted if counted and not (train.max_steps and counted >= train.max_steps) else None  # (not capped)
-    plan = StepPlan(epoch_steps, whole_epochs=whole is not None and sum(epoch_steps) == held)
+    total = sum(epoch_steps)
     if train.max_steps and held < train.max_steps:
         logger.warning(
             f"train.max_steps={train.max_steps} but {train.num_train_epochs} epoch(s) of the data hold {held} steps: "
@@ -60,12 +50,9 @@ def plan_steps(args, loader, dataset, count_steps: Callable[[Optional[int]], Opt
         )
     per_epoch = " + ".join(map(str, epoch_steps)) if len(set(epoch_steps)) > 1 else train.train_steps
     holds = "; " + batch_description(args, dataset, whole) if getattr(args, "data", None) is not None else ""
-    stop = f" (train.max_steps {train.max_steps} stops the run there)" if plan.total_steps < held else ""
-    logger.info(
-        f"{per_epoch} steps per epoch ({how}), {plan.total_steps} in total{stop}; the LR schedule spans "
-        f"{plan.total_steps}{holds}"
-    )
-    return plan
+    stop = f" (train.max_steps {train.max_steps} stops the run there)" if total < held else ""
+    logger.info(f"{per_epoch} steps per epoch ({how}), {total} in total{stop}; the LR schedule spans {total}{holds}")
+    return epoch_steps, whole is not None and total == held
 
 
 def _stop_at(epoch_steps: List[int], max_steps: Optional[int]) -> List[int]:
