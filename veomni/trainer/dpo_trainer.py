@@ -23,7 +23,6 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from ..data.data_collator import MainCollator
 from ..data.preference import PreferenceCollator, process_preference_example
 from ..models import build_tokenizer
 from ..ops.preference_loss import SequenceLogps, preference_loss, split_pairs
@@ -77,7 +76,7 @@ class DPOTrainer(TextTrainer):
         )
 
     def build_collator(self):
-        return PreferenceCollator(MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs()))
+        return PreferenceCollator(super().build_collator())
 
     def build_evaluator(self, dataset, loader, collate):
         """The pair statistics' means over the held-out pairs (eval_loss, eval_rewards/accuracies, ..., eval_pairs)."""
