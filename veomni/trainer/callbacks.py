@@ -15,7 +15,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..models.generate import reply
 from ..utils.logging import get_logger
 from .moe_metrics import moe_summary
 
@@ -348,6 +347,8 @@ class SampleGenerationCallback(Callback):
     def on_step_end(self, trainer, metrics):
         if not self.due(trainer, metrics):
             return
+        from ..models.generate import reply  # (not at import: the planner's callbacks import this module)
+
         model = trainer.model
         model.eval()
         try:
