@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from ..data.data_transform import IGNORE_INDEX
 from ..utils.logging import get_logger
-from .step_count import batch_description
+from .step_count import batch_description, micro_batch_unit
 
 logger = get_logger(__name__)
 
@@ -198,12 +198,7 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
             head = _shorten(tok.decode(ids[start:end]), 70)
             loss = sum(loss_flags(labels[start:end]))
             lines.append(f"  document {d + 1}: tokens {start}..{end - 1} ({end - start} tokens, {loss} loss) {head!r}")
-    unit = (
-        f"up to {train.micro_batch_size * data.max_seq_len:,} tokens"
-        if train.dyn_bsz
-        else f"{train.micro_batch_size} samples"
-    )
-    per_step = f"{batch_description(args, None, None)}; micro-batches of {unit}"
+    per_step = f"{batch_description(args, None, None)}; micro-batches of {micro_batch_unit(train, data)}"
     epochs = trainer.epoch_steps
     per_epoch = " + ".join(map(str, epochs)) if len(set(epochs)) > 1 else str(epochs[0])
     lines += [

@@ -112,20 +112,25 @@ def batch_description(args, dataset, steps_per_epoch: Optional[int]) -> str:
     return text
 
 
+def micro_batch_unit(train, data) -> str:
+    """What one micro-batch holds: a token budget under dyn_bsz, else a number of samples."""
+    return (
+        f"up to {train.micro_batch_size * data.max_seq_len:,} tokens"
+        if train.dyn_bsz
+        else f"{train.micro_batch_size} samples"
+    )
+
+
 def zero_steps_message(args, dataset) -> str:
     train, data = args.train, args.data
     try:
         records = f"the {len(dataset)} records"
     except TypeError:
         records = "the data"
-    unit = (
-        f"micro-batches of up to {train.micro_batch_size} * {data.max_seq_len} tokens"
-        if train.dyn_bsz
-        else f"micro-batches of {train.micro_batch_size} samples"
-    )
     return (
         f"this run would train 0 steps: {records} ({data.train_path}) do not fill one global batch on every "
-        f"data-parallel rank ({train.dataloader_batch_size} {unit} per rank, {train.accelerator.dp_size} ranks). "
+        f"data-parallel rank ({train.dataloader_batch_size} micro-batches of {micro_batch_unit(train, data)} per "
+        f"rank, {train.accelerator.dp_size} ranks). "
         "Use more data, or a smaller train.global_batch_size / train.micro_batch_size"
         + (" (check the warnings above: data.skip_bad_samples skipped bad records)" if data.skip_bad_samples else "")
     )
