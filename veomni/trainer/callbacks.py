@@ -51,7 +51,11 @@ def scalar_items(metrics: Dict[str, Any]) -> Iterator[Tuple[str, float]]:
 
 
 def _clock(seconds: float) -> str:
-    return "?" if seconds != seconds else tqdm.format_interval(seconds)  # (NaN: nothing measured yet)
+    if seconds != seconds:  # NaN: nothing measured yet
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
 class ProgressCallback(Callback):
