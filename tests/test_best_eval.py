@@ -9,8 +9,8 @@ import pytest
 
 from veomni.checkpoint import list_checkpoints
 from veomni.checkpoint.checkpointer import Checkpointer
-from veomni.trainer import best_eval
-from veomni.trainer.best_eval import BestEvalCallback
+from veomni.trainer import callbacks
+from veomni.trainer.callbacks import BestEvalCallback
 
 SAVE_STEPS, LIMIT = 2, 1
 
@@ -54,7 +54,7 @@ LOSSES = [5.0, 4.0, 4.5, 4.8, 4.9, 3.0, 2.0]  # best at step 2, then three evalu
 
 def test_keep_best_keeps_the_lowest_eval_loss_through_retention_and_early_stopping_stops(tmp_path, monkeypatch):
     said = []
-    monkeypatch.setattr(best_eval.logger, "info", said.append)
+    monkeypatch.setattr(callbacks.logger, "info", said.append)
     trainer, kept = run(str(tmp_path / "run"), LOSSES, keep_best=True, patience=3)
     assert trainer.total_steps == 5 and trainer.global_step == 5  # stopped after the 3rd stale evaluation
     assert kept == [2, 5]  # the best (step 2) beside the newest save_total_limit=1

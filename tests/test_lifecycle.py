@@ -297,7 +297,7 @@ def test_heartbeat_starts_with_the_group_and_names_a_peer_stopped_before_its_fir
     from veomni.trainer import lifecycle
 
     store, group = _DictStore(), threading.Event()
-    monkeypatch.setattr(lifecycle, "_default_store", lambda: store if group.is_set() else None)
+    monkeypatch.setattr(lifecycle, "default_store", lambda: store if group.is_set() else None)
     monkeypatch.setitem(lifecycle._state, "joined", None)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")

@@ -9,11 +9,11 @@ from veomni.trainer.callbacks import MetricsFileCallback, draw_loss_plot
 
 def test_a_resumed_run_marks_its_first_step_and_the_plot_draws_it_with_the_lr(tmp_path):
     path = str(tmp_path / "metrics.jsonl")
-    metrics = MetricsFileCallback(True, path)
+    metrics = MetricsFileCallback(path)
     metrics.on_train_begin(SimpleNamespace(global_step=0))
     for step in (1, 2, 3):
         metrics.on_step_end(None, {"step": step, "loss": 3.0 - step / 10, "lr": 1e-3 * step})
-    resumed = MetricsFileCallback(True, path)  # the next process, resuming from the checkpoint of step 2
+    resumed = MetricsFileCallback(path)  # the next process, resuming from the checkpoint of step 2
     resumed.on_train_begin(SimpleNamespace(global_step=2))
     for step in (3, 4):
         resumed.on_step_end(None, {"step": step, "loss": 3.0 - step / 10, "lr": 1e-3 * step, "eval_loss": 2.9})

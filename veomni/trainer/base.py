@@ -39,7 +39,7 @@ from ..distributed.parallel_state import init_parallel_state_from_config
 from ..distributed.torch_parallelize import parallelize
 from ..models import build_foundation_model
 from ..models.lora import attach_lora, base_checkpoint_names, place_adapters
-from ..ops import CausalLMLoss, LossOutput
+from ..ops import CausalLMLoss, LossOutput, count_loss_tokens
 from ..ops.kernels import bind_kernels, resolve_loss_implementation
 from ..ops.moe import load_balancing_loss_sum
 from ..optim import build_lr_scheduler, build_optimizer
@@ -47,14 +47,13 @@ from ..utils.collectives import HostGroup
 from ..utils.device import get_device, get_device_type
 from ..utils.logging import get_logger
 from . import lifecycle
-from .callbacks import Callback
+from .callbacks import Callback, standard_callbacks
 from .checkpointing import RunDir, TrainCheckpointer, TrainState
 from .evaluation import Evaluator, build_eval_loader
 from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
-from .run_callbacks import standard_callbacks
-from .step_count import close_loader, plan_steps, set_epoch
-from .step_metrics import PendingMetrics, StepClock, host_loss_tokens
+from .step_count import close_loader, plan_steps
+from .step_metrics import PendingMetrics, host_loss_tokens, timed
 
 logger = get_logger(__name__)
 
@@ -105,12 +104,16 @@ class BaseTrainer:
         check_paths(args)
         self.tokenizer = self.training_chat_template = None  # set by the data's transform (TextTrainer)
         self.train_dataset = self.build_dataset()
-        self.check_data()
+        # the transform on the first records, the tokenizer against the model's vocabulary: seconds, not minutes
+        check_first_records(self.train_dataset, args.data)
+        check_vocab(self.tokenizer, args.model)
         self.train_dataloader = self.build_dataloader()
         self.compute_train_steps()
         self.run_dir.refuse_completed(self.total_steps)
-        self.run_dir.announce()
-        self.eval_data = self.build_eval_data()  # before the model too: a held-out file that fails, fails in seconds
+        logger.info(self.run_dir.message)  # (once the run is known to go ahead: not before a refusal just above)
+        self.eval_data = None  # (dataset, loader, collator) of data.eval_path
+        if args.data.eval_path:  # before the model too: a held-out file that fails, fails in seconds
+            self.eval_data = build_eval_loader(args, self.build_data_transform(), self.build_collator())
         if self.is_main:
             save_args(args, self.output_dir)
         self.state = TrainState()
@@ -157,20 +160,16 @@ class BaseTrainer:
     def build_dataset(self):
         raise NotImplementedError
 
-    def check_data(self) -> None:
-        """The transform on the first records, and the tokenizer against the model's vocabulary: a configuration that
-        fits no record fails here, in seconds."""
-        check_first_records(self.train_dataset, self.args.data)
-        check_vocab(self.tokenizer, self.args.model)
-
     def build_dataloader(self):
         raise NotImplementedError
 
     def compute_train_steps(self) -> None:
         """The step plan (step_count.py): sets `train.train_steps`, `epoch_steps`, `total_steps`, `whole_epochs`."""
         dataset = getattr(self, "train_dataset", None)  # (None: a step plan without the data's description)
-        plan = plan_steps(self.args, self.train_dataloader, dataset, self._count_loader_steps)
-        self.epoch_steps, self.total_steps, self.whole_epochs = plan.epoch_steps, plan.total_steps, plan.whole_epochs
+        self.epoch_steps, self.whole_epochs = plan_steps(
+            self.args, self.train_dataloader, dataset, self._count_loader_steps
+        )
+        self.total_steps = sum(self.epoch_steps)
 
     def _count_loader_steps(self, limit: Optional[int]) -> Optional[int]:
         """Steps every data-parallel rank can take this epoch (the fewest of any rank), or None for streamed data."""
@@ -193,42 +192,27 @@ class BaseTrainer:
         """Samples -> one packed micro-batch (the DPO trainer packs pairs with its own)."""
         return MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs())
 
-    def build_eval_data(self):
-        """(dataset, loader, collator) of `data.eval_path`, or None without it."""
-        if not self.args.data.eval_path:
-            return None
-        return build_eval_loader(self.args, self.build_data_transform(), self.build_collator())
-
     def build_evaluator(self, dataset, loader, collate) -> Evaluator:
         """The held-out loss, through this trainer's LM loss (no auxiliary losses)."""
-        loss_sum = lambda mb: self.lm_loss(self._to_device(mb)).loss_sum  # noqa: E731
-        eval_steps = self.args.train.eval_steps
-        return Evaluator(dataset, loader, collate, loss_sum, self.model, self.parallel_state, self.device, eval_steps)
+
+        def stats(micro_batch):  # [loss sum, loss tokens]
+            loss = self.lm_loss(self._to_device(micro_batch)).loss_sum.double()
+            return torch.stack([loss, loss.new_tensor(count_loss_tokens(micro_batch["labels"]))])
+
+        state, steps = self.parallel_state, self.args.train.eval_steps
+        return Evaluator(dataset, loader, collate, stats, ("loss",), "tokens", self.model, state, self.device, steps)
 
     def build_optimizer(self) -> None:
         opt = self.args.train.optimizer
-        # the muon_* keys are Muon's (its AdamW sibling group takes lr / weight_decay / betas / eps)
-        muon = {k: v for k, v in dataclasses.asdict(opt).items() if k.startswith("muon_")} if opt.type == "muon" else {}
-        self.optimizer = build_optimizer(
-            self.model,
-            lr=opt.lr,
-            weight_decay=opt.weight_decay,
-            betas=opt.betas,
-            eps=opt.eps,
-            optimizer_type=opt.type,
-            **({} if opt.type == "anyprecision_adamw" else {"fused": opt.fused}),
-            **muon,
-        )
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer,
-            train_steps=self.total_steps,
-            lr=opt.lr,
-            lr_min=opt.lr_min,
-            lr_decay_style=opt.lr_decay_style,
-            lr_decay_ratio=opt.lr_decay_ratio,
-            lr_warmup_ratio=opt.lr_warmup_ratio,
-            lr_start=opt.lr_start,
-        )
+        kwargs = {k: getattr(opt, k) for k in ("lr", "weight_decay", "betas", "eps")}
+        if opt.type != "anyprecision_adamw":
+            kwargs["fused"] = opt.fused
+        if opt.type == "muon":  # the muon_* keys are Muon's (its AdamW sibling group takes the keys above)
+            kwargs.update({k: v for k, v in dataclasses.asdict(opt).items() if k.startswith("muon_")})
+        self.optimizer = build_optimizer(self.model, optimizer_type=opt.type, **kwargs)
+        keys = ("lr", "lr_min", "lr_decay_style", "lr_decay_ratio", "lr_warmup_ratio", "lr_start")
+        schedule = {k: getattr(opt, k) for k in keys}
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, train_steps=self.total_steps, **schedule)
 
     def build_callbacks(self) -> List[Callback]:
         return standard_callbacks(self)  # metrics.jsonl, progress, plots, samples, best eval, wandb/TensorBoard
@@ -412,7 +396,7 @@ class BaseTrainer:
         state = self.state
         for epoch in range(state.epoch, self.args.train.num_train_epochs):
             state.epoch = epoch
-            set_epoch(self.train_dataloader, epoch, state.global_step - state.epoch_step)
+            self.train_dataloader.set_epoch(epoch, first_step=state.global_step - state.epoch_step)
             rng = torch.get_rng_state()  # a new loader iterator draws its worker seed from the global generator:
             data_iterator = iter(self.train_dataloader)  # continues mid-epoch after a resume
             torch.set_rng_state(rng)  # keep that draw out of the training stream, so a resume replays dropout exactly
@@ -430,10 +414,7 @@ class BaseTrainer:
             state.epoch_step = 0
 
     def _timed_step(self, micro_batches, totals) -> PendingMetrics:
-        clock = StepClock(self.device)
-        clock.start()
-        metrics = self.train_step(micro_batches, totals)
-        seconds = clock.stop()
+        metrics, seconds = timed(self.device, lambda: self.train_step(micro_batches, totals))
         state = self.state
         state.global_step += 1
         state.epoch_step += 1

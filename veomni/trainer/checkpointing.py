@@ -72,21 +72,16 @@ class RunDir:
                 if plan.move_aside:
                     moved = move_run_aside(self.output_dir)
                     path = remap_into(path, self.output_dir, moved)
-                answer = [(path, moved, plan.message, None)]
+                answer = [(path, moved, plan.message)]
             except Exception as err:  # every rank must leave the broadcast below, with the same error
-                answer = [(None, None, None, (type(err).__name__, str(err)))]
+                answer = [err]
         dist.broadcast_object_list(answer, src=0)
-        path, moved, message, error = answer[0]
-        if error is not None:
-            known = {"RunDirError": RunDirError, "FileNotFoundError": FileNotFoundError}
-            raise known.get(error[0], RuntimeError)(error[1] if error[0] in known else f"{error[0]}: {error[1]}")
+        if isinstance(answer[0], Exception):
+            raise answer[0]
+        path, moved, message = answer[0]
+        # what happens to the folder (resume, fresh start, previous run moved aside): said once the run goes ahead
         self.message = message + (f"; previous run moved to {moved}" if moved else "")
         return path
-
-    def announce(self) -> None:
-        """Say what happens to the folder (resume, fresh start, previous run moved aside): once the run is known to
-        go ahead (a completed run's refusal used to follow a "resuming from ..." line)."""
-        logger.info(self.message)
 
     def release(self) -> None:
         """Free the folder now rather than when this process ends (a failed run inside a longer-lived process: the

@@ -23,14 +23,38 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from ..data.chat_template import build_chat_template
-from ..data.data_collator import MainCollator
 from ..data.preference import PreferenceCollator, process_preference_example
 from ..models import build_tokenizer
 from ..ops.preference_loss import SequenceLogps, preference_loss, split_pairs
 from .dpo_reference import build_reference, sequence_logps
-from .preference_eval import STAT_NAMES, PreferenceEvaluator, pair_stats
-from .text_trainer import TextTrainer
+from .evaluation import Evaluator
+from .text_trainer import TextTrainer, conversation_keys
+
+STAT_NAMES = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def pair_stats(losses, chosen, rejected, ref_chosen, ref_rejected, beta: float) -> torch.Tensor:
+    """Sums over the pairs of STAT_NAMES (float64, detached); rewards are beta * (policy - reference) log-probs."""
+    chosen_rewards = beta * (chosen - ref_chosen).detach()
+    rejected_rewards = beta * (rejected - ref_rejected).detach()
+    values = (
+        losses.detach(),
+        chosen_rewards,
+        rejected_rewards,
+        (chosen_rewards > rejected_rewards).float(),
+        chosen_rewards - rejected_rewards,
+        chosen.detach(),
+        rejected.detach(),
+    )
+    return torch.stack([v.double().sum() for v in values])
 
 
 class DPOTrainer(TextTrainer):
@@ -43,30 +67,27 @@ class DPOTrainer(TextTrainer):
     def build_data_transform(self):
         data = self.args.data
         self.tokenizer = build_tokenizer(self.args.model.tokenizer_path, self.args.model.trust_remote_code)
-        # the response is the last assistant turn: only it carries log-probs
-        chat_template = build_chat_template(
-            data.chat_template, self.tokenizer, last_turn_only=True, think_loss=data.think_loss
-        )
-        self.training_chat_template = chat_template.get_jinja_template() or None
-        text_keys = "messages" if data.text_keys == "text" else data.text_keys
         return partial(
             process_preference_example,
             tokenizer=self.tokenizer,
-            chat_template=chat_template,
+            chat_template=self.conversation_template(last_turn_only=True),  # the response: only it carries log-probs
             max_seq_len=data.max_seq_len,
-            text_keys=text_keys,
+            text_keys=conversation_keys(data),
         )
 
     def build_collator(self):
-        return PreferenceCollator(MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs()))
+        return PreferenceCollator(super().build_collator())
 
     def build_evaluator(self, dataset, loader, collate):
-        def stats(micro_batch):
-            with torch.no_grad():
-                return self.dpo_forward(self._to_device(micro_batch))[1]
+        """The pair statistics' means over the held-out pairs (eval_loss, eval_rewards/accuracies, ..., eval_pairs)."""
 
-        state, eval_steps = self.parallel_state, self.args.train.eval_steps
-        return PreferenceEvaluator(dataset, loader, collate, stats, self.model, state, self.device, eval_steps)
+        def stats(micro_batch):  # [STAT_NAMES sums (once per sequence-parallel group), pairs]
+            with torch.no_grad():
+                sums = self.dpo_forward(self._to_device(micro_batch))[1]
+            return torch.cat([sums, sums.new_tensor([micro_batch["loss_units"]])])
+
+        state, steps = self.parallel_state, self.args.train.eval_steps
+        return Evaluator(dataset, loader, collate, stats, STAT_NAMES, "pairs", self.model, state, self.device, steps)
 
     def build_model(self) -> None:
         super().build_model()

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from ..data import Batching, build_dataset, build_loader
 from ..data.data_transform import IGNORE_INDEX
-from ..ops import count_loss_tokens
 from . import lifecycle
 
 
@@ -40,14 +39,14 @@ def build_eval_loader(args, transform, collate_fn: Callable):
 
 
 class Evaluator:
-    """Runs the held-out set through `loss_sum(micro_batch)` (the LM loss of one micro-batch on the device).
-    A subclass sums other statistics over the same walk: its `_micro_batch_stats` (a `stat_width` float64 vector)."""
+    """Runs the held-out set through `stats(micro_batch)`: a float64 vector on the device, sums over the micro-batch
+    of the statistics `names`, then the count they are averaged over (`unit`: loss tokens, or pairs for a preference
+    loss). `evaluate` reports each as `eval_<name>` (its mean over the held-out set) and the count as `eval_<unit>`."""
 
-    stat_width = 2  # [loss sum, loss tokens]
-
-    def __init__(self, dataset, loader, collate, loss_sum: Callable, model, parallel_state, device, eval_steps: int):
-        self.dataset, self.loader, self.collate, self.loss_sum = dataset, loader, collate, loss_sum
-        self.model, self.parallel_state, self.device, self.eval_steps = model, parallel_state, device, eval_steps
+    def __init__(self, dataset, loader, collate, stats: Callable, names, unit, model, parallel_state, device, steps):
+        self.dataset, self.loader, self.collate = dataset, loader, collate
+        self.stats, self.names, self.unit = stats, names, unit
+        self.model, self.parallel_state, self.device, self.eval_steps = model, parallel_state, device, steps
 
     def due(self, global_step: int, total_steps: int) -> bool:
         """Every eval_steps and after the last step, on every rank alike."""
@@ -55,21 +54,19 @@ class Evaluator:
         return global_step >= total_steps or (every > 0 and global_step % every == 0)
 
     def evaluate(self, global_step: int) -> Dict[str, Any]:
-        """{"eval_loss", "eval_ppl", "eval_tokens"} over the whole held-out set. Collective: every rank alike."""
-        totals = self._held_out_sums(global_step)
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(totals[1].item())}
-
-    def _micro_batch_stats(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
-        """[loss sum, loss tokens] of one micro-batch (float64)."""
-        loss = self.loss_sum(micro_batch).double()
-        return torch.stack([loss, loss.new_tensor(count_loss_tokens(micro_batch["labels"]))])
+        """The means over the whole held-out set (with the token-weighted LM loss, its perplexity). Collective."""
+        *sums, count = self._held_out_sums(global_step).tolist()
+        out = {f"eval_{name}": value / max(count, 1) for name, value in zip(self.names, sums)}
+        out[f"eval_{self.unit}"] = int(count)
+        if self.unit == "tokens":
+            out["eval_ppl"] = math.exp(min(out["eval_loss"], 700.0))
+        return out
 
     def _held_out_sums(self, global_step: int) -> torch.Tensor:
-        """`_micro_batch_stats` summed over the held-out set and all data- and sequence-parallel ranks. Collective:
+        """`stats` summed over the held-out set and all data- and sequence-parallel ranks. Collective:
         every rank runs one forward per round while any rank has a micro-batch, then one all-reduce."""
         state = self.parallel_state
-        sums = torch.zeros(self.stat_width, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(len(self.names) + 1, dtype=torch.float64, device=self.device)
         self.loader.set_epoch(0)
         # micro-batch i of the one-process plan goes to data-parallel rank i mod dp_size (a rank collates and drops
         # the others': held-out sets are small), so every sample is evaluated once on any number of ranks
@@ -85,7 +82,7 @@ class Evaluator:
                     dist.all_reduce(have, op=dist.ReduceOp.MAX, group=state.dp_sp_group)
                     if not have.item():
                         break
-                    stats = self._micro_batch_stats(step[0] if step else self._masked_batch())
+                    stats = self.stats(step[0] if step else self._masked_batch())
                     if step:  # (a masked batch adds nothing, and its labels count no token)
                         sums += stats.to(sums.device)
         finally:

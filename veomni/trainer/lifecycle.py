@@ -32,6 +32,8 @@ import time
 import traceback
 from typing import Callable, Optional, Sequence
 
+# default_store never imports torch: the heartbeat thread starts before the task imports it, and a second thread
+# importing a half-initialised torch raises (which silently killed the heartbeat). No torch, no group, no store.
 from ..compat.torch_runtime import default_store
 
 # stop signals by precedence when ranks saw different ones; SIGHUP is the launcher's death (see watch_parent)
@@ -169,15 +171,9 @@ def install_stop_handlers() -> None:
 
 
 # ------------------------------------------------------------------------------------------- heartbeat
-def _default_store():
-    # never import torch from here: the heartbeat thread starts before the task imports it, and a second thread
-    # importing a half-initialised torch raises (which silently killed the heartbeat). No torch, no group, no store.
-    return default_store()
-
-
 def _heartbeat_loop(stop: threading.Event) -> None:
     while True:
-        store = _default_store()
+        store = default_store()
         if store is not None and _state["joined"] is None:
             _state["joined"] = time.time()
         # once a stop is under way the launcher may be gone with its store: nothing left to tell it
@@ -193,7 +189,7 @@ def _heartbeat_loop(stop: threading.Event) -> None:
 
 def _stalled_peers() -> str:
     """Ranks whose heartbeat is missing or stale, with their last step and phase ('' if none or unknown)."""
-    store = _default_store()
+    store = default_store()
     if store is None:
         return ""
     try:
@@ -243,7 +239,7 @@ def _is_collective_failure(err: BaseException) -> bool:
 def _claim_report() -> Optional[bool]:
     """True on the first rank to fail (the store decides), False on later ones; None before the process group
     exists (no echoes yet: every failing rank read the same inputs, and local rank 0 says it)."""
-    store = _default_store()
+    store = default_store()
     if store is None:
         return None
     try:

@@ -40,9 +40,8 @@ class RoutingCounter:
         self.num_layers = len(modules)
         self.num_experts = int(modules[0].num_experts) if modules else 0
         self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64, device=device)
-        self.handles = [
-            m.register_forward_pre_hook(self._hook(layer), with_kwargs=True) for layer, m in enumerate(modules)
-        ]
+        for layer, module in enumerate(modules):
+            module.register_forward_pre_hook(self._hook(layer), with_kwargs=True)
 
     def _hook(self, layer: int):
         # compiled decoder layers run it eagerly (it reads whether autograd is in backward)
@@ -59,10 +58,6 @@ class RoutingCounter:
 
     def reset(self) -> None:
         self.counts.zero_()
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 def load_stats(counts: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from ..data.data_transform import IGNORE_INDEX
 from ..utils.logging import get_logger
-from .step_count import batch_description
+from .step_count import batch_description, micro_batch_unit
 
 logger = get_logger(__name__)
 
@@ -198,13 +198,8 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
             head = _shorten(tok.decode(ids[start:end]), 70)
             loss = sum(loss_flags(labels[start:end]))
             lines.append(f"  document {d + 1}: tokens {start}..{end - 1} ({end - start} tokens, {loss} loss) {head!r}")
-    unit = (
-        f"up to {train.micro_batch_size * data.max_seq_len:,} tokens"
-        if train.dyn_bsz
-        else f"{train.micro_batch_size} samples"
-    )
-    per_step = f"{batch_description(args, None, None)}; micro-batches of {unit}"
-    epochs = getattr(trainer, "epoch_steps", [train.train_steps])
+    per_step = f"{batch_description(args, None, None)}; micro-batches of {micro_batch_unit(train, data)}"
+    epochs = trainer.epoch_steps
     per_epoch = " + ".join(map(str, epochs)) if len(set(epochs)) > 1 else str(epochs[0])
     lines += [
         "=== steps ===",
@@ -224,18 +219,17 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
 
 # ---------------------------------------------------------------------------------- first sample of a run
 def first_sample(dataset) -> Optional[Tuple[Dict[str, Any], str]]:
-    """The sample of the first record that gives one (and where it is), from the dataset's `peek`."""
-    for source in getattr(dataset, "sources", None) or [dataset]:
-        for where, _, outcome in source.peek(8) if hasattr(source, "peek") else []:
-            if isinstance(outcome, list) and outcome and "input_ids" in outcome[0]:
-                return outcome[0], where
-        return None
+    """The sample of the first record that gives one (and where it is), from the first source's `peek`."""
+    source = (getattr(dataset, "sources", None) or [dataset])[0]
+    for where, _, outcome in source.peek(8) if hasattr(source, "peek") else []:
+        if isinstance(outcome, list) and outcome and "input_ids" in outcome[0]:
+            return outcome[0], where
     return None
 
 
 def log_first_sample(trainer, limit: int = 1200) -> None:
     """Log the first sample once, on rank 0, decoded and marked (the whole of it when short, else both ends)."""
-    if not getattr(trainer, "is_main", False) or getattr(trainer, "tokenizer", None) is None:
+    if not trainer.is_main or trainer.tokenizer is None:
         return
     try:
         found = first_sample(trainer.train_dataset)

@@ -6,9 +6,7 @@ schedule spans the planned steps. The loader is never rebuilt: a token-budget wa
 counted steps, is set on it (`set_warmup_steps`) until the count no longer moves.
 """
 
-import inspect
-from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from ..arguments import ConfigError
 from ..utils.logging import get_logger
@@ -16,18 +14,9 @@ from ..utils.logging import get_logger
 logger = get_logger(__name__)
 
 
-@dataclass
-class StepPlan:
-    epoch_steps: List[int]  # optimizer steps of each epoch
-    whole_epochs: bool  # every epoch runs to the end of its data (not cut by max_steps)
-
-    @property
-    def total_steps(self) -> int:
-        return sum(self.epoch_steps)
-
-
-def plan_steps(args, loader, dataset, count_steps: Callable[[Optional[int]], Optional[int]]) -> StepPlan:
-    """The run's step plan; sets `args.train.train_steps` (steps of the first epoch) and the loader's warmup.
+def plan_steps(args, loader, dataset, count_steps: Callable[[Optional[int]], Optional[int]]) -> Tuple[List[int], bool]:
+    """The run's step plan: the optimizer steps of each epoch, and whether every epoch runs to the end of its data
+    (not cut by max_steps). Sets `args.train.train_steps` (steps of the first epoch) and the loader's warmup.
     `count_steps(limit)`: steps every data-parallel rank's loader yields this epoch (None for streamed data)."""
     train = args.train
     for _ in range(3):  # a token-budget warmup changes the batches, and the warmup length follows the steps
@@ -52,7 +41,7 @@ def plan_steps(args, loader, dataset, count_steps: Callable[[Optional[int]], Opt
     held = sum(epoch_steps)  # what the epochs hold (each counted up to max_steps at most)
     epoch_steps = _stop_at(epoch_steps, train.max_steps)
     whole = counted if counted and not (train.max_steps and counted >= train.max_steps) else None  # (not capped)
-    plan = StepPlan(epoch_steps, whole_epochs=whole is not None and sum(epoch_steps) == held)
+    total = sum(epoch_steps)
     if train.max_steps and held < train.max_steps:
         logger.warning(
             f"train.max_steps={train.max_steps} but {train.num_train_epochs} epoch(s) of the data hold {held} steps: "
@@ -61,12 +50,9 @@ def plan_steps(args, loader, dataset, count_steps: Callable[[Optional[int]], Opt
         )
     per_epoch = " + ".join(map(str, epoch_steps)) if len(set(epoch_steps)) > 1 else train.train_steps
     holds = "; " + batch_description(args, dataset, whole) if getattr(args, "data", None) is not None else ""
-    stop = f" (train.max_steps {train.max_steps} stops the run there)" if plan.total_steps < held else ""
-    logger.info(
-        f"{per_epoch} steps per epoch ({how}), {plan.total_steps} in total{stop}; the LR schedule spans "
-        f"{plan.total_steps}{holds}"
-    )
-    return plan
+    stop = f" (train.max_steps {train.max_steps} stops the run there)" if total < held else ""
+    logger.info(f"{per_epoch} steps per epoch ({how}), {total} in total{stop}; the LR schedule spans {total}{holds}")
+    return epoch_steps, whole is not None and total == held
 
 
 def _stop_at(epoch_steps: List[int], max_steps: Optional[int]) -> List[int]:
@@ -92,19 +78,11 @@ def _count_later_epochs(train, loader, count_steps) -> List[int]:
     the global step leaves the budgets of later epochs full. Collective (one all-reduce per epoch)."""
     steps = [train.train_steps]
     for epoch in range(1, train.num_train_epochs):
-        set_epoch(loader, epoch, sum(steps))
+        loader.set_epoch(epoch, first_step=sum(steps))
         counted = count_steps(train.max_steps)
         steps.append(min(counted, train.max_steps) if train.max_steps else counted)
-    set_epoch(loader, 0, 0)
+    loader.set_epoch(0, first_step=0)
     return steps
-
-
-def set_epoch(loader, epoch: int, first_step: int) -> None:
-    """Reshuffle for `epoch`; loaders that take it also learn the run's steps before the epoch (bsz warmup)."""
-    if "first_step" in inspect.signature(loader.set_epoch).parameters:
-        loader.set_epoch(epoch, first_step=first_step)
-    else:
-        loader.set_epoch(epoch)
 
 
 def close_loader(loader) -> None:
@@ -134,20 +112,25 @@ def batch_description(args, dataset, steps_per_epoch: Optional[int]) -> str:
     return text
 
 
+def micro_batch_unit(train, data) -> str:
+    """What one micro-batch holds: a token budget under dyn_bsz, else a number of samples."""
+    return (
+        f"up to {train.micro_batch_size * data.max_seq_len:,} tokens"
+        if train.dyn_bsz
+        else f"{train.micro_batch_size} samples"
+    )
+
+
 def zero_steps_message(args, dataset) -> str:
     train, data = args.train, args.data
     try:
         records = f"the {len(dataset)} records"
     except TypeError:
         records = "the data"
-    unit = (
-        f"micro-batches of up to {train.micro_batch_size} * {data.max_seq_len} tokens"
-        if train.dyn_bsz
-        else f"micro-batches of {train.micro_batch_size} samples"
-    )
     return (
         f"this run would train 0 steps: {records} ({data.train_path}) do not fill one global batch on every "
-        f"data-parallel rank ({train.dataloader_batch_size} {unit} per rank, {train.accelerator.dp_size} ranks). "
+        f"data-parallel rank ({train.dataloader_batch_size} micro-batches of {micro_batch_unit(train, data)} per "
+        f"rank, {train.accelerator.dp_size} ranks). "
         "Use more data, or a smaller train.global_batch_size / train.micro_batch_size"
         + (" (check the warnings above: data.skip_bad_samples skipped bad records)" if data.skip_bad_samples else "")
     )

@@ -11,39 +11,28 @@ The step time is measured the same way on CUDA, by two timing events around the 
 needed; elsewhere the host clock around the step is the step time (a CPU runs its kernels synchronously).
 """
 
+import math
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
 from ..ops.loss import count_loss_tokens
 
-Finish = Callable[[Dict[str, Any]], None]
 
-
-class StepClock:
-    """Start/stop of one step's time: CUDA timing events on CUDA (read later, no sync), the host clock elsewhere."""
-
-    def __init__(self, device: torch.device):
-        self.events = device.type == "cuda"
-        self.started: Any = None
-
-    def start(self) -> None:
-        if self.events:
-            self.started = torch.cuda.Event(enable_timing=True)
-            self.started.record()
-        else:
-            self.started = time.perf_counter()
-
-    def stop(self) -> Callable[[], float]:
-        """The step's seconds, as a function to call once its end has been reached."""
-        started = self.started
-        if not self.events:
-            seconds = time.perf_counter() - started
-            return lambda: seconds
-        ended = torch.cuda.Event(enable_timing=True)
-        ended.record()
-        return lambda: started.elapsed_time(ended) / 1000.0
+def timed(device: torch.device, step: Callable[[], Any]) -> Tuple[Any, Callable[[], float]]:
+    """`step()`'s result and its seconds, as a function to call once its end has been reached: CUDA timing events
+    on CUDA (read later, no sync), the host clock elsewhere."""
+    if device.type != "cuda":
+        started = time.perf_counter()
+        result = step()
+        seconds = time.perf_counter() - started
+        return result, lambda: seconds
+    started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    started.record()
+    result = step()
+    ended.record()
+    return result, lambda: started.elapsed_time(ended) / 1000.0
 
 
 class PendingMetrics:
@@ -56,7 +45,7 @@ class PendingMetrics:
         host: Dict[str, Any],
         device: Dict[str, torch.Tensor],
         step_seconds: Callable[[], float],
-        finish: Optional[Finish] = None,
+        finish: Callable[[Dict[str, Any]], None],
     ):
         self.host, self.step_seconds, self.finish = host, step_seconds, finish
         self.shapes = {name: tuple(t.shape) for name, t in device.items()}
@@ -79,15 +68,13 @@ class PendingMetrics:
         values = self.copy.tolist() if self.copy is not None else []
         start = 0
         for name, shape in self.shapes.items():
-            size = int(torch.Size(shape).numel())
-            part = (
-                [int(v) for v in values[start : start + size]] if name in self.integer else values[start : start + size]
-            )
+            size = math.prod(shape)
+            part = values[start : start + size]
+            part = [int(v) for v in part] if name in self.integer else part
             out[name] = part[0] if shape == () else part
             start += size
         out["step_time"] = self.step_seconds()
-        if self.finish is not None:
-            self.finish(out)
+        self.finish(out)
         return out
 
 

@@ -23,7 +23,6 @@ class TextTrainer(BaseTrainer):
         also says (rank 0, once) which chat template trains, and warns when it is not the tokenizer's own (the one
         the exported model carries)."""
         from ..arguments import ConfigError
-        from ..data.chat_template import training_template_note
 
         data = self.args.data
         self.tokenizer = build_tokenizer(self.args.model.tokenizer_path, self.args.model.trust_remote_code)
@@ -42,9 +41,23 @@ class TextTrainer(BaseTrainer):
                 text_keys=data.text_keys,
                 split_long=data.over_length != "truncate",
             )
-        own = getattr(self.tokenizer, "chat_template", None)
+        return partial(
+            process_sft_example,
+            chat_template=self.conversation_template(data.last_turn_only),
+            max_seq_len=data.max_seq_len,
+            text_keys=conversation_keys(data),
+            truncate=data.over_length == "truncate",
+            conversation_format=data.conversation_format,
+        )
+
+    def conversation_template(self, last_turn_only: bool):
+        """The chat template conversations train on (its jinja kept for the HF export); says (rank 0, once) which
+        one trains, and warns when it is not the tokenizer's own (the one the exported model carries)."""
+        from ..data.chat_template import training_template_note
+
+        data, own = self.args.data, getattr(self.tokenizer, "chat_template", None)
         chat_template = build_chat_template(
-            data.chat_template, self.tokenizer, last_turn_only=data.last_turn_only, think_loss=data.think_loss
+            data.chat_template, self.tokenizer, last_turn_only=last_turn_only, think_loss=data.think_loss
         )
         self.training_chat_template = chat_template.get_jinja_template() or None
         info, warning = training_template_note(chat_template, data.chat_template, own)
@@ -52,15 +65,7 @@ class TextTrainer(BaseTrainer):
             logger.info(info)
             if warning:
                 logger.warning(warning)
-        text_keys = "messages" if data.text_keys == "text" else data.text_keys
-        return partial(
-            process_sft_example,
-            chat_template=chat_template,
-            max_seq_len=data.max_seq_len,
-            text_keys=text_keys,
-            truncate=data.over_length == "truncate",
-            conversation_format=data.conversation_format,
-        )
+        return chat_template
 
     def build_dataset(self):
         args = self.args
@@ -120,6 +125,11 @@ class TextTrainer(BaseTrainer):
             logger.warning(f"skipped {total['skipped']} bad samples (data.skip_bad_samples)")
         if ended and left_out_message(total):
             logger.warning(left_out_message(total))
+
+
+def conversation_keys(data) -> str:
+    """The record key of a conversation: `data.text_keys`, read as `messages` when left at its default `text`."""
+    return "messages" if data.text_keys == "text" else data.text_keys
 
 
 _LEFT_OUT = {"empty": "empty records", "blank": "blank lines", "dropped": "samples of a tail too small for a step",

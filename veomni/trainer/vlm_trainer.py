@@ -89,11 +89,9 @@ class VLMTrainer(TextTrainer):
                     f"has {attribute}={have}: the model and the processor do not belong together"
                 )
 
-    def build_data_collate_info(self) -> Dict[str, DataCollateInfo]:
-        return build_data_collate_info(getattr(self.processor.image_processor, "merge_size", 2))
-
     def collate_fn_kwargs(self) -> Dict[str, Any]:
-        return dict(super().collate_fn_kwargs(), collate_infos=self.build_data_collate_info())
+        merge_size = getattr(self.processor.image_processor, "merge_size", 2)
+        return dict(super().collate_fn_kwargs(), collate_infos=build_data_collate_info(merge_size))
 
     def prepare_model(self, model):
         frozen = freeze_encoders(model, self.args.model.freeze_vit, self.args.model.freeze_audio_tower)
