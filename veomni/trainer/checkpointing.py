@@ -9,7 +9,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 import yaml
@@ -20,6 +20,7 @@ from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_confi
 from ..checkpoint.rng import reseed
 from ..checkpoint.run_dir import is_inside, lock_run_dir, remap_into
 from ..data.data_loader import reshard_loader_state
+from ..utils.collectives import on_rank0
 from ..utils.logging import get_logger
 from . import lifecycle
 
@@ -63,22 +64,16 @@ class RunDir:
         self.resume_path = self._prepare(checkpoint_args)
 
     def _prepare(self, ckpt) -> Optional[str]:
-        answer: List[Any] = [None]
-        if dist.get_rank() == 0:
-            try:
-                self._lock = lock_run_dir(self.output_dir)  # first: a second run on this folder stops here
-                plan = plan_run(self.output_dir, ckpt.load_path, ckpt.overwrite)
-                path, moved = plan.load_path, None
-                if plan.move_aside:
-                    moved = move_run_aside(self.output_dir)
-                    path = remap_into(path, self.output_dir, moved)
-                answer = [(path, moved, plan.message)]
-            except Exception as err:  # every rank must leave the broadcast below, with the same error
-                answer = [err]
-        dist.broadcast_object_list(answer, src=0)
-        if isinstance(answer[0], Exception):
-            raise answer[0]
-        path, moved, message = answer[0]
+        def decide():
+            self._lock = lock_run_dir(self.output_dir)  # first: a second run on this folder stops here
+            plan = plan_run(self.output_dir, ckpt.load_path, ckpt.overwrite)
+            path, moved = plan.load_path, None
+            if plan.move_aside:
+                moved = move_run_aside(self.output_dir)
+                path = remap_into(path, self.output_dir, moved)
+            return path, moved, plan.message
+
+        path, moved, message = on_rank0(decide)  # every rank gets the same answer, or rank 0's error
         # what happens to the folder (resume, fresh start, previous run moved aside): said once the run goes ahead
         self.message = message + (f"; previous run moved to {moved}" if moved else "")
         return path
