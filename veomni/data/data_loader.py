@@ -134,10 +134,9 @@ def build_dataloader(
     )  # fmt: skip
 
 
-def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: int, produced: int) -> Dict[str, Any]:
+def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: int) -> Dict[str, Any]:
     """Loader states saved by the ranks of another data-parallel size -> the state for `dp_rank` of `dp_size`:
-    a global position (sized data) is the same on every rank; streamed slots each go to their slot's new rank.
-    (`produced`, the micro-batches this rank's epoch has yielded, is kept for callers of the earlier signature.)"""
+    a global position (sized data) is the same on every rank; streamed slots each go to their slot's new rank."""
     saved = worker_states(states[0]).values()
     if any(s.get("global_position") for s in saved):
         return copy.deepcopy(states[0])
@@ -215,7 +214,7 @@ class MicroBatchLoader(IteratorSlotLoader):
 
     def set_warmup_steps(self, steps: int) -> None:
         """The token-budget warmup's length in steps (known once the run's steps are counted)."""
-        self.stream.warmup_steps = steps
+        self.stream.batching.warmup_steps = steps
 
     def close(self) -> None:
         """Stop the current iterator's worker processes now. `state_dict()` still gives the position reached; a

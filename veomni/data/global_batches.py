@@ -54,15 +54,6 @@ class Batching:
     drop_last: bool = False
 
 
-def warmup_token_budget(step: int, full: int, warmup_steps: int, warmup_init_tokens: int) -> int:
-    """The micro-batch token budget of global step `step` (counted over the whole run): it rises linearly from
-    `warmup_init_tokens` to `full` over the first `warmup_steps` steps. Shared by both loaders' planners."""
-    if warmup_steps == 0 or step >= warmup_steps:
-        return full
-    start = min(warmup_init_tokens, full)
-    return int(start + (full - start) * step / warmup_steps)
-
-
 def first_fit(lengths: Iterable[int], budget: int) -> List[int]:
     """Positions (in arrival order) of the samples that make one dyn_bsz micro-batch: each sample that still fits
     the token budget is taken, the first one always (a sample longer than the budget goes alone); stops as soon as
@@ -152,24 +143,20 @@ class BatchingStream(IterableDataset):
         self._resume: Optional[Dict[str, Any]] = None
         self._state: Dict[str, Any] = {}
 
-    @property
-    def warmup_steps(self) -> int:
-        return self.batching.warmup_steps
-
-    @warmup_steps.setter
-    def warmup_steps(self, steps: int) -> None:
-        """The token-budget warmup's length (the trainer sets it once it knows the run's steps)."""
-        self.batching.warmup_steps = steps
-
     def set_epoch(self, epoch: int, first_step: int = 0) -> None:
         """`first_step`: optimizer steps of the run before this epoch; the token-budget warmup follows the run's
         global step, so it does not start again with each epoch."""
         self.epoch, self.first_step = epoch, first_step
 
     def _token_budget(self, step: int) -> int:
-        """The micro-batch token budget of global step `step` (counted over the whole run)."""
+        """The micro-batch token budget of global step `step` (counted over the whole run): it rises linearly from
+        `warmup_init_tokens` to the full budget over the first `warmup_steps` steps (both streams pack with it)."""
         b = self.batching
-        return warmup_token_budget(step, b.micro_batch_size * b.max_seq_len, b.warmup_steps, b.warmup_init_tokens)
+        full = b.micro_batch_size * b.max_seq_len
+        if b.warmup_steps == 0 or step >= b.warmup_steps:
+            return full
+        start = min(b.warmup_init_tokens, full)
+        return int(start + (full - start) * step / b.warmup_steps)
 
     def state_dict(self) -> Dict[str, Any]:
         # a loaded position not yet reached by iteration (state taken right after a resume) is still the position
@@ -197,8 +184,8 @@ class GlobalBatchStream(BatchingStream):
     def plan(self, epoch: int) -> Plan:
         """The epoch's global steps (each: dp_size * dataloader_batch_size micro-batches), computed once and kept
         beside the sample cache, so a later run with the same data and batching reads it (`_stored_plan`)."""
-        first = min(self.first_step, self.warmup_steps)  # past the warmup, where the epoch starts changes nothing
-        key = (epoch, first, self.warmup_steps)
+        first = min(self.first_step, self.batching.warmup_steps)  # past the warmup, where it starts changes nothing
+        key = (epoch, first, self.batching.warmup_steps)
         if key not in self._plans:
             per_step = self.dp_size * self.dataloader_batch_size
             path = self._plan_path(epoch, first, per_step)
