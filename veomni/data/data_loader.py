@@ -276,19 +276,20 @@ def _slots_per_rank(global_batch_size: Optional[int], micro: int, per_rank: int,
     """dataloader_batch_size from global_batch_size (when given): a step is global_batch_size / micro_batch_size
     micro-batches over dp_size ranks. A global size that does not split, or that contradicts an explicit
     dataloader_batch_size, is refused rather than ignored."""
-    if global_batch_size is None or global_batch_size == micro * per_rank * dp_size:
+    if global_batch_size is None:
         return per_rank
-    if per_rank == 1 and global_batch_size % (micro * dp_size) == 0:
-        return global_batch_size // (micro * dp_size)
     from ..arguments.arguments_types import batch_split_message
 
     if global_batch_size % (micro * dp_size):
         raise ValueError(batch_split_message(global_batch_size, micro, dp_size))
-    raise ValueError(
-        f"global_batch_size={global_batch_size} but micro_batch_size * dataloader_batch_size * dp_size = {micro} * "
-        f"{per_rank} * {dp_size} = {micro * per_rank * dp_size}: give one of them (dataloader_batch_size "
-        f"{global_batch_size // (micro * dp_size)} matches)"
-    )
+    slots = global_batch_size // (micro * dp_size)
+    if per_rank not in (1, slots):
+        raise ValueError(
+            f"global_batch_size={global_batch_size} but micro_batch_size * dataloader_batch_size * dp_size = {micro} "
+            f"* {per_rank} * {dp_size} = {micro * per_rank * dp_size}: give one of them (dataloader_batch_size "
+            f"{slots} matches)"
+        )
+    return slots
 
 
 def _data_parallel_place():

@@ -158,6 +158,12 @@ class BatchingStream(IterableDataset):
         start = min(b.warmup_init_tokens, full)
         return int(start + (full - start) * step / b.warmup_steps)
 
+    def _start_state(self, fresh: Dict[str, Any]) -> Dict[str, Any]:
+        """The position an iteration starts from: a loaded state of this epoch over `fresh`, else `fresh`."""
+        resume, self._resume = self._resume, None
+        self._state = {**fresh, **resume} if resume is not None and resume.get("epoch") == self.epoch else fresh
+        return self._state
+
     def state_dict(self) -> Dict[str, Any]:
         # a loaded position not yet reached by iteration (state taken right after a resume) is still the position
         return copy.deepcopy(self._resume if self._resume is not None else self._state)
@@ -222,13 +228,10 @@ class GlobalBatchStream(BatchingStream):
         plan, accum = self.plan(self.epoch), self.dataloader_batch_size
         ids = self.order(self.epoch)
         # a global position, the same on every rank: any rank's state resumes any world size
-        state = {"global_position": True, "epoch": self.epoch, "step": worker, "micro": 0, "produced": 0}
-        if self._resume is not None and self._resume.get("epoch") == self.epoch:
-            state.update({k: self._resume[k] for k in ("step", "micro", "produced", "samples") if k in self._resume})
-        self._resume = None
-        state.setdefault("samples", 0)
+        state = self._start_state(
+            {"global_position": True, "epoch": self.epoch, "step": worker, "micro": 0, "produced": 0, "samples": 0}
+        )
         state.update(self.dataset.counts(), dropped=plan.dropped)
-        self._state = state
         while state["step"] < len(plan):
             batch = plan.micro_batch(state["step"] * plan.per_step + self.dp_rank * accum + state["micro"])
             if state["micro"] + 1 < accum:  # the state names what comes after this yield

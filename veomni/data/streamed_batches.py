@@ -146,11 +146,7 @@ class SlotStream(BatchingStream):
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         info = get_worker_info()
         worker = info.id if info else 0
-        state: Dict[str, Any] = {"slot_streams": True, "epoch": self.epoch, "streams": {}}
-        if self._resume is not None and self._resume.get("epoch") == self.epoch:
-            state = copy.deepcopy(self._resume)
-        self._resume = None
-        self._state = state
+        state = self._start_state({"slot_streams": True, "epoch": self.epoch, "streams": {}})
         num_shards = self.slots * self.workers
         subs = [
             _SubStream(self, v, num_shards, state["streams"].setdefault(str(v), _fresh()))
@@ -175,7 +171,7 @@ class SlotStream(BatchingStream):
 
     @staticmethod
     def _sum_counters(state: Dict[str, Any]) -> None:
-        """The worker's totals (what data_report and skipped_samples read) over its sub-streams."""
+        """The worker's totals (what data_report reads) over its sub-streams."""
         for c in _COUNTERS:
             state[c] = sum(s[c] for s in state["streams"].values())
         state["blank"] = sum(s["source"].get("blank", 0) for s in state["streams"].values())
