@@ -181,11 +181,11 @@ class GlobalBatchStream(BatchingStream):
         self._plans: Dict[Tuple[int, int, int], Plan] = {}
         self._order: Dict[int, Any] = {}
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The sample ids of the epoch in global order (one epoch kept)."""
+    def order(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The sample ids of the epoch in global order and their lengths (one epoch kept)."""
         if epoch not in self._order:
             self._order = {epoch: self.dataset.epoch_order(epoch)}
-        return self._order[epoch][0]
+        return self._order[epoch]
 
     def plan(self, epoch: int) -> Plan:
         """The epoch's global steps (each: dp_size * dataloader_batch_size micro-batches), computed once and kept
@@ -197,8 +197,7 @@ class GlobalBatchStream(BatchingStream):
             path = self._plan_path(epoch, first, per_step)
             plan = _load_plan(path, per_step)
             if plan is None:
-                self.order(epoch)
-                lengths, b = self._order[epoch][1].tolist(), self.batching
+                lengths, b = self.order(epoch)[1].tolist(), self.batching
                 plan = plan_micro_batches(
                     lengths, per_step, b.micro_batch_size, b.dyn_bsz, lambda s: self._token_budget(first + s),
                     self.buffer_size, b.drop_last,
@@ -226,7 +225,7 @@ class GlobalBatchStream(BatchingStream):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         plan, accum = self.plan(self.epoch), self.dataloader_batch_size
-        ids = self.order(self.epoch)
+        ids = self.order(self.epoch)[0]
         # a global position, the same on every rank: any rank's state resumes any world size
         state = self._start_state(
             {"global_position": True, "epoch": self.epoch, "step": worker, "micro": 0, "produced": 0, "samples": 0}
