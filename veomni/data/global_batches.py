@@ -21,7 +21,7 @@ ranks continues the same sample sequence.
 
 The tail of an epoch: the micro-batches left after the last full step are kept when they can be split (never
 merged, so the token budget holds) into one micro-batch per rank and accumulation slot; otherwise, or with
-drop_last, they are dropped and counted (`dropped_samples(loader)`).
+drop_last, they are dropped and counted (`dropped` in `data_report(loader)`).
 """
 
 import copy

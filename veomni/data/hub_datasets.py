@@ -170,7 +170,6 @@ class HubIterativeDataset(IterativeDataset):
     """IterativeDataset (seeded units per sub-stream, shuffle buffer, exact resume) over a `datasets` stream."""
 
     def __init__(self, ref: HubData, entry: Dict[str, Any], transform=None, seed: int = 42, **kwargs):
-        kwargs.pop("unit_bytes", None)
         super().__init__([], transform, seed=seed, **kwargs)
         self.reader, self.source = HubStreamRecords(ref, entry), ref.describe()
         self.units = self.reader.units()

@@ -111,8 +111,7 @@ class _SubStream:
             del buffer[i]
         samples = [self._pieces(tuple(e[:-2]))[e[-2]] for e in picked]
         live = {tuple(e[:-2]) for e in buffer}
-        for key in [k for k in self.cache if k not in live]:
-            del self.cache[key]
+        self.cache = {key: samples for key, samples in self.cache.items() if key in live}
         self.state["produced"] += 1
         self.state["samples"] += len(samples)
         return samples
