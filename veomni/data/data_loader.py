@@ -180,7 +180,7 @@ class MicroBatchLoader(IteratorSlotLoader):
             self._live[0] = None
         iterator = super().__iter__()
         self.epoch_ended = False
-        return _UntilEndMarker(iterator, self) if isinstance(self.stream, SlotStream) else iterator
+        return _until_end_marker(iterator, weakref.ref(self)) if isinstance(self.stream, SlotStream) else iterator
 
     def data_fingerprint(self) -> Optional[Dict[str, Any]]:
         """What the data is made of (files, transform, tokenizer), None when it cannot be told (a user's dataset)."""
@@ -245,27 +245,15 @@ def _changed(saved: Optional[Dict[str, Any]], now: Optional[Dict[str, Any]]) -> 
     return [label for part, label in _PARTS.items() if saved.get(part) != now.get(part)]
 
 
-class _UntilEndMarker:
+def _until_end_marker(iterator, loader: "weakref.ref[MicroBatchLoader]"):
     """Ends the epoch at the first step a streamed slot could not fill (its micro-batches are end markers), even
     when other loader workers still have steps: later steps would otherwise come out of order."""
-
-    def __init__(self, iterator, loader):
-        self.iterator, self.loader, self.ended = iterator, weakref.ref(loader), False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.ended:
-            raise StopIteration
-        step = next(self.iterator)
+    for step in iterator:
         if any(is_end_marker(mb) for mb in step):
-            self.ended = True
-            loader = self.loader()
-            if loader is not None:  # the trainer then counts the records left unread
-                loader.epoch_ended = True
-            raise StopIteration
-        return step
+            if (owner := loader()) is not None:  # the trainer then counts the records left unread
+                owner.epoch_ended = True
+            return
+        yield step
 
 
 def _release(box: List[Any]) -> None:

@@ -263,9 +263,7 @@ class _ParquetRows:
 
         self.file = pq.ParquetFile(path)
         sizes = [self.file.metadata.row_group(i).num_rows for i in range(self.file.num_row_groups)]
-        self.starts = [0]
-        for n in sizes:
-            self.starts.append(self.starts[-1] + n)
+        self.starts = [0, *itertools.accumulate(sizes)]
         self._group, self._rows = -1, []
 
     def __len__(self) -> int:
