@@ -267,13 +267,14 @@ def build_share(dataset, folder: str, rank: int, units: Sequence[Unit], show: bo
     progress = ctx.Value("q", 0)
     parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a process (and no warning about the fork)
+    pool = ProcessPoolExecutor(processes, ctx, initializer=_start_child, initargs=(dataset, progress))
     try:
-        with ProcessPoolExecutor(processes, ctx, initializer=_start_child, initargs=(dataset, progress)) as pool:
-            parts = [pool.submit(_build_child, folder, name, piece) for name, piece in zip(names, pieces)]
-            while wait(parts, timeout=0.2).not_done:
-                bar.update(progress.value - bar.n)
-            return [part.result() for part in parts]  # (a failed process's own error)
-    finally:
+        parts = [pool.submit(_build_child, folder, name, piece) for name, piece in zip(names, pieces)]
+        while wait(parts, timeout=0.2).not_done:  # every part ends, failed or not, before any error is raised
+            bar.update(progress.value - bar.n)
+        return [part.result() for part in parts]  # (a failed process's own error)
+    finally:  # a stop signal is not held up by the building: the processes end with their part or with this one
+        pool.shutdown(wait=False, cancel_futures=True)
         _restore("TOKENIZERS_PARALLELISM", parallelism)
         bar.close()
 
