@@ -104,11 +104,13 @@ def find_tokenizer(transform: Any) -> Any:
         return None
     for value in [*transform.args, *transform.keywords.values()]:
         for candidate in (value, getattr(value, "tokenizer", None)):
-            if hasattr(candidate, "backend_tokenizer") or (
-                hasattr(candidate, "get_vocab") and hasattr(candidate, "encode")
-            ):
+            if _is_tokenizer(candidate):
                 return candidate
     return None
+
+
+def _is_tokenizer(obj: Any) -> bool:
+    return hasattr(obj, "backend_tokenizer") or (hasattr(obj, "get_vocab") and hasattr(obj, "encode"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,7 +196,7 @@ def _describe(obj: Any, depth: int, seen: set) -> str:
     if id(obj) in seen:
         return f"cycle:{type(obj).__qualname__}"
     seen = seen | {id(obj)}
-    if hasattr(obj, "backend_tokenizer") or (hasattr(obj, "get_vocab") and hasattr(obj, "encode")):
+    if _is_tokenizer(obj):
         return _tokenizer(obj)
     if inspect.isclass(type(obj)) and callable(getattr(type(obj), "get_attributes", None)):  # an HF processor
         parts = {name: getattr(obj, name, None) for name in type(obj).get_attributes()}  # tokenizer, image, audio

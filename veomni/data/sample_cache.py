@@ -194,7 +194,24 @@ def open_or_build(dataset, cache_dir: Optional[str], name: str = "data") -> Samp
     long build (`VEOMNI_HOST_TIMEOUT_MINUTES`); a rank that fails its share fails every rank at once."""
     cache_dir = cache_dir or default_cache_dir()
     with host_group() as group:
-        return _open_or_build(dataset, cache_dir, name, group)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
+        folder, parts = on_rank0(lambda: _key(dataset, cache_dir, name), group)
+        problem = _problem(folder)
+        build = not _all_ok(problem is None, group)
+        if build:
+            if rank == 0 and os.path.exists(folder):
+                logger.warning(f"data cache {folder} is unusable ({problem}): rebuilding it")
+            _build(dataset, folder, parts, rank, world, group)
+            problem = _problem(folder)
+            if not _all_ok(problem is None, group):
+                raise DataFormatError(
+                    f"data cache {folder}: unusable right after building it on rank {rank} ({problem}); "
+                    "data.cache_dir must be on storage every rank sees"
+                )
+    cache = SampleCache(folder, trusted=build)
+    if rank == 0:
+        logger.info(f"data cache {'built: ' if build else ''}{cache.describe()}")
+    return cache
 
 
 def _all_ok(ok: bool, group) -> bool:
@@ -225,30 +242,6 @@ def _key(dataset, cache_dir: str, name: str) -> Tuple[str, Optional[Dict[str, st
         folder = os.path.join(cache_dir, f"{name}-unshared-{uuid.uuid4().hex[:12]}")
         atexit.register(shutil.rmtree, folder, True)
         return folder, None
-
-
-def _open_or_build(dataset, cache_dir: str, name: str, group) -> SampleCache:
-    rank, world = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
-    folder, parts = on_rank0(lambda: _key(dataset, cache_dir, name), group)
-    problem = _problem(folder)
-    if _all_ok(problem is None, group):
-        cache = SampleCache(folder)
-        if rank == 0:
-            logger.info(f"data cache {cache.describe()}")
-        return cache
-    if rank == 0 and os.path.exists(folder):
-        logger.warning(f"data cache {folder} is unusable ({problem}): rebuilding it")
-    _build(dataset, folder, parts, rank, world, group)
-    problem = _problem(folder)
-    if not _all_ok(problem is None, group):
-        raise DataFormatError(
-            f"data cache {folder}: unusable right after building it on rank {rank} ({problem}); data.cache_dir "
-            "must be on storage every rank sees"
-        )
-    cache = SampleCache(folder, trusted=True)
-    if rank == 0:
-        logger.info(f"data cache built: {cache.describe()}")
-    return cache
 
 
 def _build(dataset, folder: str, parts: Optional[Dict[str, str]], rank: int, world: int, group) -> None:
