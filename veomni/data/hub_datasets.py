@@ -96,8 +96,10 @@ def prepare_split(ref: HubData, key: str, path: str, data) -> str:
 
 def hub_data(path: str, key: str = "data.train_path", streaming: bool = False):
     """(local path, None, None) for an `hf://datasets/...` path of the repo's files, or (pinned path, HubData,
-    {"source", "revision", "files"}) for one read through `datasets`. A path the trainer's pre-flight did not
-    resolve (the library used on its own, one process) is resolved here."""
+    {"source", "revision", "files"}) for one read through `datasets`; any other path as it is, (path, None, None).
+    A path the trainer's pre-flight did not resolve (the library used on its own, one process) is resolved here."""
+    if not isinstance(path, str) or not path.startswith(hub.DATA_PREFIX):
+        return path, None, None
     pinned = (
         path if path in hub.data_entries else hub.download(path, key, "iterable" if streaming else True, prepare_split)
     )
