@@ -184,7 +184,7 @@ class MicroBatchLoader(IteratorSlotLoader):
 
     def data_fingerprint(self) -> Optional[Dict[str, Any]]:
         """What the data is made of (files, transform, tokenizer), None when it cannot be told (a user's dataset)."""
-        dataset = getattr(self.stream, "dataset", None) or getattr(self.stream, "source", None)
+        dataset = self.stream.dataset
         return dataset.data_fingerprint() if hasattr(dataset, "data_fingerprint") else None
 
     def state_dict(self) -> Dict[str, Any]:

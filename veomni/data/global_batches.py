@@ -134,8 +134,8 @@ class BatchingStream(IterableDataset):
     """What both micro-batch streams share: the batching, the epoch, the warmup token budget and the resumable
     position (GlobalBatchStream for sized data, streamed_batches.SlotStream for streamed data)."""
 
-    def __init__(self, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
-        self.collate_fn, self.dp_rank, self.dp_size = collate_fn, dp_rank, dp_size
+    def __init__(self, dataset, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
+        self.dataset, self.collate_fn, self.dp_rank, self.dp_size = dataset, collate_fn, dp_rank, dp_size
         self.batching = dataclasses.replace(batching)  # its own: the warmup length is set per loader
         self.dataloader_batch_size = batching.dataloader_batch_size
         self.buffer_size = max(batching.buffer_size, batching.micro_batch_size)
@@ -176,8 +176,7 @@ class GlobalBatchStream(BatchingStream):
     """Yields this rank's collated micro-batches of each global step (see the module doc)."""
 
     def __init__(self, dataset, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
-        super().__init__(collate_fn, batching, dp_rank, dp_size)
-        self.dataset = dataset  # the sized protocol: prepare / epoch_order / sample / counts (mapping.py)
+        super().__init__(dataset, collate_fn, batching, dp_rank, dp_size)  # the sized protocol (mapping.py)
         self._plans: Dict[Tuple[int, int, int], Plan] = {}
         self._order: Dict[int, Any] = {}
 

@@ -77,14 +77,14 @@ class _SubStream:
 
     def __init__(self, owner: "SlotStream", shard: int, num_shards: int, state: Dict[str, Any]):
         self.owner, self.state = owner, state
-        if state["buffer"] and hasattr(owner.source, "expect"):  # a resumed buffer: its records are read again
-            owner.source.expect({tuple(e[:-2]) for e in state["buffer"]})
-        self.keys = owner.source.iter_keys(owner.epoch, shard, num_shards, state["source"])
+        if state["buffer"] and hasattr(owner.dataset, "expect"):  # a resumed buffer: its records are read again
+            owner.dataset.expect({tuple(e[:-2]) for e in state["buffer"]})
+        self.keys = owner.dataset.iter_keys(owner.epoch, shard, num_shards, state["source"])
         self.cache: Dict[tuple, List[Dict[str, Any]]] = {}
         self.exhausted = False
 
     def _read(self) -> None:
-        owner, buffer, source = self.owner, self.state["buffer"], self.owner.source
+        owner, buffer, source = self.owner, self.state["buffer"], self.owner.dataset
         while len(buffer) < owner.buffer_size and not self.exhausted:
             chunk = list(itertools.islice(self.keys, owner.read_ahead))  # many records per (batched) transform
             self.exhausted = len(chunk) < owner.read_ahead
@@ -118,7 +118,7 @@ class _SubStream:
 
     def _pieces(self, key: tuple) -> List[Dict[str, Any]]:
         if key not in self.cache:  # a buffer restored by a resume: its records are read again by key
-            self.cache[key] = self.owner.source.samples_many([key])[0]
+            self.cache[key] = self.owner.dataset.samples_many([key])[0]
         return self.cache[key]
 
 
@@ -130,8 +130,9 @@ class SlotStream(BatchingStream):
     """Yields this rank's collated micro-batches of each global step (see the module doc)."""
 
     def __init__(self, source, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int, num_workers: int):
-        super().__init__(collate_fn, batching, dp_rank, dp_size)
-        self.source = source if hasattr(source, "iter_keys") else PlainIterable(source)
+        super().__init__(
+            source if hasattr(source, "iter_keys") else PlainIterable(source), collate_fn, batching, dp_rank, dp_size
+        )
         self.workers = max(num_workers, 1)
         self.slots = self.dp_size * self.dataloader_batch_size  # P: micro-batches in a global step
         self.read_ahead = 64
@@ -182,8 +183,8 @@ class SlotStream(BatchingStream):
             streams = states.get(worker, {}).get("streams", {})
             for v in self.sub_stream_ids(worker):
                 sub = streams.get(str(v), _fresh())
-                if hasattr(self.source, "unread"):
-                    left += self.source.unread(self.epoch, v, num_shards, sub["source"])
+                if hasattr(self.dataset, "unread"):
+                    left += self.dataset.unread(self.epoch, v, num_shards, sub["source"])
                 left += len({tuple(e[:-2]) for e in sub["buffer"]})
         return left
 
