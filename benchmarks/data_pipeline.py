@@ -35,7 +35,6 @@ import sys
 import tempfile
 import time
 from functools import partial
-from types import SimpleNamespace
 
 sys.path.insert(0, ".")
 from veomni.data import build_dataloader, build_dataset  # noqa: E402
@@ -258,7 +257,7 @@ def main():
     raw, tok = make_data(f"outputs/bench_data_{a.samples}", tokenizer, a.samples)
     with open(raw) as f:
         texts = [json.loads(line)["text"] for line in f]
-    processes = build_processes(SimpleNamespace(files=[raw]), [None] * 1024)  # as many as the build forks
+    processes = build_processes([raw], [None] * 1024)  # as many as the build forks
 
     print(f"{a.samples} records, 50-2000 tokens each; budget {MICRO_BATCH}x{MAX_SEQ_LEN} tokens per micro-batch")
     repetitions = []

@@ -14,7 +14,7 @@ import yaml
 from helpers import document_starts, token_dataset, token_loader
 from veomni.data import build_dataset
 from veomni.data.data_loader import MicroBatchLoader
-from veomni.data.data_report import data_report, dropped_samples, skipped_samples
+from veomni.data.data_report import data_report
 from veomni.data.data_transform import DataFormatError, process_pretrain_example
 
 MAX_LEN = 64
@@ -67,8 +67,9 @@ def test_every_record_exactly_once_on_2_ranks_x_2_workers(files, kind):
     for rank in range(2):
         loader = _loader(_dataset(folder, kind), rank=rank, dp=2, workers=2)
         seen += _all_ids(loader)
-        dropped.append(dropped_samples(loader))
-        unread.append(data_report(loader).get("unread", 0))
+        report = data_report(loader)
+        dropped.append(report["dropped"])
+        unread.append(report.get("unread", 0))
     assert len(seen) == len(set(seen))
     assert seen != sorted(seen)  # shuffled
     if kind == "iterable":  # streamed slots end with the first that runs dry: what the others hold is counted
@@ -300,7 +301,7 @@ def test_bad_data_is_named_or_skipped_and_counted(tmp_path):
         loader.set_epoch(0)
         batches = list(loader)
         assert len(batches) == 2, kind
-        assert skipped_samples(loader) == 2, kind
+        assert data_report(loader, count_unread=False)["skipped"] == 2, kind
 
 
 def test_registry_custom_dataset(tmp_path):

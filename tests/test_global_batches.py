@@ -93,7 +93,7 @@ def test_resume_on_another_world_size_continues_the_sequence(long_docs, dyn, kin
     resumed = []
     for r in range(4):  # 4 ranks resume from the 2-rank states
         loader = _loader(long_docs, r, 4, dyn, kind=kind)
-        loader.load_state_dict(reshard_loader_state(saved, r, 4, produced=3 * 2))
+        loader.load_state_dict(reshard_loader_state(saved, r, 4))
         resumed.append(loader)
     assert _global_steps(resumed) == one[3:]
 
@@ -109,7 +109,7 @@ def test_streamed_resume_before_every_worker_has_yielded(long_docs):
     resumed = []
     for r in range(4):
         loader = _loader(long_docs, r, 4, False, workers=2, kind="iterable")
-        loader.load_state_dict(reshard_loader_state(saved, r, 4, produced=2))
+        loader.load_state_dict(reshard_loader_state(saved, r, 4))
         resumed.append(loader)
     assert _global_steps(resumed) == one[1:]
 

@@ -128,7 +128,7 @@ def test_dyn_bsz_schedule_spans_the_steps_each_epoch_really_has(tmp_path, one_pr
 
     def build():  # as TextTrainer does: the warmup length follows the counted steps
         loader = _warmup_loader(path, "mapping", warmup_ratio)
-        loader.stream.warmup_steps = int(train.train_steps * warmup_ratio)
+        loader.set_warmup_steps(int(train.train_steps * warmup_ratio))
         return loader
 
     trainer.build_dataloader = build

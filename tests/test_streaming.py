@@ -56,10 +56,10 @@ def test_each_reader_parses_only_its_units(corpus, monkeypatch):
     for shard in range(4):
         before = (len(parsed_lines), len(row_groups))
         keys = list(dataset.iter_keys(0, shard, 4, {}))
-        seen += [r for key in keys for s in dataset.samples(key) for r in [s["input_ids"][0] - 1000]]
+        seen += [r for key in keys for s in dataset.samples_many([key])[0] for r in [s["input_ids"][0] - 1000]]
         lines, groups = len(parsed_lines) - before[0], len(row_groups) - before[1]
         jsonl = sum(1 for k in keys if dataset.files[k[0]].endswith(".jsonl"))
-        assert lines <= 2 * jsonl  # its own lines (and each re-read once by samples()), never the others'
+        assert lines <= 2 * jsonl  # its own lines (and each re-read once by samples_many()), never the others'
         assert groups <= 2  # at most its parquet row groups, each decoded once
         assert 0 < len(keys) < N / 2
     assert sorted(seen) == list(range(N))

@@ -8,17 +8,15 @@ On a rank, the build runs in one process per core it has (`VEOMNI_DATA_BUILD_PRO
 transform and its tokenizer need not be pickled; each tokenises its records in batches.
 """
 
-import json
 import multiprocessing
 import os
-import time
 import zlib
 from array import array
+from concurrent.futures import ProcessPoolExecutor, wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .data_transform import DataFormatError
 from .readers import BLANK
 
 CHUNK_BYTES = 4 << 20  # a token file is checksummed per chunk, each verified when it is first read
@@ -231,16 +229,17 @@ def shares(units: Sequence[Unit], n: int) -> List[List[Unit]]:
     return out
 
 
-def build_processes(dataset, units: Sequence[Unit]) -> int:
+def build_processes(files: Sequence[str], units: Sequence[Unit]) -> int:
     """Build processes on this rank: the cores it may use (its share of the host's), at most one per unit; one for
-    small data (under 8 MiB of files, or 20,000 records of a user's dataset), where a fork costs more than it saves."""
+    small data (under 8 MiB of `files`, or 20,000 records of a user's dataset, which has no files), where a fork
+    costs more than it saves."""
     wanted = os.environ.get("VEOMNI_DATA_BUILD_PROCESSES")
     if wanted:
         return max(1, min(int(wanted), len(units)))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     per_rank = cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
-    if dataset.files:
-        small = sum(os.path.getsize(f) for f in dataset.files) < (8 << 20)
+    if files:
+        small = sum(os.path.getsize(f) for f in files) < (8 << 20)
     else:
         small = sum(end - start for _, start, end in units) < 20_000
     return 1 if small else max(1, min(per_rank, len(units)))
@@ -251,7 +250,7 @@ def build_share(dataset, folder: str, rank: int, units: Sequence[Unit], show: bo
     Returns the parts' descriptions in record order; a process's failure is raised here (its own error)."""
     from tqdm import tqdm
 
-    processes = build_processes(dataset, units)
+    processes = build_processes(dataset.files, units)
     pieces = shares(units, processes)
     bar = tqdm(
         total=sum(e - s for _, s, e in units), unit="B" if dataset.files and dataset.files[0].endswith(".jsonl")
@@ -263,41 +262,38 @@ def build_share(dataset, folder: str, rank: int, units: Sequence[Unit], show: bo
         bar.update(bar.total - bar.n)
         bar.close()
         return done
+    # forked: the dataset (its transform and tokenizer) reaches the processes without being pickled
     ctx = multiprocessing.get_context("fork")
     progress = ctx.Value("q", 0)
     parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread a process (and no warning about the fork)
+    pool = ProcessPoolExecutor(processes, ctx, initializer=_start_child, initargs=(dataset, progress))
     try:
-        procs = [
-            ctx.Process(target=_build_child, args=(dataset, folder, name, piece, progress))
-            for name, piece in zip(names, pieces)
-        ]
-        for proc in procs:
-            proc.start()
-        while any(proc.is_alive() for proc in procs):
-            time.sleep(0.2)
+        parts = [pool.submit(_build_child, folder, name, piece) for name, piece in zip(names, pieces)]
+        while wait(parts, timeout=0.2).not_done:  # every part ends, failed or not, before any error is raised
             bar.update(progress.value - bar.n)
-        for proc in procs:
-            proc.join()
-    finally:
+        return [part.result() for part in parts]  # (a failed process's own error)
+    finally:  # a stop signal is not held up by the building: the processes end with their part or with this one
+        pool.shutdown(wait=False, cancel_futures=True)
         _restore("TOKENIZERS_PARALLELISM", parallelism)
         bar.close()
-    return [_child_result(folder, name, proc.exitcode) for name, proc in zip(names, procs)]
 
 
-def _build_child(dataset, folder: str, part: str, units, progress) -> None:
+_CHILD: Dict[str, Any] = {}  # a build process's dataset and progress counter, inherited through the fork
+
+
+def _start_child(dataset, progress) -> None:
     _die_with_parent()
-    try:
-        meta = build_part(dataset, folder, part, units, progress)
-    except BaseException as err:  # told to the parent through a file: its type and message
-        meta = {"error": type(err).__name__, "message": str(err)}
-    with open(os.path.join(folder, f"part-{part}.child.json"), "w") as f:
-        json.dump(meta, f)
-    os._exit(0)  # no atexit handlers, no torch teardown: the parent owns those
+    _CHILD.update(dataset=dataset, progress=progress)
+
+
+def _build_child(folder: str, part: str, units) -> Dict[str, Any]:
+    return build_part(_CHILD["dataset"], folder, part, units, _CHILD["progress"])
 
 
 def _die_with_parent() -> None:
-    """A build process outlives no killed parent (Linux's PR_SET_PDEATHSIG): nobody would publish its part."""
+    """A build process outlives no killed parent (Linux's PR_SET_PDEATHSIG): nobody would publish its part, and it
+    would keep holding the build folder's lock (inherited through the fork)."""
     try:
         import ctypes
         import signal
@@ -305,19 +301,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
-
-
-def _child_result(folder: str, part: str, exitcode: int) -> Dict[str, Any]:
-    path = os.path.join(folder, f"part-{part}.child.json")
-    if not os.path.isfile(path):
-        raise RuntimeError(f"data cache build process of part {part} died (exit code {exitcode})")
-    with open(path) as f:
-        meta = json.load(f)
-    os.remove(path)
-    if "error" in meta:
-        kind = DataFormatError if meta["error"] == "DataFormatError" else RuntimeError
-        raise kind(meta["message"] if kind is DataFormatError else f"{meta['error']}: {meta['message']}")
-    return meta
 
 
 def _restore(name: str, value: Optional[str]) -> None:

@@ -134,10 +134,9 @@ def build_dataloader(
     )  # fmt: skip
 
 
-def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: int, produced: int) -> Dict[str, Any]:
+def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: int) -> Dict[str, Any]:
     """Loader states saved by the ranks of another data-parallel size -> the state for `dp_rank` of `dp_size`:
-    a global position (sized data) is the same on every rank; streamed slots each go to their slot's new rank.
-    (`produced`, the micro-batches this rank's epoch has yielded, is kept for callers of the earlier signature.)"""
+    a global position (sized data) is the same on every rank; streamed slots each go to their slot's new rank."""
     saved = worker_states(states[0]).values()
     if any(s.get("global_position") for s in saved):
         return copy.deepcopy(states[0])
@@ -181,11 +180,11 @@ class MicroBatchLoader(IteratorSlotLoader):
             self._live[0] = None
         iterator = super().__iter__()
         self.epoch_ended = False
-        return _UntilEndMarker(iterator, self) if isinstance(self.stream, SlotStream) else iterator
+        return _until_end_marker(iterator, weakref.ref(self)) if isinstance(self.stream, SlotStream) else iterator
 
     def data_fingerprint(self) -> Optional[Dict[str, Any]]:
         """What the data is made of (files, transform, tokenizer), None when it cannot be told (a user's dataset)."""
-        dataset = getattr(self.stream, "dataset", None) or getattr(self.stream, "source", None)
+        dataset = self.stream.dataset
         return dataset.data_fingerprint() if hasattr(dataset, "data_fingerprint") else None
 
     def state_dict(self) -> Dict[str, Any]:
@@ -215,7 +214,7 @@ class MicroBatchLoader(IteratorSlotLoader):
 
     def set_warmup_steps(self, steps: int) -> None:
         """The token-budget warmup's length in steps (known once the run's steps are counted)."""
-        self.stream.warmup_steps = steps
+        self.stream.batching.warmup_steps = steps
 
     def close(self) -> None:
         """Stop the current iterator's worker processes now. `state_dict()` still gives the position reached; a
@@ -246,27 +245,15 @@ def _changed(saved: Optional[Dict[str, Any]], now: Optional[Dict[str, Any]]) -> 
     return [label for part, label in _PARTS.items() if saved.get(part) != now.get(part)]
 
 
-class _UntilEndMarker:
+def _until_end_marker(iterator, loader: "weakref.ref[MicroBatchLoader]"):
     """Ends the epoch at the first step a streamed slot could not fill (its micro-batches are end markers), even
     when other loader workers still have steps: later steps would otherwise come out of order."""
-
-    def __init__(self, iterator, loader):
-        self.iterator, self.loader, self.ended = iterator, weakref.ref(loader), False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.ended:
-            raise StopIteration
-        step = next(self.iterator)
+    for step in iterator:
         if any(is_end_marker(mb) for mb in step):
-            self.ended = True
-            loader = self.loader()
-            if loader is not None:  # the trainer then counts the records left unread
-                loader.epoch_ended = True
-            raise StopIteration
-        return step
+            if (owner := loader()) is not None:  # the trainer then counts the records left unread
+                owner.epoch_ended = True
+            return
+        yield step
 
 
 def _release(box: List[Any]) -> None:
@@ -277,19 +264,20 @@ def _slots_per_rank(global_batch_size: Optional[int], micro: int, per_rank: int,
     """dataloader_batch_size from global_batch_size (when given): a step is global_batch_size / micro_batch_size
     micro-batches over dp_size ranks. A global size that does not split, or that contradicts an explicit
     dataloader_batch_size, is refused rather than ignored."""
-    if global_batch_size is None or global_batch_size == micro * per_rank * dp_size:
+    if global_batch_size is None:
         return per_rank
-    if per_rank == 1 and global_batch_size % (micro * dp_size) == 0:
-        return global_batch_size // (micro * dp_size)
     from ..arguments.arguments_types import batch_split_message
 
     if global_batch_size % (micro * dp_size):
         raise ValueError(batch_split_message(global_batch_size, micro, dp_size))
-    raise ValueError(
-        f"global_batch_size={global_batch_size} but micro_batch_size * dataloader_batch_size * dp_size = {micro} * "
-        f"{per_rank} * {dp_size} = {micro * per_rank * dp_size}: give one of them (dataloader_batch_size "
-        f"{global_batch_size // (micro * dp_size)} matches)"
-    )
+    slots = global_batch_size // (micro * dp_size)
+    if per_rank not in (1, slots):
+        raise ValueError(
+            f"global_batch_size={global_batch_size} but micro_batch_size * dataloader_batch_size * dp_size = {micro} "
+            f"* {per_rank} * {dp_size} = {micro * per_rank * dp_size}: give one of them (dataloader_batch_size "
+            f"{slots} matches)"
+        )
+    return slots
 
 
 def _data_parallel_place():

@@ -26,13 +26,3 @@ def data_report(loader, count_unread: bool = True) -> Dict[str, Any]:
     if isinstance(stream, SlotStream) and count_unread:
         report["unread"] = stream.unread(states)
     return report
-
-
-def skipped_samples(loader) -> int:
-    """Bad samples skipped so far (read from the loader's state)."""
-    return data_report(loader, count_unread=False)["skipped"]
-
-
-def dropped_samples(loader) -> int:
-    """Samples of the current epoch's tail that fit no full global step (drop_last, or too few to split)."""
-    return max((s.get("dropped", 0) for s in worker_states(loader.state_dict()).values()), default=0)

@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, List, Literal, Optional
 
 import yaml
 
-from ..utils.hub import DATA_PREFIX
 from ..utils.logging import get_logger
 from .hub_datasets import HubIterativeDataset, hub_data
 from .interleave import InterleaveDataset, InterleavedIterableDataset, InterleavedMappingDataset
@@ -65,7 +64,7 @@ def build_mapping_dataset(
 ) -> MappingDataset:
     """Map-style data from a file, glob or folder, or a hub dataset (`hf://datasets/...`, hub_datasets.py): nothing
     is read until the first use (see mapping.py)."""
-    train_path, hub, entry = _hub_data(train_path, streaming=False)
+    train_path, hub, entry = hub_data(train_path, streaming=False)
     files = entry["files"] if hub else resolve_data_files(train_path)
     source_name = source_name or (hub.cache_name() if hub else os.path.basename(train_path.rstrip("/")))
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", source_name) or "data"
@@ -87,18 +86,10 @@ def build_iterable_dataset(
     **kwargs,
 ) -> IterativeDataset:
     options = {"shuffle_buffer_size": shuffle_buffer_size, "skip_bad_samples": skip_bad_samples}
-    train_path, hub, entry = _hub_data(train_path, streaming=True)
+    train_path, hub, entry = hub_data(train_path, streaming=True)
     if hub:
         return HubIterativeDataset(hub, entry, transform, seed=seed, **options)
     return IterativeDataset(resolve_data_files(train_path), transform, seed=seed, unit_bytes=unit_bytes, **options)
-
-
-def _hub_data(train_path: str, streaming: bool):
-    """(path, HubData, entry) of an `hf://datasets/...` path (hub_datasets.hub_data), else (path, None, None);
-    `datasets` is imported only for such a path (by hub_datasets)."""
-    if not isinstance(train_path, str) or not train_path.startswith(DATA_PREFIX):
-        return train_path, None, None
-    return hub_data(train_path, streaming=streaming)
 
 
 def load_interleave_spec(path: str) -> Dict[str, Any]:

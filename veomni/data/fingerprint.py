@@ -2,7 +2,7 @@
 the samples, so that a sample cache built under one set of them is never used under another.
 
 Functions are hashed by the source of their whole module (an edited transform, or a helper it calls from the same
-file, invalidates caches), objects by the source of every class of their type's MRO and their state, tensors and
+file, invalidates caches), objects by the module sources of their type's MRO and their state, tensors and
 arrays by value, tokenizers by their full serialisation and chat template, configs and processors by their JSON.
 A cache key also covers the source of `veomni/data`, whose code the built-in transforms call. An object that
 cannot be fingerprinted (a lambda's closure over an open file, say) raises `Unfingerprintable`: its data is then
@@ -104,11 +104,13 @@ def find_tokenizer(transform: Any) -> Any:
         return None
     for value in [*transform.args, *transform.keywords.values()]:
         for candidate in (value, getattr(value, "tokenizer", None)):
-            if hasattr(candidate, "backend_tokenizer") or (
-                hasattr(candidate, "get_vocab") and hasattr(candidate, "encode")
-            ):
+            if _is_tokenizer(candidate):
                 return candidate
     return None
+
+
+def _is_tokenizer(obj: Any) -> bool:
+    return hasattr(obj, "backend_tokenizer") or (hasattr(obj, "get_vocab") and hasattr(obj, "encode"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,24 +136,19 @@ def _module_source(name: str) -> str:
 
 
 def _class_sources(kind: type) -> str:
-    """The sources of every class in `kind`'s MRO (a base class edited changes what the object does)."""
-    parts = []
-    for cls in kind.__mro__:
-        if cls.__module__ == "builtins":
-            continue
-        try:
-            parts.append(hashlib.sha256(inspect.getsource(cls).encode()).hexdigest())
-        except (OSError, TypeError):
-            parts.append(f"{cls.__module__}.{cls.__qualname__}:{_module_source(cls.__module__)}")
-    return ",".join(parts)
+    """The module sources of every class in `kind`'s MRO (a base class edited changes what the object does)."""
+    return ",".join(
+        f"{cls.__module__}.{cls.__qualname__}:{_module_source(cls.__module__)}"
+        for cls in kind.__mro__
+        if cls.__module__ != "builtins"
+    )
 
 
 def _function(fn, depth: int, seen: set) -> str:
-    try:
-        code = inspect.getsource(fn)
-    except (OSError, TypeError):
-        code = getattr(getattr(fn, "__code__", None), "co_code", b"").hex()
-    code += ":" + _module_source(getattr(fn, "__module__", None) or "")  # helpers of the same file
+    # its file's source covers the function and the helpers it calls from the same file; the bytecode, a function
+    # made without a file
+    code = getattr(getattr(fn, "__code__", None), "co_code", b"").hex()
+    code += ":" + _module_source(getattr(fn, "__module__", None) or "")
     batched = getattr(fn, "batched", None)  # a transform's batched form gives the same samples: part of it
     extra = _describe(batched, depth + 1, seen) if batched is not None and batched is not fn else ""
     # what a closure or default arguments hold changes the function as much as its code (module globals it reads
@@ -199,7 +196,7 @@ def _describe(obj: Any, depth: int, seen: set) -> str:
     if id(obj) in seen:
         return f"cycle:{type(obj).__qualname__}"
     seen = seen | {id(obj)}
-    if hasattr(obj, "backend_tokenizer") or (hasattr(obj, "get_vocab") and hasattr(obj, "encode")):
+    if _is_tokenizer(obj):
         return _tokenizer(obj)
     if inspect.isclass(type(obj)) and callable(getattr(type(obj), "get_attributes", None)):  # an HF processor
         parts = {name: getattr(obj, name, None) for name in type(obj).get_attributes()}  # tokenizer, image, audio

@@ -21,7 +21,7 @@ ranks continues the same sample sequence.
 
 The tail of an epoch: the micro-batches left after the last full step are kept when they can be split (never
 merged, so the token budget holds) into one micro-batch per rank and accumulation slot; otherwise, or with
-drop_last, they are dropped and counted (`dropped_samples(loader)`).
+drop_last, they are dropped and counted (`dropped` in `data_report(loader)`).
 """
 
 import copy
@@ -52,15 +52,6 @@ class Batching:
     warmup_steps: int = 0
     warmup_init_tokens: int = 0
     drop_last: bool = False
-
-
-def warmup_token_budget(step: int, full: int, warmup_steps: int, warmup_init_tokens: int) -> int:
-    """The micro-batch token budget of global step `step` (counted over the whole run): it rises linearly from
-    `warmup_init_tokens` to `full` over the first `warmup_steps` steps. Shared by both loaders' planners."""
-    if warmup_steps == 0 or step >= warmup_steps:
-        return full
-    start = min(warmup_init_tokens, full)
-    return int(start + (full - start) * step / warmup_steps)
 
 
 def first_fit(lengths: Iterable[int], budget: int) -> List[int]:
@@ -143,8 +134,8 @@ class BatchingStream(IterableDataset):
     """What both micro-batch streams share: the batching, the epoch, the warmup token budget and the resumable
     position (GlobalBatchStream for sized data, streamed_batches.SlotStream for streamed data)."""
 
-    def __init__(self, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
-        self.collate_fn, self.dp_rank, self.dp_size = collate_fn, dp_rank, dp_size
+    def __init__(self, dataset, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
+        self.dataset, self.collate_fn, self.dp_rank, self.dp_size = dataset, collate_fn, dp_rank, dp_size
         self.batching = dataclasses.replace(batching)  # its own: the warmup length is set per loader
         self.dataloader_batch_size = batching.dataloader_batch_size
         self.buffer_size = max(batching.buffer_size, batching.micro_batch_size)
@@ -152,24 +143,26 @@ class BatchingStream(IterableDataset):
         self._resume: Optional[Dict[str, Any]] = None
         self._state: Dict[str, Any] = {}
 
-    @property
-    def warmup_steps(self) -> int:
-        return self.batching.warmup_steps
-
-    @warmup_steps.setter
-    def warmup_steps(self, steps: int) -> None:
-        """The token-budget warmup's length (the trainer sets it once it knows the run's steps)."""
-        self.batching.warmup_steps = steps
-
     def set_epoch(self, epoch: int, first_step: int = 0) -> None:
         """`first_step`: optimizer steps of the run before this epoch; the token-budget warmup follows the run's
         global step, so it does not start again with each epoch."""
         self.epoch, self.first_step = epoch, first_step
 
     def _token_budget(self, step: int) -> int:
-        """The micro-batch token budget of global step `step` (counted over the whole run)."""
+        """The micro-batch token budget of global step `step` (counted over the whole run): it rises linearly from
+        `warmup_init_tokens` to the full budget over the first `warmup_steps` steps (both streams pack with it)."""
         b = self.batching
-        return warmup_token_budget(step, b.micro_batch_size * b.max_seq_len, b.warmup_steps, b.warmup_init_tokens)
+        full = b.micro_batch_size * b.max_seq_len
+        if b.warmup_steps == 0 or step >= b.warmup_steps:
+            return full
+        start = min(b.warmup_init_tokens, full)
+        return int(start + (full - start) * step / b.warmup_steps)
+
+    def _start_state(self, fresh: Dict[str, Any]) -> Dict[str, Any]:
+        """The position an iteration starts from: a loaded state of this epoch over `fresh`, else `fresh`."""
+        resume, self._resume = self._resume, None
+        self._state = {**fresh, **resume} if resume is not None and resume.get("epoch") == self.epoch else fresh
+        return self._state
 
     def state_dict(self) -> Dict[str, Any]:
         # a loaded position not yet reached by iteration (state taken right after a resume) is still the position
@@ -183,29 +176,27 @@ class GlobalBatchStream(BatchingStream):
     """Yields this rank's collated micro-batches of each global step (see the module doc)."""
 
     def __init__(self, dataset, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
-        super().__init__(collate_fn, batching, dp_rank, dp_size)
-        self.dataset = dataset  # the sized protocol: prepare / epoch_order / sample / counts (mapping.py)
+        super().__init__(dataset, collate_fn, batching, dp_rank, dp_size)  # the sized protocol (mapping.py)
         self._plans: Dict[Tuple[int, int, int], Plan] = {}
         self._order: Dict[int, Any] = {}
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The sample ids of the epoch in global order (one epoch kept)."""
+    def order(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The sample ids of the epoch in global order and their lengths (one epoch kept)."""
         if epoch not in self._order:
             self._order = {epoch: self.dataset.epoch_order(epoch)}
-        return self._order[epoch][0]
+        return self._order[epoch]
 
     def plan(self, epoch: int) -> Plan:
         """The epoch's global steps (each: dp_size * dataloader_batch_size micro-batches), computed once and kept
         beside the sample cache, so a later run with the same data and batching reads it (`_stored_plan`)."""
-        first = min(self.first_step, self.warmup_steps)  # past the warmup, where the epoch starts changes nothing
-        key = (epoch, first, self.warmup_steps)
+        first = min(self.first_step, self.batching.warmup_steps)  # past the warmup, where it starts changes nothing
+        key = (epoch, first, self.batching.warmup_steps)
         if key not in self._plans:
             per_step = self.dp_size * self.dataloader_batch_size
             path = self._plan_path(epoch, first, per_step)
             plan = _load_plan(path, per_step)
             if plan is None:
-                self.order(epoch)
-                lengths, b = self._order[epoch][1].tolist(), self.batching
+                lengths, b = self.order(epoch)[1].tolist(), self.batching
                 plan = plan_micro_batches(
                     lengths, per_step, b.micro_batch_size, b.dyn_bsz, lambda s: self._token_budget(first + s),
                     self.buffer_size, b.drop_last,
@@ -233,15 +224,12 @@ class GlobalBatchStream(BatchingStream):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         plan, accum = self.plan(self.epoch), self.dataloader_batch_size
-        ids = self.order(self.epoch)
+        ids = self.order(self.epoch)[0]
         # a global position, the same on every rank: any rank's state resumes any world size
-        state = {"global_position": True, "epoch": self.epoch, "step": worker, "micro": 0, "produced": 0}
-        if self._resume is not None and self._resume.get("epoch") == self.epoch:
-            state.update({k: self._resume[k] for k in ("step", "micro", "produced", "samples") if k in self._resume})
-        self._resume = None
-        state.setdefault("samples", 0)
+        state = self._start_state(
+            {"global_position": True, "epoch": self.epoch, "step": worker, "micro": 0, "produced": 0, "samples": 0}
+        )
         state.update(self.dataset.counts(), dropped=plan.dropped)
-        self._state = state
         while state["step"] < len(plan):
             batch = plan.micro_batch(state["step"] * plan.per_step + self.dp_rank * accum + state["micro"])
             if state["micro"] + 1 < accum:  # the state names what comes after this yield

@@ -96,8 +96,10 @@ def prepare_split(ref: HubData, key: str, path: str, data) -> str:
 
 def hub_data(path: str, key: str = "data.train_path", streaming: bool = False):
     """(local path, None, None) for an `hf://datasets/...` path of the repo's files, or (pinned path, HubData,
-    {"source", "revision", "files"}) for one read through `datasets`. A path the trainer's pre-flight did not
-    resolve (the library used on its own, one process) is resolved here."""
+    {"source", "revision", "files"}) for one read through `datasets`; any other path as it is, (path, None, None).
+    A path the trainer's pre-flight did not resolve (the library used on its own, one process) is resolved here."""
+    if not isinstance(path, str) or not path.startswith(hub.DATA_PREFIX):
+        return path, None, None
     pinned = (
         path if path in hub.data_entries else hub.download(path, key, "iterable" if streaming else True, prepare_split)
     )
@@ -170,7 +172,6 @@ class HubIterativeDataset(IterativeDataset):
     """IterativeDataset (seeded units per sub-stream, shuffle buffer, exact resume) over a `datasets` stream."""
 
     def __init__(self, ref: HubData, entry: Dict[str, Any], transform=None, seed: int = 42, **kwargs):
-        kwargs.pop("unit_bytes", None)
         super().__init__([], transform, seed=seed, **kwargs)
         self.reader, self.source = HubStreamRecords(ref, entry), ref.describe()
         self.units = self.reader.units()

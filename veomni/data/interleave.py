@@ -14,7 +14,7 @@ from torch.utils.data import IterableDataset
 
 from .fingerprint import fingerprint
 from .sample_cache import expand_runs
-from .streaming import mix
+from .streaming import IterativeDataset, mix
 from .transforming import Key
 
 
@@ -132,10 +132,7 @@ class InterleavedIterableDataset(InterleaveDataset):
                 out[i] = res
         return out
 
-    def __iter__(self):
-        """Plain iteration (one process, epoch 0) for users who read the dataset without the loader."""
-        for key in self.iter_keys(0, 0, 1, {}):
-            yield from self.samples_many([key])[0]
+    __iter__ = IterativeDataset.__iter__  # plain iteration through iter_keys and samples_many, as a single source
 
     @property
     def skipped(self) -> int:

@@ -83,7 +83,7 @@ class MappingDataset(Dataset, Transforming):
             samples = [cache.sample(i) for i in range(first, last)]
         else:
             key = (int(cache.keys[record][0]), int(cache.keys[record][1]))
-            samples = self._apply(self.reader.fetch(key), self.reader.location(key))
+            samples = self._apply_many([self.reader.fetch(key)], [self.reader.location(key)])[0]
             lengths = [len(s["input_ids"]) for s in samples]
             if lengths != cache.lengths[first:last].tolist():
                 raise DataFormatError(

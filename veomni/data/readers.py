@@ -135,20 +135,17 @@ class RecordFiles:
                 f.seek(max(start - 1, 0))
                 position = start - 1 + len(f.readline()) if start > 0 else 0
             f.seek(position)
-            lineno = None if position else 0  # line numbers are known when reading from the start
             while position < end:  # the line starting at `end` is the next unit's: not even parsed
                 line = f.readline()
                 if not line:
                     return
                 here, position = position, position + len(line)
-                lineno = None if lineno is None else lineno + 1
                 if not line.strip():
                     yield (fi, here), BLANK, "", (fi, position)
                 elif not parse:
                     yield (fi, here), line, "", (fi, position)
-                else:  # mid-file (a unit of another reader, a resume) the line number is counted only if a message
-                    # needs it: counting it per record would re-read the file from its start for every record
-                    where = f"{path}:{lineno}" if lineno is not None else LineOf(path, here)
+                else:  # the line number is counted only if a message needs it (`LineOf`)
+                    where = LineOf(path, here)
                     yield (fi, here), _parse_record(line, where), where, (fi, position)
 
     def count_unit(self, unit: Unit, position: Optional[int] = None) -> int:
@@ -266,9 +263,7 @@ class _ParquetRows:
 
         self.file = pq.ParquetFile(path)
         sizes = [self.file.metadata.row_group(i).num_rows for i in range(self.file.num_row_groups)]
-        self.starts = [0]
-        for n in sizes:
-            self.starts.append(self.starts[-1] + n)
+        self.starts = [0, *itertools.accumulate(sizes)]
         self._group, self._rows = -1, []
 
     def __len__(self) -> int:

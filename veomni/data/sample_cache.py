@@ -33,6 +33,7 @@ import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+import torch.distributed as dist
 
 from ..utils.collectives import host_group, on_every_rank, on_rank0
 from ..utils.logging import get_logger
@@ -42,7 +43,7 @@ from .fingerprint import Unfingerprintable, cache_key, data_fingerprint
 
 logger = get_logger(__name__)
 FORMAT = 2
-_HELD_LOCKS: List[int] = []  # lock files this process holds (its builds, its own run's caches)
+_HELD_LOCKS: Dict[str, int] = {}  # folder -> the lock file this process holds there (its builds, its own caches)
 
 
 def default_cache_dir() -> str:
@@ -142,16 +143,12 @@ class SampleCache:
 
     def describe(self) -> str:
         m = self.manifest
-        size = sum(_size(f) for p in m["parts"] for f in [*p["fields"].values(), *p["index"].values()]) / 2**20
+        size = sum(f.get("bytes", 0) for p in m["parts"] for f in [*p["fields"].values(), *p["index"].values()]) / 2**20
         kind = "tokens" if self.token_mode else "sample lengths (transformed on access)"
         return (
             f"{self.folder}: {m['records']:,} records, {m['samples']:,} samples, {m['tokens']:,} tokens; "
             f"{kind}, {size:.1f} MiB"
         )
-
-
-def _size(entry: Dict[str, Any]) -> int:
-    return entry.get("bytes", 0)
 
 
 def expand_runs(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -197,21 +194,29 @@ def open_or_build(dataset, cache_dir: Optional[str], name: str = "data") -> Samp
     long build (`VEOMNI_HOST_TIMEOUT_MINUTES`); a rank that fails its share fails every rank at once."""
     cache_dir = cache_dir or default_cache_dir()
     with host_group() as group:
-        return _open_or_build(dataset, cache_dir, name, group)
-
-
-def _world() -> Tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+        rank, world = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
+        folder, parts = on_rank0(lambda: _key(dataset, cache_dir, name), group)
+        problem = _problem(folder)
+        build = not _all_ok(problem is None, group)
+        if build:
+            if rank == 0 and os.path.exists(folder):
+                logger.warning(f"data cache {folder} is unusable ({problem}): rebuilding it")
+            _build(dataset, folder, parts, rank, world, group)
+            problem = _problem(folder)
+            if not _all_ok(problem is None, group):
+                raise DataFormatError(
+                    f"data cache {folder}: unusable right after building it on rank {rank} ({problem}); "
+                    "data.cache_dir must be on storage every rank sees"
+                )
+    cache = SampleCache(folder, trusted=build)
+    if rank == 0:
+        logger.info(f"data cache {'built: ' if build else ''}{cache.describe()}")
+    return cache
 
 
 def _all_ok(ok: bool, group) -> bool:
     """True when `ok` holds on every rank (a collective on `group`, the host group of every rank)."""
     import torch
-    import torch.distributed as dist
 
     if group is None:
         return ok
@@ -237,30 +242,6 @@ def _key(dataset, cache_dir: str, name: str) -> Tuple[str, Optional[Dict[str, st
         folder = os.path.join(cache_dir, f"{name}-unshared-{uuid.uuid4().hex[:12]}")
         atexit.register(shutil.rmtree, folder, True)
         return folder, None
-
-
-def _open_or_build(dataset, cache_dir: str, name: str, group) -> SampleCache:
-    rank, world = _world()
-    folder, parts = on_rank0(lambda: _key(dataset, cache_dir, name), group)
-    problem = _problem(folder)
-    if _all_ok(problem is None, group):
-        cache = SampleCache(folder)
-        if rank == 0:
-            logger.info(f"data cache {cache.describe()}")
-        return cache
-    if rank == 0 and os.path.exists(folder):
-        logger.warning(f"data cache {folder} is unusable ({problem}): rebuilding it")
-    _build(dataset, folder, parts, rank, world, group)
-    problem = _problem(folder)
-    if not _all_ok(problem is None, group):
-        raise DataFormatError(
-            f"data cache {folder}: unusable right after building it on rank {rank} ({problem}); data.cache_dir "
-            "must be on storage every rank sees"
-        )
-    cache = SampleCache(folder, trusted=True)
-    if rank == 0:
-        logger.info(f"data cache built: {cache.describe()}")
-    return cache
 
 
 def _build(dataset, folder: str, parts: Optional[Dict[str, str]], rank: int, world: int, group) -> None:
@@ -362,16 +343,14 @@ def hold_lock(folder: str) -> None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}).encode())
-    _HELD_LOCKS.append(fd)
+    _HELD_LOCKS[folder] = fd
 
 
 def release_lock(folder: str) -> None:
-    path = os.path.join(folder, _LOCK)
-    for fd in list(_HELD_LOCKS):
-        if os.path.exists(path) and os.fstat(fd).st_ino == os.stat(path).st_ino:
-            os.remove(path)
-            os.close(fd)
-            _HELD_LOCKS.remove(fd)
+    fd = _HELD_LOCKS.pop(folder, None)
+    if fd is not None:
+        os.remove(os.path.join(folder, _LOCK))
+        os.close(fd)
 
 
 def _in_use(folder: str) -> bool:

@@ -77,14 +77,14 @@ class _SubStream:
 
     def __init__(self, owner: "SlotStream", shard: int, num_shards: int, state: Dict[str, Any]):
         self.owner, self.state = owner, state
-        if state["buffer"] and hasattr(owner.source, "expect"):  # a resumed buffer: its records are read again
-            owner.source.expect({tuple(e[:-2]) for e in state["buffer"]})
-        self.keys = owner.source.iter_keys(owner.epoch, shard, num_shards, state["source"])
+        if state["buffer"] and hasattr(owner.dataset, "expect"):  # a resumed buffer: its records are read again
+            owner.dataset.expect({tuple(e[:-2]) for e in state["buffer"]})
+        self.keys = owner.dataset.iter_keys(owner.epoch, shard, num_shards, state["source"])
         self.cache: Dict[tuple, List[Dict[str, Any]]] = {}
         self.exhausted = False
 
     def _read(self) -> None:
-        owner, buffer, source = self.owner, self.state["buffer"], self.owner.source
+        owner, buffer, source = self.owner, self.state["buffer"], self.owner.dataset
         while len(buffer) < owner.buffer_size and not self.exhausted:
             chunk = list(itertools.islice(self.keys, owner.read_ahead))  # many records per (batched) transform
             self.exhausted = len(chunk) < owner.read_ahead
@@ -111,15 +111,14 @@ class _SubStream:
             del buffer[i]
         samples = [self._pieces(tuple(e[:-2]))[e[-2]] for e in picked]
         live = {tuple(e[:-2]) for e in buffer}
-        for key in [k for k in self.cache if k not in live]:
-            del self.cache[key]
+        self.cache = {key: samples for key, samples in self.cache.items() if key in live}
         self.state["produced"] += 1
         self.state["samples"] += len(samples)
         return samples
 
     def _pieces(self, key: tuple) -> List[Dict[str, Any]]:
         if key not in self.cache:  # a buffer restored by a resume: its records are read again by key
-            self.cache[key] = self.owner.source.samples_many([key])[0]
+            self.cache[key] = self.owner.dataset.samples_many([key])[0]
         return self.cache[key]
 
 
@@ -131,8 +130,9 @@ class SlotStream(BatchingStream):
     """Yields this rank's collated micro-batches of each global step (see the module doc)."""
 
     def __init__(self, source, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int, num_workers: int):
-        super().__init__(collate_fn, batching, dp_rank, dp_size)
-        self.source = source if hasattr(source, "iter_keys") else PlainIterable(source)
+        super().__init__(
+            source if hasattr(source, "iter_keys") else PlainIterable(source), collate_fn, batching, dp_rank, dp_size
+        )
         self.workers = max(num_workers, 1)
         self.slots = self.dp_size * self.dataloader_batch_size  # P: micro-batches in a global step
         self.read_ahead = 64
@@ -146,11 +146,7 @@ class SlotStream(BatchingStream):
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         info = get_worker_info()
         worker = info.id if info else 0
-        state: Dict[str, Any] = {"slot_streams": True, "epoch": self.epoch, "streams": {}}
-        if self._resume is not None and self._resume.get("epoch") == self.epoch:
-            state = copy.deepcopy(self._resume)
-        self._resume = None
-        self._state = state
+        state = self._start_state({"slot_streams": True, "epoch": self.epoch, "streams": {}})
         num_shards = self.slots * self.workers
         subs = [
             _SubStream(self, v, num_shards, state["streams"].setdefault(str(v), _fresh()))
@@ -175,7 +171,7 @@ class SlotStream(BatchingStream):
 
     @staticmethod
     def _sum_counters(state: Dict[str, Any]) -> None:
-        """The worker's totals (what data_report and skipped_samples read) over its sub-streams."""
+        """The worker's totals (what data_report reads) over its sub-streams."""
         for c in _COUNTERS:
             state[c] = sum(s[c] for s in state["streams"].values())
         state["blank"] = sum(s["source"].get("blank", 0) for s in state["streams"].values())
@@ -187,8 +183,8 @@ class SlotStream(BatchingStream):
             streams = states.get(worker, {}).get("streams", {})
             for v in self.sub_stream_ids(worker):
                 sub = streams.get(str(v), _fresh())
-                if hasattr(self.source, "unread"):
-                    left += self.source.unread(self.epoch, v, num_shards, sub["source"])
+                if hasattr(self.dataset, "unread"):
+                    left += self.dataset.unread(self.epoch, v, num_shards, sub["source"])
                 left += len({tuple(e[:-2]) for e in sub["buffer"]})
         return left
 

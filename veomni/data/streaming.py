@@ -128,9 +128,6 @@ class IterativeDataset(IterableDataset, Transforming):
         except DataFormatError as err:
             return err
 
-    def samples(self, key: Key) -> List[Dict[str, Any]]:
-        return self.samples_many([key])[0]
-
     def samples_many(self, keys: List[Key]) -> List[List[Dict[str, Any]]]:
         items = [self._pending.pop(k, None) or (self._fetch(k), self.reader.location(k)) for k in keys]
         return self._apply_many([r for r, _ in items], [w for _, w in items])
@@ -138,4 +135,4 @@ class IterativeDataset(IterableDataset, Transforming):
     def __iter__(self):
         """Plain iteration (one process, epoch 0) for users who read the dataset without the loader."""
         for key in self.iter_keys(0, 0, 1, {}):
-            yield from self.samples(key)
+            yield from self.samples_many([key])[0]

@@ -19,17 +19,6 @@ class Transforming:
     skipped: int = 0  # bad records skipped
     empty: int = 0  # records that gave no sample (empty text, a one-token document): counted, not errors
 
-    def _apply(self, record: Any, where: Any) -> List[Dict[str, Any]]:
-        if isinstance(record, DataFormatError):  # the reader's error, already naming file and line
-            return self._reject(record, None)
-        try:
-            out = self.transform(record) if self.transform is not None else record
-        except DataFormatError as err:
-            return self._reject(err, where)
-        out = out if isinstance(out, list) else [out]
-        self.empty += not out
-        return out
-
     def _reject(self, err: DataFormatError, where: Optional[Any]) -> List[Dict[str, Any]]:
         """Raise the bad record's error, or skip it. `where` (a lazy location: counting a jsonl line reads the
         file up to it) becomes text only when the message is shown, so skipping stays linear in the data."""
@@ -45,35 +34,38 @@ class Transforming:
         return []
 
     def _apply_many(self, records: List[Any], wheres: List[Any]) -> List[List[Dict[str, Any]]]:
-        """`_apply` over many records, through the transform's batched form when it has one."""
+        """Each record's samples, through the transform's batched form when it has one; a bad record (the reader's
+        error, which already names its place, or the transform's, given the record's `where`) is `_reject`ed."""
+        ok = [i for i, record in enumerate(records) if not isinstance(record, DataFormatError)]
         batched = _batched_form(self.transform)
-        if batched is None:
-            return [self._apply(r, w) for r, w in zip(records, wheres)]
-        out: List[List[Dict[str, Any]]] = [[] for _ in records]
-        ok = []
+        todo = [records[i] for i in ok]
+        results = dict(zip(ok, batched(todo) if batched else [_transform(self.transform, r) for r in todo]))
+        out = []
         for i, record in enumerate(records):
-            if isinstance(record, DataFormatError):
-                out[i] = self._reject(record, None)
+            res = results.get(i, record)
+            if isinstance(res, DataFormatError):
+                out.append(self._reject(res, wheres[i] if i in results else None))
             else:
-                ok.append(i)
-        for i, res in zip(ok, batched([records[i] for i in ok])):  # a transform's error gets its record's location
-            out[i] = self._reject(res, wheres[i]) if isinstance(res, DataFormatError) else res
-            self.empty += not isinstance(res, DataFormatError) and not res
+                self.empty += not res
+                out.append(res)
         return out
 
     def peek(self, n: int) -> List[Tuple[str, Any, Any]]:
         """The first `n` records as `(location, record, samples or the DataFormatError it gives)`, read from the
         start of the data without building or counting anything (pre-flight checks and the preview)."""
-        out = []
-        for record, where in self.reader.first(n):
-            try:
-                if isinstance(record, DataFormatError):
-                    raise record
-                samples = self.transform(record) if self.transform is not None else record
-                out.append((str(where), record, samples if isinstance(samples, list) else [samples]))
-            except DataFormatError as err:
-                out.append((str(where), record, err))
-        return out
+        return [
+            (str(where), record, record if isinstance(record, DataFormatError) else _transform(self.transform, record))
+            for record, where in self.reader.first(n)
+        ]
+
+
+def _transform(transform: Optional[Callable], record: Any) -> Any:
+    """The record's samples (a list), or the DataFormatError the transform raised for it."""
+    try:
+        out = transform(record) if transform is not None else record
+    except DataFormatError as err:
+        return err
+    return out if isinstance(out, list) else [out]
 
 
 def _batched_form(transform: Optional[Callable]) -> Optional[Callable]:

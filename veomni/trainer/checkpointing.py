@@ -155,10 +155,9 @@ class TrainCheckpointer:
             set_rng_state(mine["rng"])
             return
         by_dp_rank = {e["dp_rank"]: e["dataloader"] for e in extras}
-        produced = self.state.epoch_step * self.args.train.dataloader_batch_size
         try:
             shares = [by_dp_rank[r] for r in range(meta["dp_size"])]
-            self.loader.load_state_dict(reshard_loader_state(shares, parallel.dp_rank, parallel.dp_size, produced))
+            self.loader.load_state_dict(reshard_loader_state(shares, parallel.dp_rank, parallel.dp_size))
         except NotImplementedError as err:
             logger.warning(f"{err}: epoch {self.state.epoch} starts its data again")
         restore_rank_rng(extras, rank, self.args.train.seed, self.state.global_step)
