@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import veomni.checkpoint.checkpointer as checkpointer_module
 from veomni.arguments import VeOmniArguments, parse_args
+from veomni.compat.torch import local_tensor
 from veomni.distributed import destroy_parallel_state
 from veomni.distributed.offload import (
     load_veomni_model_to_gpu,
@@ -39,7 +40,7 @@ from veomni.verify.harness import SameGlobalBatches
 
 
 def _local_bytes(tensors, device) -> int:
-    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    local = [local_tensor(t) for t in tensors]
     return sum(t.numel() * t.element_size() for t in local if t.device == device)
 
 
@@ -68,7 +69,7 @@ class MoveSpy:
         def to(tensor, *args, **kwargs):
             device = torch._C._nn._parse_to(*args, **kwargs)[0]
             if device is not None:
-                local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+                local = local_tensor(tensor)
                 spy.bytes[device.type] = spy.bytes.get(device.type, 0) + local.numel() * local.element_size()
             return spy.real(tensor, *args, **kwargs)
 
@@ -84,7 +85,7 @@ def _state_bytes(trainer, device) -> int:
     non-fused AdamW keeps them on the host)."""
     model = model_device_bytes(trainer.model, device)
     tensors = [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    local = [v._local_tensor if isinstance(v, DTensor) else v for v in tensors if v.dim() > 0]
+    local = [local_tensor(v) for v in tensors if v.dim() > 0]
     opt = sum(v.numel() * v.element_size() for v in local if v.device == device)
     return model + opt
 
