@@ -113,6 +113,22 @@ def test_qwen3_tool_use_trains_on_calls_and_answer_only(tokenizers):
     ]
 
 
+def test_conversation_the_template_cannot_render_is_bad_data_not_a_crash(tokenizers):
+    """Qwen3's jinja fails on a null-content tool call: a DataFormatError (data.skip_bad_samples skips it), in SFT
+    and preference data alike, not the template engine's own error."""
+    from veomni.data.preference import process_preference_example
+
+    tok = tokenizers("qwen3")
+    template = build_chat_template("tokenizer", tok)
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    asked = [{"role": "user", "content": "hi"}]
+    with pytest.raises(DataFormatError, match="the chat template cannot render this conversation"):
+        process_sft_example({"messages": asked + [call]}, template, max_seq_len=4096)
+    pair = {"prompt": asked, "chosen": [call], "rejected": [{"role": "assistant", "content": "no"}]}
+    with pytest.raises(DataFormatError, match="the chat template cannot render this conversation"):
+        process_preference_example(pair, tok, template, 4096)
+
+
 def test_template_that_drops_a_turn_is_refused_not_mislabelled(tokenizers):
     tok = tokenizers("llama3_1")  # this Llama template renders no tool calls: the call turn renders empty
     template = build_chat_template("tokenizer", tok)

@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from jinja2 import TemplateError
 
 from .data_transform import IGNORE_INDEX, DataFormatError
 from .dataset import Registry
@@ -159,7 +160,11 @@ class TokenizerTemplate(ChatTemplate):
         if tools and not self.renders_tools:
             raise DataFormatError(f"chat template {type(self).__name__} has no tool format; use 'tokenizer'")
         messages = list(messages)
-        return self._encode_rendered(self._render(messages, tools), messages, max_seq_len, tools)
+        try:
+            text = self._render(messages, tools)
+        except TemplateError as err:  # a conversation this template cannot render is bad data (skippable), not a crash
+            raise DataFormatError(f"the chat template cannot render this conversation: {err}") from err
+        return self._encode_rendered(text, messages, max_seq_len, tools)
 
     def _encode_rendered(self, text: str, messages, max_seq_len: int, tools=None) -> Dict[str, List[int]]:
         """Tokenise the rendered `text` once; labels on its assistant spans (the `{% generation %}` blocks, or
