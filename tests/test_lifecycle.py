@@ -243,7 +243,8 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly_also_after_the_launc
     proc.wait()
     print(f"\nlauncher SIGKILLed: its workers saved and exited {_wait_gone(workers, 60):.1f} s later")
     second = read_metrics(out)[-1]["step"]
-    assert first < second < 20 and list_checkpoints(os.path.join(out, "checkpoints")) == [first, second]
+    kept = list_checkpoints(os.path.join(out, "checkpoints"))
+    assert first < second < 20 and kept == [first, second], (first, second, kept, _output(proc)[-3000:])
     assert f"stopped at step {second}" in _output(proc)
 
     proc = _launch(config, out, *again)

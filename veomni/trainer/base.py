@@ -52,7 +52,7 @@ from .checkpointing import RunDir, TrainCheckpointer, TrainState
 from .evaluation import Evaluator, build_eval_loader
 from .moe_metrics import MoEMetrics
 from .preflight import check_first_records, check_paths, check_vocab
-from .step_count import close_loader, plan_steps
+from .step_count import close_loader, plan_steps, set_epoch
 from .step_metrics import PendingMetrics, host_loss_tokens, timed
 
 logger = get_logger(__name__)
@@ -396,7 +396,7 @@ class BaseTrainer:
         state = self.state
         for epoch in range(state.epoch, self.args.train.num_train_epochs):
             state.epoch = epoch
-            self.train_dataloader.set_epoch(epoch, first_step=state.global_step - state.epoch_step)
+            set_epoch(self.train_dataloader, epoch, state.global_step - state.epoch_step)
             rng = torch.get_rng_state()  # a new loader iterator draws its worker seed from the global generator:
             data_iterator = iter(self.train_dataloader)  # continues mid-epoch after a resume
             torch.set_rng_state(rng)  # keep that draw out of the training stream, so a resume replays dropout exactly

@@ -6,6 +6,7 @@ schedule spans the planned steps. The loader is never rebuilt: a token-budget wa
 counted steps, is set on it (`set_warmup_steps`) until the count no longer moves.
 """
 
+import inspect
 from typing import Callable, List, Optional, Tuple
 
 from ..arguments import ConfigError
@@ -78,11 +79,20 @@ def _count_later_epochs(train, loader, count_steps) -> List[int]:
     the global step leaves the budgets of later epochs full. Collective (one all-reduce per epoch)."""
     steps = [train.train_steps]
     for epoch in range(1, train.num_train_epochs):
-        loader.set_epoch(epoch, first_step=sum(steps))
+        set_epoch(loader, epoch, sum(steps))
         counted = count_steps(train.max_steps)
         steps.append(min(counted, train.max_steps) if train.max_steps else counted)
-    loader.set_epoch(0, first_step=0)
+    set_epoch(loader, 0, 0)
     return steps
+
+
+def set_epoch(loader, epoch: int, first_step: int) -> None:
+    """Reshuffle for `epoch`; loaders that take it also learn the run's steps before the epoch (bsz warmup). A
+    loader of a user's own `build_dataloader` (a benchmark's, say) may take the epoch only."""
+    if "first_step" in inspect.signature(loader.set_epoch).parameters:
+        loader.set_epoch(epoch, first_step=first_step)
+    else:
+        loader.set_epoch(epoch)
 
 
 def close_loader(loader) -> None:
