@@ -148,6 +148,9 @@ def test_own_template_dropping_earlier_thinking(tokenizers, generation_tags):
     assert _trained_runs(tok, enc) == ["It is 4.<|im_end|>", TURN_2 + "<|im_end|>"]
     last = build_chat_template("tokenizer", tok, last_turn_only=True).encode_messages(THINKING)
     assert _trained_runs(tok, last) == [TURN_2 + "<|im_end|>"]
+    masked = _trained_runs(tok, build_chat_template("tokenizer", tok, think_loss="mask").encode_messages(THINKING))
+    assert masked[0] == "It is 4.<|im_end|>" and masked[-1].endswith("It is 6.<|im_end|>"), masked
+    assert not any("think" in run or "add again" in run for run in masked), masked  # the reasoning carries no loss
 
 
 def test_over_max_seq_len_is_skipped_or_truncated_never_mislabelled(tokenizers):

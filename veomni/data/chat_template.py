@@ -61,6 +61,18 @@ class ChatTemplate(ABC):
         """The equivalent HF jinja template, for inference servers and `apply_chat_template`."""
 
 
+def _marked_runs(offsets, mask) -> List[Tuple[int, int]]:
+    """Runs of marked tokens (HF's assistant mask) as character spans, one per run."""
+    spans, previous = [], 0
+    for (start, end), marked in zip(offsets, mask):
+        if marked and previous:
+            spans[-1] = (spans[-1][0], end)
+        elif marked:
+            spans.append((start, end))
+        previous = marked
+    return spans
+
+
 def _in_spans(positions: np.ndarray, spans: List[Tuple[int, int]]) -> np.ndarray:
     """Whether each position lies inside one of the sorted, disjoint [start, end) spans."""
     if not spans:
@@ -161,6 +173,20 @@ class TokenizerTemplate(ChatTemplate):
             raise DataFormatError(f"chat template {type(self).__name__} has no tool format; use 'tokenizer'")
         messages = list(messages)
         try:
+            if self.uses_generation_tags:  # one tokenisation: HF's, with its assistant mask and the offsets
+                enc = self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    tokenize=True,
+                    return_dict=True,
+                    return_assistant_tokens_mask=True,
+                    chat_template=self.jinja,
+                    tokenizer_kwargs={"return_offsets_mapping": True},
+                )
+                offsets = enc["offset_mapping"]
+                text = self._render(messages, tools) if self.think_loss != "train" else ""  # for its think blocks
+                spans = _marked_runs(offsets, enc["assistant_masks"])
+                return self._labelled(list(enc["input_ids"]), offsets, spans, text, max_seq_len)
             text = self._render(messages, tools)
         except TemplateError as err:  # a conversation this template cannot render is bad data (skippable), not a crash
             raise DataFormatError(f"the chat template cannot render this conversation: {err}") from err
@@ -168,13 +194,18 @@ class TokenizerTemplate(ChatTemplate):
 
     def _encode_rendered(self, text: str, messages, max_seq_len: int, tools=None) -> Dict[str, List[int]]:
         """Tokenise the rendered `text` once; labels on its assistant spans (the `{% generation %}` blocks, or
-        the spans aligned with `messages`), after `last_turn_only` and `think_loss`."""
+        the spans aligned with `messages`)."""
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
         if self.uses_generation_tags:
             spans = self._generation_spans(messages, tools, ids, offsets)
         else:
             spans = self._assistant_spans(text, messages)
+        return self._labelled(ids, offsets, spans, text, max_seq_len)
+
+    def _labelled(self, ids: List[int], offsets, spans, text: str, max_seq_len: int) -> Dict[str, List[int]]:
+        """Labels on the tokens that start inside `spans` (after `last_turn_only`) and outside the think blocks
+        `think_loss` masks in `text`."""
         if self.last_turn_only:
             spans = spans[-1:]
         holes = [  # the think blocks that carry no loss (mask_empty: only those with no reasoning)
@@ -198,14 +229,7 @@ class TokenizerTemplate(ChatTemplate):
         )
         if list(enc["input_ids"]) != ids:
             raise DataFormatError("cannot locate the assistant tokens: the rendered text tokenises differently")
-        spans, previous = [], 0
-        for (start, end), marked in zip(offsets, enc["assistant_masks"]):
-            if marked and previous:  # a run of marked tokens is one span
-                spans[-1] = (spans[-1][0], end)
-            elif marked:
-                spans.append((start, end))
-            previous = marked
-        return spans
+        return _marked_runs(offsets, enc["assistant_masks"])
 
     def _assistant_spans(self, text: str, messages) -> List[Tuple[int, int]]:
         spans, cursor = [], 0
