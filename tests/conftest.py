@@ -5,13 +5,19 @@ core with busy-waiting workers, and on the 2-core box a tiny MoE forward+backwar
 start set their own threads (helpers.child_env; train.sh when the variable is unset, which test_e2e checks)."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("VEOMNI_LOSS_PLOT", "0")  # no loss.png (matplotlib: a CPU-second per run) unless a test asks
-# the data caches of mapping datasets (veomni/data/sample_cache.py) go to a folder of this test session, not to the
-# user's ~/.cache; the launches the tests start inherit it
-os.environ.setdefault("VEOMNI_DATA_CACHE", __import__("tempfile").mkdtemp(prefix="veomni-test-data-cache-"))
+# Every temporary file of the session, the launches' included (they inherit TMPDIR: torchrun's, multiprocessing's,
+# the checks' scratch models, pytest's own tmp_path), goes under one folder removed when the session ends. A suite
+# run writes several GB; left in /tmp they filled CI's disk ("No space left on device") after a few runs.
+SCRATCH = tempfile.mkdtemp(prefix="veomni-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = SCRATCH
+# the data caches of mapping datasets (veomni/data/sample_cache.py) go there too, not to the user's ~/.cache
+os.environ.setdefault("VEOMNI_DATA_CACHE", os.path.join(SCRATCH, "data-cache"))
 
 
 import pytest  # noqa: E402
@@ -80,3 +86,7 @@ def mm_processors(mm_assets):
         kind: build_processor(build_qwen_processor_folder(kind, str(root / folder), max_pixels=48 * patch * patch))
         for kind, folder, patch in (("qwen2_5_vl", "vl", 28), ("qwen3_vl", "vl3", 32), ("qwen2_5_omni", "omni", 28))
     }
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SCRATCH, ignore_errors=True)

@@ -18,6 +18,7 @@ Run as a script, this file is the server: `python tests/zygote.py SOCKET` (the l
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -215,8 +216,7 @@ class Zygotes:
         proc.kill()
         proc.wait()
         proc.stdout.close()
-        os.unlink(path)
-        os.rmdir(os.path.dirname(path))
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # gone already when the session's scratch went first
 
     def close(self) -> None:
         for key in list(self.servers):
