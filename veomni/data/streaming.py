@@ -13,7 +13,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import IterableDataset
 
-from .data_transform import DataFormatError
 from .fingerprint import Unfingerprintable, data_fingerprint
 from .readers import BLANK, RecordFiles
 from .transforming import Key, Transforming
@@ -96,7 +95,7 @@ class IterativeDataset(IterableDataset, Transforming):
         state.setdefault("blank", 0)
         wanted = [tuple(key) for key in state["buffer"] if tuple(key) not in self._pending]  # a resumed buffer
         fetch_many = getattr(self.reader, "fetch_many", None)  # (a hub stream reads each shard once for them all)
-        for key, record in (fetch_many(wanted) if fetch_many else {k: self._fetch(k) for k in wanted}).items():
+        for key, record in (fetch_many(wanted) if fetch_many else {k: self.reader.fetch(k) for k in wanted}).items():
             self._pending[key] = (record, self.reader.location(key))
         stream = None
         while True:
@@ -122,14 +121,8 @@ class IterativeDataset(IterableDataset, Transforming):
             state["buffer"][pick], state["buffer"][-1] = state["buffer"][-1], state["buffer"][pick]
             yield tuple(state["buffer"].pop())
 
-    def _fetch(self, key: Key):
-        try:
-            return self.reader.fetch(key)
-        except DataFormatError as err:
-            return err
-
     def samples_many(self, keys: List[Key]) -> List[List[Dict[str, Any]]]:
-        items = [self._pending.pop(k, None) or (self._fetch(k), self.reader.location(k)) for k in keys]
+        items = [self._pending.pop(k, None) or (self.reader.fetch(k), self.reader.location(k)) for k in keys]
         return self._apply_many([r for r, _ in items], [w for _, w in items])
 
     def __iter__(self):
