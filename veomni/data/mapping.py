@@ -17,6 +17,7 @@ The sized protocol the loader reads (also offered by InterleavedMappingDataset):
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from .data_transform import DataFormatError
@@ -97,8 +98,6 @@ class MappingDataset(Dataset, Transforming):
 
     def record_order(self, epoch: int) -> np.ndarray:
         """Record indices in this epoch's order."""
-        import torch
-
         n = len(self)
         if not self.shuffle:
             return np.arange(n, dtype=np.int64)

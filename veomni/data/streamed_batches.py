@@ -65,11 +65,8 @@ class PlainIterable:
             )
 
     def samples_many(self, keys):
-        return [_as_list(self._items.pop(tuple(key))) for key in keys]
-
-
-def _as_list(item) -> List[Dict[str, Any]]:
-    return item if isinstance(item, list) else [item]
+        items = [self._items.pop(tuple(key)) for key in keys]
+        return [item if isinstance(item, list) else [item] for item in items]
 
 
 class _SubStream:

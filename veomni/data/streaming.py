@@ -11,6 +11,7 @@ so the loader's resume state is a few integers per buffered sample.
 
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+import torch
 from torch.utils.data import IterableDataset
 
 from .fingerprint import Unfingerprintable, data_fingerprint
@@ -71,20 +72,14 @@ class IterativeDataset(IterableDataset, Transforming):
         return self._fingerprint
 
     def shard_units(self, epoch: int, shard: int, num_shards: int) -> List[Tuple[int, int, int]]:
-        import torch
-
         order = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
         return [self.units[u] for u in order[shard::num_shards]]
 
     def unread(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> int:
         """Records of this shard not reached at `state` (its shuffle buffer included), counted without parsing."""
-        units, at, position = self.shard_units(epoch, shard, num_shards), state.get("unit", 0), state.get("position")
-        left = sum(self.reader.count_unit(u) for u in units[at + 1 :])
-        return (
-            left
-            + (self.reader.count_unit(units[at], position) if at < len(units) else 0)
-            + len(state.get("buffer", []))
-        )
+        units, at = self.shard_units(epoch, shard, num_shards), state.get("unit", 0)
+        left = sum(self.reader.count_unit(u) for u in units[at + 1 :]) + len(state.get("buffer", []))
+        return left + (self.reader.count_unit(units[at], state.get("position")) if at < len(units) else 0)
 
     def iter_keys(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> Iterator[Key]:
         units = self.shard_units(epoch, shard, num_shards)
