@@ -114,20 +114,16 @@ def plan_micro_batches(
         positions, bounds = np.asarray(micro, dtype=np.int64), np.asarray(bound_list, dtype=np.int64)
         complete = len(bounds) - 1
     keep = complete // per_step * per_step  # micro-batches of the full steps
-    tail = [positions[bounds[m] : bounds[m + 1]].tolist() for m in range(keep, len(bounds) - 1)]
+    tail = np.diff(bounds[keep:]).tolist()  # the sizes of the micro-batches after them, in order
     if tail and not drop_last:
         while len(tail) < per_step:  # split (never merge) the fullest micro-batch: budgets still hold
-            big = max(range(len(tail)), key=lambda i: len(tail[i]))
-            if len(tail[big]) < 2:
+            big = tail.index(max(tail))
+            if tail[big] < 2:
                 break
-            half = len(tail[big]) // 2
-            tail[big : big + 1] = [tail[big][:half], tail[big][half:]]
-        if len(tail) == per_step:
-            sizes = np.cumsum([len(mb) for mb in tail])
-            positions = np.concatenate([positions[: bounds[keep]], np.asarray(sum(tail, []), dtype=np.int64)])
-            bounds = np.concatenate([bounds[: keep + 1], bounds[keep] + sizes])
-            return Plan(positions, bounds, per_step, 0)
-    return Plan(positions[: bounds[keep]], bounds[: keep + 1], per_step, sum(len(mb) for mb in tail))
+            tail[big : big + 1] = [tail[big] // 2, tail[big] - tail[big] // 2]
+        if len(tail) == per_step:  # the same samples in the same order, cut again
+            return Plan(positions, np.concatenate([bounds[: keep + 1], bounds[keep] + np.cumsum(tail)]), per_step, 0)
+    return Plan(positions[: bounds[keep]], bounds[: keep + 1], per_step, sum(tail))
 
 
 class BatchingStream(IterableDataset):
