@@ -84,21 +84,15 @@ class Plan:
 
 
 def plan_micro_batches(
-    lengths: List[int],
-    per_step: int,
-    micro_batch_size: int,
-    dyn_bsz: bool,
-    budget: Callable[[int], int],
-    buffer_size: int,
-    drop_last: bool,
+    lengths: List[int], per_step: int, b: Batching, budget: Callable[[int], int], buffer_size: int
 ) -> Plan:
-    """Global steps of `per_step` micro-batches: `micro_batch_size` consecutive samples each, or with `dyn_bsz`
+    """Global steps of `per_step` micro-batches: `b.micro_batch_size` consecutive samples each, or with `b.dyn_bsz`
     first-fit into the token budget of their step from a buffer of `buffer_size` samples in arrival order."""
     n = len(lengths)
-    if not dyn_bsz:  # consecutive runs: no loop over the samples
+    if not b.dyn_bsz:  # consecutive runs: no loop over the samples
         positions = np.arange(n, dtype=np.int64)
-        bounds = np.append(np.arange(0, n, micro_batch_size, dtype=np.int64), n)
-        complete = n // micro_batch_size  # a short last micro-batch is tail
+        bounds = np.append(np.arange(0, n, b.micro_batch_size, dtype=np.int64), n)
+        complete = n // b.micro_batch_size  # a short last micro-batch is tail
     else:
         micro: List[int] = []
         bound_list, buffer, nxt = [0], [], 0
@@ -115,7 +109,7 @@ def plan_micro_batches(
         complete = len(bounds) - 1
     keep = complete // per_step * per_step  # micro-batches of the full steps
     tail = np.diff(bounds[keep:]).tolist()  # the sizes of the micro-batches after them, in order
-    if tail and not drop_last:
+    if tail and not b.drop_last:
         while len(tail) < per_step:  # split (never merge) the fullest micro-batch: budgets still hold
             big = tail.index(max(tail))
             if tail[big] < 2:
@@ -192,11 +186,8 @@ class GlobalBatchStream(BatchingStream):
             path = self._plan_path(epoch, first, per_step)
             plan = _load_plan(path, per_step)
             if plan is None:
-                lengths, b = self.order(epoch)[1].tolist(), self.batching
-                plan = plan_micro_batches(
-                    lengths, per_step, b.micro_batch_size, b.dyn_bsz, lambda s: self._token_budget(first + s),
-                    self.buffer_size, b.drop_last,
-                )  # fmt: skip
+                lengths, budget = self.order(epoch)[1].tolist(), lambda s: self._token_budget(first + s)
+                plan = plan_micro_batches(lengths, per_step, self.batching, budget, self.buffer_size)
                 _save_plan(path, plan)
             self._plans = {key: plan}
         return self._plans[key]
