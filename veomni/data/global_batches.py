@@ -127,7 +127,7 @@ class BatchingStream(IterableDataset):
     def __init__(self, dataset, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
         self.dataset, self.collate_fn, self.dp_rank, self.dp_size = dataset, collate_fn, dp_rank, dp_size
         self.batching = dataclasses.replace(batching)  # its own: the warmup length is set per loader
-        self.dataloader_batch_size = batching.dataloader_batch_size
+        self.slots = dp_size * batching.dataloader_batch_size  # P: micro-batches in a global step
         self.buffer_size = max(batching.buffer_size, batching.micro_batch_size)
         self.epoch, self.first_step = 0, 0
         self._resume: Optional[Dict[str, Any]] = None
@@ -182,12 +182,11 @@ class GlobalBatchStream(BatchingStream):
         first = min(self.first_step, self.batching.warmup_steps)  # past the warmup, where it starts changes nothing
         key = (epoch, first, self.batching.warmup_steps)
         if key not in self._plans:
-            per_step = self.dp_size * self.dataloader_batch_size
-            path = self._plan_path(epoch, first, per_step)
-            plan = _load_plan(path, per_step)
+            path = self._plan_path(epoch, first, self.slots)
+            plan = _load_plan(path, self.slots)
             if plan is None:
                 lengths, budget = self.order(epoch)[1].tolist(), lambda s: self._token_budget(first + s)
-                plan = plan_micro_batches(lengths, per_step, self.batching, budget, self.buffer_size)
+                plan = plan_micro_batches(lengths, self.slots, self.batching, budget, self.buffer_size)
                 _save_plan(path, plan)
             self._plans = {key: plan}
         return self._plans[key]
@@ -210,7 +209,7 @@ class GlobalBatchStream(BatchingStream):
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        plan, accum = self.plan(self.epoch), self.dataloader_batch_size
+        plan, accum = self.plan(self.epoch), self.batching.dataloader_batch_size
         ids = self.order(self.epoch)[0]
         # a global position, the same on every rank: any rank's state resumes any world size
         state = self._start_state(
