@@ -25,13 +25,14 @@ class InterleaveDataset(IterableDataset):
         weights: Sequence[float],
         seed: int = 42,
         stopping_strategy: Literal["all_exhausted", "first_exhausted"] = "all_exhausted",
+        names: Optional[Sequence[str]] = None,
     ):
         if len(sources) != len(weights) or not sources:
             raise ValueError("interleave needs one weight per source")
         if any(w <= 0 for w in weights):
             raise ValueError(f"interleave weights must be positive, got {list(weights)}")
         self.sources, self.weights, self.seed = list(sources), list(weights), seed
-        self.stopping_strategy = stopping_strategy
+        self.stopping_strategy, self.names = stopping_strategy, list(names or range(len(sources)))
 
     def __len__(self) -> int:  # TypeError (as for any unsized dataset) when a source is streamed
         return sum(len(s) for s in self.sources)
