@@ -229,7 +229,7 @@ class MicroBatchLoader(IteratorSlotLoader):
         sized data, None for streamed data (whose length is unknown until it is read); at most `limit`."""
         if not isinstance(self.stream, GlobalBatchStream):
             return None
-        steps = self.stream.num_steps()
+        steps = len(self.stream.plan(self.stream.epoch))
         return min(steps, limit) if limit else steps
 
 

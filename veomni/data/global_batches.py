@@ -202,10 +202,6 @@ class GlobalBatchStream(BatchingStream):
                 self.buffer_size, b.warmup_steps, b.warmup_init_tokens, b.drop_last)  # fmt: skip
         return os.path.join(folder, "plans", hashlib.sha256(repr(spec).encode()).hexdigest()[:20] + ".npz")
 
-    def num_steps(self) -> int:
-        """Steps of the epoch set by `set_epoch` (starting at its `first_step`)."""
-        return len(self.plan(self.epoch))
-
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
