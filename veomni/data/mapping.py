@@ -66,9 +66,8 @@ class MappingDataset(Dataset, Transforming):
         """Where batch plans over this data are kept (its cache folder) and what else they depend on; None for a
         cache of one run's own."""
         cache = self.prepare()
-        return (
-            None if cache.manifest.get("fingerprint") is None else (cache.folder, ("mapping", self.seed, self.shuffle))
-        )
+        fingerprinted = cache.manifest.get("fingerprint") is not None
+        return (cache.folder, ("mapping", self.seed, self.shuffle)) if fingerprinted else None
 
     def counts(self) -> Dict[str, int]:
         manifest = self.prepare().manifest
