@@ -66,7 +66,7 @@ class IterativeDataset(IterableDataset, Transforming):
         """What the data is made of (files, transform, tokenizer; fingerprint.py), None when it cannot be told."""
         if not hasattr(self, "_fingerprint"):
             try:
-                self._fingerprint = data_fingerprint(self.files, self.transform, getattr(self, "source", None))
+                self._fingerprint = data_fingerprint(self.files, self.transform, self.source)
             except Unfingerprintable:
                 self._fingerprint = None
         return self._fingerprint
