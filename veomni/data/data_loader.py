@@ -16,6 +16,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from torch.utils.data import IterableDataset
 
 from ..compat.torchdata import (
     IteratorSlotLoader,
@@ -74,8 +75,6 @@ def build_loader(
 
 def is_user_map_style(dataset) -> bool:
     """A map-style dataset of the user's (`len` and `[i]`, not one of ours, not an IterableDataset)."""
-    from torch.utils.data import IterableDataset
-
     if isinstance(dataset, IterableDataset) or hasattr(dataset, "epoch_order"):
         return False
     return hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
@@ -230,7 +229,7 @@ class MicroBatchLoader(IteratorSlotLoader):
         sized data, None for streamed data (whose length is unknown until it is read); at most `limit`."""
         if not isinstance(self.stream, GlobalBatchStream):
             return None
-        steps = self.stream.num_steps()
+        steps = len(self.stream.plan(self.stream.epoch))
         return min(steps, limit) if limit else steps
 
 

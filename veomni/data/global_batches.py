@@ -84,21 +84,15 @@ class Plan:
 
 
 def plan_micro_batches(
-    lengths: List[int],
-    per_step: int,
-    micro_batch_size: int,
-    dyn_bsz: bool,
-    budget: Callable[[int], int],
-    buffer_size: int,
-    drop_last: bool,
+    lengths: List[int], per_step: int, b: Batching, budget: Callable[[int], int], buffer_size: int
 ) -> Plan:
-    """Global steps of `per_step` micro-batches: `micro_batch_size` consecutive samples each, or with `dyn_bsz`
+    """Global steps of `per_step` micro-batches: `b.micro_batch_size` consecutive samples each, or with `b.dyn_bsz`
     first-fit into the token budget of their step from a buffer of `buffer_size` samples in arrival order."""
     n = len(lengths)
-    if not dyn_bsz:  # consecutive runs: no loop over the samples
+    if not b.dyn_bsz:  # consecutive runs: no loop over the samples
         positions = np.arange(n, dtype=np.int64)
-        bounds = np.append(np.arange(0, n, micro_batch_size, dtype=np.int64), n)
-        complete = n // micro_batch_size  # a short last micro-batch is tail
+        bounds = np.append(np.arange(0, n, b.micro_batch_size, dtype=np.int64), n)
+        complete = n // b.micro_batch_size  # a short last micro-batch is tail
     else:
         micro: List[int] = []
         bound_list, buffer, nxt = [0], [], 0
@@ -114,20 +108,16 @@ def plan_micro_batches(
         positions, bounds = np.asarray(micro, dtype=np.int64), np.asarray(bound_list, dtype=np.int64)
         complete = len(bounds) - 1
     keep = complete // per_step * per_step  # micro-batches of the full steps
-    tail = [positions[bounds[m] : bounds[m + 1]].tolist() for m in range(keep, len(bounds) - 1)]
-    if tail and not drop_last:
+    tail = np.diff(bounds[keep:]).tolist()  # the sizes of the micro-batches after them, in order
+    if tail and not b.drop_last:
         while len(tail) < per_step:  # split (never merge) the fullest micro-batch: budgets still hold
-            big = max(range(len(tail)), key=lambda i: len(tail[i]))
-            if len(tail[big]) < 2:
+            big = tail.index(max(tail))
+            if tail[big] < 2:
                 break
-            half = len(tail[big]) // 2
-            tail[big : big + 1] = [tail[big][:half], tail[big][half:]]
-        if len(tail) == per_step:
-            sizes = np.cumsum([len(mb) for mb in tail])
-            positions = np.concatenate([positions[: bounds[keep]], np.asarray(sum(tail, []), dtype=np.int64)])
-            bounds = np.concatenate([bounds[: keep + 1], bounds[keep] + sizes])
-            return Plan(positions, bounds, per_step, 0)
-    return Plan(positions[: bounds[keep]], bounds[: keep + 1], per_step, sum(len(mb) for mb in tail))
+            tail[big : big + 1] = [tail[big] // 2, tail[big] - tail[big] // 2]
+        if len(tail) == per_step:  # the same samples in the same order, cut again
+            return Plan(positions, np.concatenate([bounds[: keep + 1], bounds[keep] + np.cumsum(tail)]), per_step, 0)
+    return Plan(positions[: bounds[keep]], bounds[: keep + 1], per_step, sum(tail))
 
 
 class BatchingStream(IterableDataset):
@@ -137,7 +127,7 @@ class BatchingStream(IterableDataset):
     def __init__(self, dataset, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int):
         self.dataset, self.collate_fn, self.dp_rank, self.dp_size = dataset, collate_fn, dp_rank, dp_size
         self.batching = dataclasses.replace(batching)  # its own: the warmup length is set per loader
-        self.dataloader_batch_size = batching.dataloader_batch_size
+        self.slots = dp_size * batching.dataloader_batch_size  # P: micro-batches in a global step
         self.buffer_size = max(batching.buffer_size, batching.micro_batch_size)
         self.epoch, self.first_step = 0, 0
         self._resume: Optional[Dict[str, Any]] = None
@@ -192,15 +182,11 @@ class GlobalBatchStream(BatchingStream):
         first = min(self.first_step, self.batching.warmup_steps)  # past the warmup, where it starts changes nothing
         key = (epoch, first, self.batching.warmup_steps)
         if key not in self._plans:
-            per_step = self.dp_size * self.dataloader_batch_size
-            path = self._plan_path(epoch, first, per_step)
-            plan = _load_plan(path, per_step)
+            path = self._plan_path(epoch, first, self.slots)
+            plan = _load_plan(path, self.slots)
             if plan is None:
-                lengths, b = self.order(epoch)[1].tolist(), self.batching
-                plan = plan_micro_batches(
-                    lengths, per_step, b.micro_batch_size, b.dyn_bsz, lambda s: self._token_budget(first + s),
-                    self.buffer_size, b.drop_last,
-                )  # fmt: skip
+                lengths, budget = self.order(epoch)[1].tolist(), lambda s: self._token_budget(first + s)
+                plan = plan_micro_batches(lengths, self.slots, self.batching, budget, self.buffer_size)
                 _save_plan(path, plan)
             self._plans = {key: plan}
         return self._plans[key]
@@ -216,14 +202,10 @@ class GlobalBatchStream(BatchingStream):
                 self.buffer_size, b.warmup_steps, b.warmup_init_tokens, b.drop_last)  # fmt: skip
         return os.path.join(folder, "plans", hashlib.sha256(repr(spec).encode()).hexdigest()[:20] + ".npz")
 
-    def num_steps(self) -> int:
-        """Steps of the epoch set by `set_epoch` (starting at its `first_step`)."""
-        return len(self.plan(self.epoch))
-
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        plan, accum = self.plan(self.epoch), self.dataloader_batch_size
+        plan, accum = self.plan(self.epoch), self.batching.dataloader_batch_size
         ids = self.order(self.epoch)[0]
         # a global position, the same on every rank: any rank's state resumes any world size
         state = self._start_state(

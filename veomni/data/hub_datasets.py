@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..utils import hub
 from .streaming import IterativeDataset
 
-HubData, DEFAULT_SPLIT = hub.HubData, hub.DEFAULT_SPLIT  # the reference and its grammar live with the hub names
+HubData = hub.HubData  # the reference and its grammar live with the hub names
 
 
 def _datasets():

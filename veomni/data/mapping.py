@@ -17,6 +17,7 @@ The sized protocol the loader reads (also offered by InterleavedMappingDataset):
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from .data_transform import DataFormatError
@@ -65,9 +66,8 @@ class MappingDataset(Dataset, Transforming):
         """Where batch plans over this data are kept (its cache folder) and what else they depend on; None for a
         cache of one run's own."""
         cache = self.prepare()
-        return (
-            None if cache.manifest.get("fingerprint") is None else (cache.folder, ("mapping", self.seed, self.shuffle))
-        )
+        fingerprinted = cache.manifest.get("fingerprint") is not None
+        return (cache.folder, ("mapping", self.seed, self.shuffle)) if fingerprinted else None
 
     def counts(self) -> Dict[str, int]:
         manifest = self.prepare().manifest
@@ -97,8 +97,6 @@ class MappingDataset(Dataset, Transforming):
 
     def record_order(self, epoch: int) -> np.ndarray:
         """Record indices in this epoch's order."""
-        import torch
-
         n = len(self)
         if not self.shuffle:
             return np.arange(n, dtype=np.int64)

@@ -49,29 +49,18 @@ def resolve_data_files(train_path: str) -> List[str]:
     return files
 
 
-def _parse_json_line(line: bytes, where: str) -> Dict[str, Any]:
+def _parse_json_line(line: bytes, where) -> Any:
+    """The record of a jsonl line, or its DataFormatError (so callers may skip it)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:  # the whole reason, with the column and the text around it
         near = line[max(err.pos - 20, 0) : err.pos + 20].decode("utf-8", "replace").strip()
-        raise DataFormatError(f"{where}: malformed JSON: {err.msg} at character {err.pos + 1}, near {near!r}") from None
+        return DataFormatError(f"{where}: malformed JSON: {err.msg} at character {err.pos + 1}, near {near!r}")
     except UnicodeDecodeError as err:
-        raise DataFormatError(f"{where}: not UTF-8 text: {err}") from None
+        return DataFormatError(f"{where}: not UTF-8 text: {err}")
     if not isinstance(record, dict):
-        raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        return DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
     return record
-
-
-def _parse_record(line: bytes, where) -> Any:
-    """The record of a jsonl line, or its DataFormatError (so callers may skip it)."""
-    if len(line) > BIG_RECORD_BYTES:  # minutes of tokenising with nothing else to show for it
-        logger.warning(
-            f"{where}: a record of {len(line) / 2**20:.0f} MB; transforming it takes a while", extra=EVERY_RANK
-        )
-    try:
-        return _parse_json_line(line, where)
-    except DataFormatError as err:
-        return err
 
 
 @lru_cache(maxsize=4)
@@ -146,7 +135,12 @@ class RecordFiles:
                     yield (fi, here), line, "", (fi, position)
                 else:  # the line number is counted only if a message needs it (`LineOf`)
                     where = LineOf(path, here)
-                    yield (fi, here), _parse_record(line, where), where, (fi, position)
+                    if len(line) > BIG_RECORD_BYTES:  # minutes of tokenising with nothing else to show for it
+                        logger.warning(
+                            f"{where}: a record of {len(line) / 2**20:.0f} MB; transforming it takes a while",
+                            extra=EVERY_RANK,
+                        )
+                    yield (fi, here), _parse_json_line(line, where), where, (fi, position)
 
     def count_unit(self, unit: Unit, position: Optional[int] = None) -> int:
         """Records left in a unit from `position` (blank lines not counted), without parsing them."""
@@ -207,7 +201,8 @@ class RecordFiles:
             return f"{path}:row {key[1]}"
         return LineOf(path, key[1])
 
-    def fetch(self, key: Key) -> Dict[str, Any]:
+    def fetch(self, key: Key) -> Any:
+        """The record at `key`, or its DataFormatError (as iteration gives it)."""
         fi, position = key
         path = self.files[fi]
         if path.endswith(".jsonl"):

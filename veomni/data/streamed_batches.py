@@ -65,11 +65,8 @@ class PlainIterable:
             )
 
     def samples_many(self, keys):
-        return [_as_list(self._items.pop(tuple(key))) for key in keys]
-
-
-def _as_list(item) -> List[Dict[str, Any]]:
-    return item if isinstance(item, list) else [item]
+        items = [self._items.pop(tuple(key)) for key in keys]
+        return [item if isinstance(item, list) else [item] for item in items]
 
 
 class _SubStream:
@@ -134,14 +131,13 @@ class SlotStream(BatchingStream):
             source if hasattr(source, "iter_keys") else PlainIterable(source), collate_fn, batching, dp_rank, dp_size
         )
         self.workers = max(num_workers, 1)
-        self.slots = self.dp_size * self.dataloader_batch_size  # P: micro-batches in a global step
         self.read_ahead = 64
         if hasattr(source, "cut_units"):  # >= 16 units per sub-stream: one running out early ends the epoch
             source.cut_units(_UNITS_PER_SUB_STREAM * self.slots * self.workers)
 
     def sub_stream_ids(self, worker: int) -> List[int]:
-        first = self.dp_rank * self.dataloader_batch_size
-        return [j * self.workers + worker for j in range(first, first + self.dataloader_batch_size)]
+        accum = self.batching.dataloader_batch_size
+        return [j * self.workers + worker for j in range(self.dp_rank * accum, (self.dp_rank + 1) * accum)]
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         info = get_worker_info()

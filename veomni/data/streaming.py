@@ -11,9 +11,9 @@ so the loader's resume state is a few integers per buffered sample.
 
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+import torch
 from torch.utils.data import IterableDataset
 
-from .data_transform import DataFormatError
 from .fingerprint import Unfingerprintable, data_fingerprint
 from .readers import BLANK, RecordFiles
 from .transforming import Key, Transforming
@@ -66,26 +66,20 @@ class IterativeDataset(IterableDataset, Transforming):
         """What the data is made of (files, transform, tokenizer; fingerprint.py), None when it cannot be told."""
         if not hasattr(self, "_fingerprint"):
             try:
-                self._fingerprint = data_fingerprint(self.files, self.transform, getattr(self, "source", None))
+                self._fingerprint = data_fingerprint(self.files, self.transform, self.source)
             except Unfingerprintable:
                 self._fingerprint = None
         return self._fingerprint
 
     def shard_units(self, epoch: int, shard: int, num_shards: int) -> List[Tuple[int, int, int]]:
-        import torch
-
         order = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
         return [self.units[u] for u in order[shard::num_shards]]
 
     def unread(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> int:
         """Records of this shard not reached at `state` (its shuffle buffer included), counted without parsing."""
-        units, at, position = self.shard_units(epoch, shard, num_shards), state.get("unit", 0), state.get("position")
-        left = sum(self.reader.count_unit(u) for u in units[at + 1 :])
-        return (
-            left
-            + (self.reader.count_unit(units[at], position) if at < len(units) else 0)
-            + len(state.get("buffer", []))
-        )
+        units, at = self.shard_units(epoch, shard, num_shards), state.get("unit", 0)
+        left = sum(self.reader.count_unit(u) for u in units[at + 1 :]) + len(state.get("buffer", []))
+        return left + (self.reader.count_unit(units[at], state.get("position")) if at < len(units) else 0)
 
     def iter_keys(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> Iterator[Key]:
         units = self.shard_units(epoch, shard, num_shards)
@@ -96,7 +90,7 @@ class IterativeDataset(IterableDataset, Transforming):
         state.setdefault("blank", 0)
         wanted = [tuple(key) for key in state["buffer"] if tuple(key) not in self._pending]  # a resumed buffer
         fetch_many = getattr(self.reader, "fetch_many", None)  # (a hub stream reads each shard once for them all)
-        for key, record in (fetch_many(wanted) if fetch_many else {k: self._fetch(k) for k in wanted}).items():
+        for key, record in (fetch_many(wanted) if fetch_many else {k: self.reader.fetch(k) for k in wanted}).items():
             self._pending[key] = (record, self.reader.location(key))
         stream = None
         while True:
@@ -122,14 +116,8 @@ class IterativeDataset(IterableDataset, Transforming):
             state["buffer"][pick], state["buffer"][-1] = state["buffer"][-1], state["buffer"][pick]
             yield tuple(state["buffer"].pop())
 
-    def _fetch(self, key: Key):
-        try:
-            return self.reader.fetch(key)
-        except DataFormatError as err:
-            return err
-
     def samples_many(self, keys: List[Key]) -> List[List[Dict[str, Any]]]:
-        items = [self._pending.pop(k, None) or (self._fetch(k), self.reader.location(k)) for k in keys]
+        items = [self._pending.pop(k, None) or (self.reader.fetch(k), self.reader.location(k)) for k in keys]
         return self._apply_many([r for r, _ in items], [w for _, w in items])
 
     def __iter__(self):

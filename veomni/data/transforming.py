@@ -70,8 +70,6 @@ def _transform(transform: Optional[Callable], record: Any) -> Any:
 
 def _batched_form(transform: Optional[Callable]) -> Optional[Callable]:
     """The batched version of a transform (`fn.batched`, also through functools.partial), or None."""
-    if transform is None:
-        return None
     if isinstance(transform, partial):
         inner = getattr(transform.func, "batched", None)
         return partial(inner, *transform.args, **transform.keywords) if inner else None
