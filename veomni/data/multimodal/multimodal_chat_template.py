@@ -19,9 +19,9 @@ MULTIMODAL_CHAT_TEMPLATE_REGISTRY = Registry("multimodal chat template")
 
 
 class MultimodalChatTemplate(TokenizerTemplate):
-    """The model's own jinja (`jinja`, rendered as `apply_chat_template` does, assistant turns found as
-    TokenizerTemplate finds them) with each media placeholder expanded; subclasses set the jinja, the placeholder
-    token of each media type, and the other special tokens it writes."""
+    """The model's own jinja (`jinja`, rendered as `apply_chat_template` does, assistant turns aligned with the
+    messages as TokenizerTemplate aligns them) with each media placeholder expanded; subclasses set the jinja, the
+    placeholder token of each media type, and the other special tokens it writes."""
 
     placeholders: Dict[str, str] = {}  # media type -> the single placeholder token the jinja writes
     special_tokens: Sequence[str] = ()  # the media markers around the placeholders
