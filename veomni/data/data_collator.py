@@ -96,8 +96,7 @@ class MainCollator:
 
     def _pad_for_sp(self, batch: Dict[str, torch.Tensor], lengths: List[int]) -> None:
         """Pad to a multiple of sp_size (the labels are shifted already: each rank's slice holds its own targets)."""
-        total = sum(lengths)
-        pad = -total % self.sp_size
+        pad = -sum(lengths) % self.sp_size
         for key, info in self.collate_infos.items():
             if key not in batch or info.sp_pad_value is None:
                 continue
