@@ -179,9 +179,7 @@ def _same(value, ids) -> bool:
 
 
 def _constant(value, n: int, c: int) -> bool:
-    if isinstance(value, (list, tuple)):
-        return len(value) == n and value.count(c) == n
-    return False
+    return isinstance(value, (list, tuple)) and len(value) == n and value.count(c) == n
 
 
 def _whole_file_crc(path: str) -> Dict[str, int]:

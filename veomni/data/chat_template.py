@@ -10,6 +10,7 @@ the last assistant turn only) and `think_loss` (whether `<think>...</think>` blo
 `train` all of them, `mask` none, `mask_empty` only the empty ones a template writes for a turn without reasoning).
 """
 
+import json
 import os
 import re
 from abc import ABC, abstractmethod
@@ -190,18 +191,13 @@ class TokenizerTemplate(ChatTemplate):
             text = self._render(messages, tools)
         except TemplateError as err:  # a conversation this template cannot render is bad data (skippable), not a crash
             raise DataFormatError(f"the chat template cannot render this conversation: {err}") from err
-        return self._encode_rendered(text, messages, max_seq_len, tools)
+        return self._encode_rendered(text, messages, max_seq_len)
 
-    def _encode_rendered(self, text: str, messages, max_seq_len: int, tools=None) -> Dict[str, List[int]]:
-        """Tokenise the rendered `text` once; labels on its assistant spans (the `{% generation %}` blocks, or
-        the spans aligned with `messages`)."""
+    def _encode_rendered(self, text: str, messages, max_seq_len: int) -> Dict[str, List[int]]:
+        """Tokenise the rendered `text` once; labels on the assistant spans aligned with `messages`."""
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-        if self.uses_generation_tags:
-            spans = self._generation_spans(messages, tools, ids, offsets)
-        else:
-            spans = self._assistant_spans(text, messages)
-        return self._labelled(ids, offsets, spans, text, max_seq_len)
+        spans = self._assistant_spans(text, messages)
+        return self._labelled(list(enc["input_ids"]), enc["offset_mapping"], spans, text, max_seq_len)
 
     def _labelled(self, ids: List[int], offsets, spans, text: str, max_seq_len: int) -> Dict[str, List[int]]:
         """Labels on the tokens that start inside `spans` (after `last_turn_only`) and outside the think blocks
@@ -216,20 +212,6 @@ class TokenizerTemplate(ChatTemplate):
         starts = np.array([start for start, _ in offsets], dtype=np.int64)
         keep = _in_spans(starts, spans) & ~_in_spans(starts, holes)
         return _checked(ids, np.where(keep, ids, IGNORE_INDEX).tolist(), max_seq_len)
-
-    def _generation_spans(self, messages, tools, ids: List[int], offsets) -> List[Tuple[int, int]]:
-        """The template's `{% generation %}` blocks as HF marks them (its assistant mask), as character spans."""
-        enc = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            chat_template=self.jinja,
-        )
-        if list(enc["input_ids"]) != ids:
-            raise DataFormatError("cannot locate the assistant tokens: the rendered text tokenises differently")
-        return _marked_runs(offsets, enc["assistant_masks"])
 
     def _assistant_spans(self, text: str, messages) -> List[Tuple[int, int]]:
         spans, cursor = [], 0
@@ -390,8 +372,6 @@ def training_template_note(template: ChatTemplate, requested: str, own: Optional
 def export_chat_template(folder: str, jinja: Optional[str]) -> None:
     """Write the training template into a saved tokenizer folder (`tokenizer_config.json`'s `chat_template`; a
     separate `chat_template.jinja`, which transformers prefers, is rewritten too)."""
-    import json
-
     if not jinja:
         return
     path = os.path.join(folder, "tokenizer_config.json")

@@ -35,19 +35,6 @@ def default_collate_infos() -> Dict[str, DataCollateInfo]:
     }
 
 
-def _refuse_implicit_sequence_parallel() -> None:
-    """A collator left to guess would pack whole rows on every rank of a Ulysses group: refuse instead."""
-    from ..distributed.parallel_state import parallel_state_or_none
-
-    state = parallel_state_or_none()
-    if state is not None and state.sp_enabled:
-        raise ValueError(
-            f"MainCollator under Ulysses sequence parallel (ulysses_size={state.sp_size}) needs sp_size and sp_rank "
-            "(this rank's slice of each row): pass sp_size=state.sp_size, sp_rank=state.sp_rank, or build it "
-            "through build_dataloader"
-        )
-
-
 @dataclass
 class MainCollator:
     collate_infos: Dict[str, DataCollateInfo] = field(default_factory=default_collate_infos)
@@ -59,11 +46,17 @@ class MainCollator:
     sp_rank: Optional[int] = None  # collator (build_dataloader, the trainers); None: no sequence parallel
 
     def __post_init__(self):
-        merged = default_collate_infos()
-        merged.update(self.collate_infos or {})
-        self.collate_infos = merged
-        if self.sp_size is None:
-            _refuse_implicit_sequence_parallel()
+        self.collate_infos = {**default_collate_infos(), **(self.collate_infos or {})}
+        if self.sp_size is None:  # left to guess, it would pack whole rows on every rank of a Ulysses group: refuse
+            from ..distributed.parallel_state import parallel_state_or_none
+
+            state = parallel_state_or_none()
+            if state is not None and state.sp_enabled:
+                raise ValueError(
+                    f"MainCollator under Ulysses sequence parallel (ulysses_size={state.sp_size}) needs sp_size and "
+                    "sp_rank (this rank's slice of each row): pass sp_size=state.sp_size, sp_rank=state.sp_rank, or "
+                    "build it through build_dataloader"
+                )
             self.sp_size = 1
         self.sp_rank = self.sp_rank or 0
 
@@ -103,24 +96,21 @@ class MainCollator:
 
     def _pad_for_sp(self, batch: Dict[str, torch.Tensor], lengths: List[int]) -> None:
         """Pad to a multiple of sp_size (the labels are shifted already: each rank's slice holds its own targets)."""
-        total = sum(lengths)
-        pad = -total % self.sp_size
+        pad = -sum(lengths) % self.sp_size
         for key, info in self.collate_infos.items():
             if key not in batch or info.sp_pad_value is None:
                 continue
             value = batch[key]
-            dim = -1 if info.pack_dim == -1 else info.pack_dim
-            width = -value.shape[dim] % (self.sp_size * info.sp_pad_scale)  # its own length, padded
+            width = -value.shape[info.pack_dim] % (self.sp_size * info.sp_pad_scale)  # its own length, padded
             if width:
-                batch[key] = _padded(key, value, width, dim, info.sp_pad_value)
+                batch[key] = _padded(key, value, width, info.pack_dim, info.sp_pad_value)
         if pad:
             lengths.append(pad)
 
     def _slice_for_sp(self, batch: Dict[str, torch.Tensor]) -> None:
         for key, info in self.collate_infos.items():
             if key in batch and info.sp_slice:
-                dim = -1 if info.pack_dim == -1 else info.pack_dim
-                batch[key] = batch[key].chunk(self.sp_size, dim=dim)[self.sp_rank].contiguous()
+                batch[key] = batch[key].chunk(self.sp_size, dim=info.pack_dim)[self.sp_rank].contiguous()
 
     def _pad(self, batch: Dict[str, torch.Tensor], lengths: List[int]) -> None:
         """Pad the packed row to `max_seq_len` as one extra document that carries no loss."""

@@ -38,10 +38,8 @@ def fingerprint(*objects: Any, package: bool = True, exclude: Any = None) -> str
     """The objects' hash (and veomni/data's source unless `package=False`); `exclude` (e.g. a tokenizer, hashed
     on its own) counts by its type only."""
     digest = hashlib.sha256(_package_source().encode() if package else b"")
-    for obj in objects:
-        digest.update(
-            _describe(obj, 0, {id(exclude)} if exclude is not None else set()).encode("utf-8", "surrogatepass")
-        )
+    for obj in objects:  # (None is described before the `seen` check: excluding it changes nothing)
+        digest.update(_describe(obj, 0, {id(exclude)}).encode("utf-8", "surrogatepass"))
         digest.update(b"\0")
     return digest.hexdigest()[:20]
 
@@ -51,14 +49,8 @@ def files_fingerprint(files: List[str]) -> List[Any]:
     out = []
     for f in files:
         st = os.stat(f)
-        out.append(
-            (
-                os.path.abspath(f),
-                st.st_size,
-                st.st_mtime_ns,
-                _content_hash(f, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino),
-            )
-        )
+        content = _content_hash(f, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        out.append((os.path.abspath(f), st.st_size, st.st_mtime_ns, content))
     return out
 
 

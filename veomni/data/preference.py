@@ -58,10 +58,7 @@ def _encode_text(example: Dict[str, Any], tokenizer) -> List[Dict[str, List[int]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _labelled(ids: List[int], prompt_len: int) -> Dict[str, List[int]]:

@@ -33,6 +33,7 @@ import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from ..utils.collectives import host_group, on_every_rank, on_rank0
@@ -46,10 +47,6 @@ FORMAT = 2
 _HELD_LOCKS: Dict[str, int] = {}  # folder -> the lock file this process holds there (its builds, its own caches)
 
 
-def default_cache_dir() -> str:
-    return os.environ.get("VEOMNI_DATA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "veomni", "data"))
-
-
 # ---------------------------------------------------------------------------------------------------- reading
 class SampleCache:
     """A built cache, mapped read-only. Picklable by path (loader workers map the files themselves).
@@ -59,9 +56,6 @@ class SampleCache:
         self.folder, self.trusted = folder, trusted
         with open(os.path.join(folder, "manifest.json")) as f:
             self.manifest = json.load(f)
-        self._map()
-
-    def _map(self) -> None:
         parts = self.manifest["parts"]
         self.token_mode = self.manifest["token_mode"]
         records = [np.load(self._path(p, "records.npy")) for p in range(len(parts))]
@@ -78,12 +72,8 @@ class SampleCache:
     def _path(self, part: int, name: str) -> str:
         return os.path.join(self.folder, f"part-{self.manifest['parts'][part]['part']}.{name}")
 
-    def __getstate__(self):
-        return {"folder": self.folder, "manifest": self.manifest, "trusted": self.trusted}
-
-    def __setstate__(self, state):
-        self.folder, self.manifest, self.trusted = state["folder"], state["manifest"], state["trusted"]
-        self._map()
+    def __reduce__(self):
+        return SampleCache, (self.folder, self.trusted)
 
     @property
     def num_records(self) -> int:
@@ -115,22 +105,17 @@ class SampleCache:
             self._tokens[key] = np.memmap(self._path(part, f"{name}.bin"), dtype=np.int32, mode="r")
             self._checked[key] = np.full(len(self.manifest["parts"][part]["fields"][name]["crc32"]), self.trusted)
         tokens, checked = self._tokens[key], self._checked[key]
-        per_chunk = CHUNK_BYTES // 4
+        per_chunk, crcs = CHUNK_BYTES // 4, self.manifest["parts"][part]["fields"][name]["crc32"]
         for chunk in range(start // per_chunk, (end - 1) // per_chunk + 1 if end > start else 0):
-            if not checked[chunk]:
-                self._verify(part, name, tokens, chunk)
-                checked[chunk] = True
+            if not checked[chunk] and zlib.crc32(tokens[chunk * per_chunk : (chunk + 1) * per_chunk]) != crcs[chunk]:
+                last = min((chunk + 1) * CHUNK_BYTES, tokens.nbytes)
+                raise DataFormatError(
+                    f"data cache file {self._path(part, f'{name}.bin')}: chunk {chunk} (bytes {chunk * CHUNK_BYTES}.."
+                    f"{last}) does not match its checksum (changed or corrupt on disk); delete {self.folder} to "
+                    "rebuild it"
+                )
+            checked[chunk] = True
         return tokens[start:end].astype(np.int64)
-
-    def _verify(self, part: int, name: str, tokens: np.ndarray, chunk: int) -> None:
-        per_chunk = CHUNK_BYTES // 4
-        expected = self.manifest["parts"][part]["fields"][name]["crc32"][chunk]
-        if zlib.crc32(tokens[chunk * per_chunk : (chunk + 1) * per_chunk]) != expected:
-            end = min((chunk + 1) * CHUNK_BYTES, tokens.nbytes)
-            raise DataFormatError(
-                f"data cache file {self._path(part, f'{name}.bin')}: chunk {chunk} (bytes {chunk * CHUNK_BYTES}..{end})"
-                f" does not match its checksum (changed or corrupt on disk); delete {self.folder} to rebuild it"
-            )
 
     def record_of(self, i: int) -> Tuple[int, int]:
         """(record, piece) of sample `i`."""
@@ -192,7 +177,7 @@ def open_or_build(dataset, cache_dir: Optional[str], name: str = "data") -> Samp
 
     The ranks coordinate on a gloo group of their own (CPU flags work under NCCL too) whose timeout allows for a
     long build (`VEOMNI_HOST_TIMEOUT_MINUTES`); a rank that fails its share fails every rank at once."""
-    cache_dir = cache_dir or default_cache_dir()
+    cache_dir = cache_dir or os.environ.get("VEOMNI_DATA_CACHE", os.path.expanduser("~/.cache/veomni/data"))
     with host_group() as group:
         rank, world = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
         folder, parts = on_rank0(lambda: _key(dataset, cache_dir, name), group)
@@ -216,8 +201,6 @@ def open_or_build(dataset, cache_dir: Optional[str], name: str = "data") -> Samp
 
 def _all_ok(ok: bool, group) -> bool:
     """True when `ok` holds on every rank (a collective on `group`, the host group of every rank)."""
-    import torch
-
     if group is None:
         return ok
     flag = torch.tensor([int(ok)])

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ...utils.asset_cache import default_cache_dir, fetch_wheel, qwen_tokenizer_dir  # noqa: F401  (public here too)
+from ...utils.asset_cache import fetch_wheel
 
 
 def skimage_images(cache_dir: Optional[str] = None) -> Dict[str, Dict[str, str]]:

@@ -10,7 +10,7 @@ content and its `<|im_end|>`, everything else is IGNORE_INDEX.
 import re
 from typing import Dict, List, Optional, Sequence
 
-from ..chat_template import CHAT_TEMPLATE_REGISTRY, ChatTemplate, TokenizerTemplate, require_tokens
+from ..chat_template import ChatTemplate, TokenizerTemplate, build_chat_template, require_tokens
 from ..data_transform import DataFormatError
 from ..dataset import Registry
 from . import hf_chat_templates
@@ -19,9 +19,9 @@ MULTIMODAL_CHAT_TEMPLATE_REGISTRY = Registry("multimodal chat template")
 
 
 class MultimodalChatTemplate(TokenizerTemplate):
-    """The model's own jinja (`jinja`, rendered as `apply_chat_template` does, assistant turns found as
-    TokenizerTemplate finds them) with each media placeholder expanded; subclasses set the jinja, the placeholder
-    token of each media type, and the other special tokens it writes."""
+    """The model's own jinja (`jinja`, rendered as `apply_chat_template` does, assistant turns aligned with the
+    messages as TokenizerTemplate aligns them) with each media placeholder expanded; subclasses set the jinja, the
+    placeholder token of each media type, and the other special tokens it writes."""
 
     placeholders: Dict[str, str] = {}  # media type -> the single placeholder token the jinja writes
     special_tokens: Sequence[str] = ()  # the media markers around the placeholders
@@ -95,4 +95,4 @@ def build_multimodal_chat_template(name: str, tokenizer, **kwargs) -> ChatTempla
     template of `veomni.data.build_chat_template` (for text-only data through the multimodal pipeline)."""
     if name in MULTIMODAL_CHAT_TEMPLATE_REGISTRY:
         return MULTIMODAL_CHAT_TEMPLATE_REGISTRY.get(name)(tokenizer, **kwargs)
-    return CHAT_TEMPLATE_REGISTRY.get(name)(tokenizer, **kwargs)
+    return build_chat_template(name, tokenizer, **kwargs)

