@@ -4,6 +4,7 @@ core with busy-waiting workers, and on the 2-core box a tiny MoE forward+backwar
 0.15 s with one thread (dense: 2.8 s vs 0.09 s; a loaded box, so the ratio is rough). The launches the tests
 start set their own threads (helpers.child_env; train.sh when the variable is unset, which test_e2e checks)."""
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -18,6 +19,11 @@ SCRATCH = tempfile.mkdtemp(prefix="veomni-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = SCRATCH
 # the data caches of mapping datasets (veomni/data/sample_cache.py) go there too, not to the user's ~/.cache
 os.environ.setdefault("VEOMNI_DATA_CACHE", os.path.join(SCRATCH, "data-cache"))
+# Removed at exit, not at pytest_unconfigure: the exit handlers registered later (helpers' launch servers,
+# multiprocessing's own `pymp-` folders, whose removal prints a FileNotFoundError traceback when they are gone) run
+# first; by this process only (a forked child that exits normally runs its parent's handlers too)
+OWNER = os.getpid()
+atexit.register(lambda: os.getpid() == OWNER and shutil.rmtree(SCRATCH, ignore_errors=True))
 
 
 import pytest  # noqa: E402
@@ -86,7 +92,3 @@ def mm_processors(mm_assets):
         kind: build_processor(build_qwen_processor_folder(kind, str(root / folder), max_pixels=48 * patch * patch))
         for kind, folder, patch in (("qwen2_5_vl", "vl", 28), ("qwen3_vl", "vl3", 32), ("qwen2_5_omni", "omni", 28))
     }
-
-
-def pytest_unconfigure(config):
-    shutil.rmtree(SCRATCH, ignore_errors=True)
