@@ -10,6 +10,7 @@ from functools import partial
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 import transformers as tf
 from mm_helpers import TINY_TEXT, TINY_VISION, qwen2_5_vl_transform
@@ -347,3 +348,18 @@ def test_openai_sharegpt_and_media_forms_agree(mm_assets, mm_processors, tmp_pat
     for out in outs[1:]:
         for key in ("input_ids", "labels", "position_ids", "pixel_values", "image_grid_thw"):
             assert torch.equal(out[key], outs[0][key]), key
+
+
+def test_vlm_trainer_takes_a_multimodal_template_and_refuses_a_text_one(mm_processors):
+    """The sample transforms hand the template the expanded media placeholders: a text template (chatml, the
+    tokenizer's, a custom jinja) would fail every sample with a TypeError, so data.chat_template refuses it."""
+    from veomni.trainer.vlm_trainer import multimodal_template_name
+
+    assert multimodal_template_name("auto", "qwen3_vl") == "qwen3_vl"
+    assert multimodal_template_name("qwen2_5_vl", "qwen3_vl") == "qwen2_5_vl"
+    text_template = build_multimodal_chat_template("chatml", mm_processors["qwen2_5_vl"].tokenizer)
+    with pytest.raises(TypeError, match="replacements"):  # what a text template did in the transforms
+        text_template.encode_messages([{"role": "user", "content": "hi"}], max_seq_len=64, replacements={})
+    for name in ("chatml", "tokenizer", "{% for m in messages %}{{ m['content'] }}{% endfor %}"):
+        with pytest.raises(ValueError, match="needs a multimodal chat template"):
+            multimodal_template_name(name, "qwen3_vl")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..data.data_collator import DataCollateInfo
 from ..data.multimodal import (
+    MULTIMODAL_CHAT_TEMPLATE_REGISTRY,
     build_multimodal_chat_template,
     multimodal_collate_infos,
     process_sample_qwen2_5_vl,
@@ -52,6 +53,21 @@ def build_data_collate_info(merge_size: int = 2) -> Dict[str, DataCollateInfo]:
     return multimodal_collate_infos(merge_size)
 
 
+def multimodal_template_name(requested: str, family_template: str) -> str:
+    """The multimodal template `data.chat_template` names (`auto` / `default`: the model family's). A text template
+    (chatml, tokenizer, a custom jinja) is refused here: the sample transforms hand it the expanded media
+    placeholders, which only a multimodal template takes, so every sample would fail."""
+    if requested in ("default", "auto"):
+        return family_template
+    if requested not in MULTIMODAL_CHAT_TEMPLATE_REGISTRY:
+        raise ValueError(
+            f"data.chat_template={requested if len(requested) <= 60 else requested[:57] + '...'!r}: VLMTrainer needs "
+            f"a multimodal chat template (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen2_5_omni, or one registered in "
+            f"MULTIMODAL_CHAT_TEMPLATE_REGISTRY) or auto (this model's own: {family_template})"
+        )
+    return requested
+
+
 class VLMTrainer(TextTrainer):
     non_model_keys = (*TextTrainer.non_model_keys, *_TOKEN_MASKS)  # the masks are counted, never given to the model
 
@@ -64,8 +80,9 @@ class VLMTrainer(TextTrainer):
             raise ValueError(f"VLMTrainer: no multimodal transform for model_type {config.model_type!r}")
         self._check_special_ids(config)
         transform, template = TRANSFORMS[config.model_type]
-        name = args.data.chat_template if args.data.chat_template not in ("default", "auto") else template
-        chat_template = build_multimodal_chat_template(name, self.tokenizer)
+        chat_template = build_multimodal_chat_template(
+            multimodal_template_name(args.data.chat_template, template), self.tokenizer
+        )
         # the same function get_position_id_func(model) returns; built from the config, as the data comes first
         position_id_func = build_position_id_func(config)
         mm_configs = dict(args.data.mm_configs or {})

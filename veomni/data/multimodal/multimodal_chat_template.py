@@ -92,7 +92,8 @@ class Qwen2_5OmniTemplate(MultimodalChatTemplate):
 
 def build_multimodal_chat_template(name: str, tokenizer, **kwargs) -> ChatTemplate:
     """A multimodal template by name (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen2_5_omni), or a text
-    template of `veomni.data.build_chat_template` (for text-only data through the multimodal pipeline)."""
+    template of `veomni.data.build_chat_template` (for text conversations: the `process_sample_*` transforms take
+    a multimodal one only, as they hand it the expanded media placeholders)."""
     if name in MULTIMODAL_CHAT_TEMPLATE_REGISTRY:
         return MULTIMODAL_CHAT_TEMPLATE_REGISTRY.get(name)(tokenizer, **kwargs)
     return build_chat_template(name, tokenizer, **kwargs)
