@@ -15,16 +15,20 @@ os.environ.setdefault("VEOMNI_LOSS_PLOT", "0")  # no loss.png (matplotlib: a CPU
 # Every temporary file of the session, the launches' included (they inherit TMPDIR: torchrun's, multiprocessing's,
 # the checks' scratch models, pytest's own tmp_path), goes under one folder removed when the session ends. A suite
 # run writes several GB; left in /tmp they filled CI's disk ("No space left on device") after a few runs.
-SCRATCH = tempfile.mkdtemp(prefix="veomni-tests-")
+# pytest-xdist's workers share the folder of the process that started them (one level deep: the launches'
+# AF_UNIX socket paths stay short). Inductor keeps its usual cache of compiled kernels across runs.
+SCRATCH = os.environ.get("VEOMNI_TEST_SCRATCH")
+if SCRATCH is None:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "torchinductor_tests"))
+    SCRATCH = os.environ["VEOMNI_TEST_SCRATCH"] = tempfile.mkdtemp(prefix="veomni-tests-")
+    # Removed at exit, not at pytest_unconfigure: the exit handlers registered later (helpers' launch servers,
+    # multiprocessing's own `pymp-` folders, whose removal prints a FileNotFoundError traceback when they are gone)
+    # run first; by this process only (a forked child that exits normally runs its parent's handlers too)
+    OWNER = os.getpid()
+    atexit.register(lambda: os.getpid() == OWNER and shutil.rmtree(SCRATCH, ignore_errors=True))
 os.environ["TMPDIR"] = tempfile.tempdir = SCRATCH
 # the data caches of mapping datasets (veomni/data/sample_cache.py) go there too, not to the user's ~/.cache
 os.environ.setdefault("VEOMNI_DATA_CACHE", os.path.join(SCRATCH, "data-cache"))
-# Removed at exit, not at pytest_unconfigure: the exit handlers registered later (helpers' launch servers,
-# multiprocessing's own `pymp-` folders, whose removal prints a FileNotFoundError traceback when they are gone) run
-# first; by this process only (a forked child that exits normally runs its parent's handlers too)
-OWNER = os.getpid()
-atexit.register(lambda: os.getpid() == OWNER and shutil.rmtree(SCRATCH, ignore_errors=True))
-
 
 import pytest  # noqa: E402
 
