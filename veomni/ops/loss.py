@@ -55,10 +55,7 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tenso
 
 # --------------------------------------------------------------------------------------- head-loss backends
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()
-    if isinstance(logits, DTensor):  # tensor parallel: this chunk's logits sharded on the vocabulary
-        return vocab_parallel_cross_entropy_sum(logits, targets)
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return lm_loss_sum(head(hidden), targets)[0]  # a tensor-parallel head's chunk: its vocab-sharded logits
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
