@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from .vocab_parallel_loss import IGNORE_INDEX, vocab_parallel_cross_entropy_sum
+from .vocab_parallel_loss import IGNORE_INDEX, vocab_parallel_token_cross_entropy
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tenso
     """Sum of cross-entropy (fp32) of `logits[..., t, :]` against the shifted `labels[..., t]`, and its token count."""
     flat_labels = labels.reshape(-1).to(logits.device)
     if isinstance(logits, DTensor):  # a tensor-parallel head's vocab-sharded logits: reduced without gathering
-        return vocab_parallel_cross_entropy_sum(logits, flat_labels), (flat_labels != IGNORE_INDEX).sum()
+        return vocab_parallel_token_cross_entropy(logits, flat_labels).sum(), (flat_labels != IGNORE_INDEX).sum()
     flat_logits = logits.reshape(-1, logits.size(-1)).float()
     loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss, (flat_labels != IGNORE_INDEX).sum()
