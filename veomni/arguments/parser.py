@@ -91,19 +91,16 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
             return value.lower() in _TRUE
         raise bad()
     if tp is int:
-        if isinstance(value, bool):
-            raise bad()
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        number = value
         if isinstance(value, str):
             try:
                 number = float(value) if any(c in value for c in ".eE") else int(value, 0)
             except ValueError:
                 raise bad() from None
-            if float(number).is_integer():
-                return int(number)
+        if isinstance(number, float) and number.is_integer():  # 1e3, 2.0
+            number = int(number)
+        if isinstance(number, int) and not isinstance(number, bool):
+            return number
         raise bad()
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
