@@ -54,10 +54,6 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tenso
 
 
 # --------------------------------------------------------------------------------------- head-loss backends
-def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return lm_loss_sum(head(hidden), targets)[0]  # a tensor-parallel head's chunk: its vocab-sharded logits
-
-
 class _LinearCrossEntropySum(torch.autograd.Function):
     """sum_i CE(hidden_i @ W^T + b, target_i) over rows whose target is not IGNORE_INDEX, chunk by chunk; the
     gradients are computed in forward and only scaled by the incoming (scalar) gradient in backward."""
@@ -136,19 +132,21 @@ def chunked_backend(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     gradients."""
     if torch.is_grad_enabled() and isinstance(head, nn.Linear) and not isinstance(head.weight, DTensor):
         return _LinearCrossEntropySum.apply(hidden, head.weight, head.bias, targets, chunk_size)
-    return sum(map_chunks(_chunk_loss, head, hidden, targets, chunk_size), hidden.new_zeros((), dtype=torch.float32))
+    # (lm_loss_sum: a tensor-parallel head's chunk of logits is vocab-sharded)
+    losses = map_chunks(lambda h, t: lm_loss_sum(head(h), t)[0], hidden, targets, chunk_size)
+    return sum(losses, hidden.new_zeros((), dtype=torch.float32))
 
 
-def map_chunks(fn: Callable, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> list:
-    """`fn(head, rows, their targets)` for each `chunk_size` rows of `hidden`; with gradients each call is recomputed
-    in backward, so one chunk's logits are alive at a time."""
+def map_chunks(fn: Callable, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> list:
+    """`fn(rows, their targets)` for each `chunk_size` rows of `hidden`; with gradients each call is recomputed in
+    backward, so one chunk's logits are alive at a time."""
     pieces = []
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if torch.is_grad_enabled():
-            pieces.append(checkpoint(fn, head, h, t, use_reentrant=False))
+            pieces.append(checkpoint(fn, h, t, use_reentrant=False))
         else:
-            pieces.append(fn(head, h, t))
+            pieces.append(fn(h, t))
     return pieces
 
 
