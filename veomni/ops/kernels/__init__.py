@@ -94,8 +94,7 @@ def resolve_loss_implementation(choice: str, device_type: str, tp_size: int = 1)
 
 @functools.lru_cache(maxsize=None)
 def _said(choice: str, chosen: str, why: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        logger.info(f"{KEY}={choice}: {chosen} ({why})")
+    logger.info(f"{KEY}={choice}: {chosen} ({why})")  # (rank 0's: our loggers say INFO on rank 0 only)
 
 
 def bind_kernels(
