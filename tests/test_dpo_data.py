@@ -94,8 +94,8 @@ def test_token_logps_of_vocab_sharded_logits_equal_the_plain_ones(one_process_gr
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from veomni.ops.loss import lm_loss_sum
     from veomni.ops.preference_loss import token_logps
-    from veomni.ops.vocab_parallel_loss import vocab_parallel_cross_entropy_sum
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 32, generator=g)
@@ -108,5 +108,5 @@ def test_token_logps_of_vocab_sharded_logits_equal_the_plain_ones(one_process_gr
     got.sum().backward()
     torch.testing.assert_close(got, expected.detach())
     torch.testing.assert_close(sharded.grad.full_tensor(), plain.grad)
-    total = vocab_parallel_cross_entropy_sum(sharded.detach(), targets)
+    total = lm_loss_sum(sharded.detach(), targets)[0]
     torch.testing.assert_close(total, -expected.detach().sum())

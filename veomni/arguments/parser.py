@@ -24,15 +24,8 @@ def _field_types(cls) -> Dict[str, Any]:
     """Resolved annotations of a dataclass, including string forward references like `"ModelArguments"`."""
     from . import arguments_types
 
-    localns = dict(vars(arguments_types))
-    hints = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        module = sys.modules.get(klass.__module__)
-        globalns = dict(vars(module)) if module else {}
-        hints.update(typing.get_type_hints(klass, globalns=globalns, localns=localns))
-    return hints
+    # each class of the MRO resolves its own annotations in its own module (get_type_hints walks the MRO)
+    return typing.get_type_hints(cls, localns=dict(vars(arguments_types)))
 
 
 def _user_fields(cls) -> List[dataclasses.Field]:
@@ -98,19 +91,16 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
             return value.lower() in _TRUE
         raise bad()
     if tp is int:
-        if isinstance(value, bool):
-            raise bad()
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        number = value
         if isinstance(value, str):
             try:
                 number = float(value) if any(c in value for c in ".eE") else int(value, 0)
             except ValueError:
                 raise bad() from None
-            if float(number).is_integer():
-                return int(number)
+        if isinstance(number, float) and number.is_integer():  # 1e3, 2.0
+            number = int(number)
+        if isinstance(number, int) and not isinstance(number, bool):
+            return number
         raise bad()
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -345,14 +335,10 @@ def _model_path_wins(tree: Dict[str, Any], origins: Dict[str, str]) -> None:
             origins.pop(dotted, None)
 
 
-def args_to_dict(args) -> Dict[str, Any]:
-    return dataclasses.asdict(args)
-
-
 def save_args(args, output_dir: str, name: str = "veomni_config.yaml") -> str:
     """Write the fully resolved configuration next to the outputs, so every run is reproducible."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, name)
     with open(path, "w") as f:
-        yaml.safe_dump(args_to_dict(args), f, sort_keys=False)
+        yaml.safe_dump(dataclasses.asdict(args), f, sort_keys=False)
     return path

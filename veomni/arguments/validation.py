@@ -8,7 +8,7 @@ Errors are `ConfigError`s naming the key and where the value came from (file:lin
 
 import math
 import re
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..utils.logging import get_logger
 
@@ -130,11 +130,6 @@ def _get(args, path: str):
 _MISSING = object()
 
 
-def _nearest_multiples(value: int, unit: int) -> List[int]:
-    below = (value // unit) * unit
-    return [m for m in (below, below + unit) if m > 0]
-
-
 def validate_args(args, origins: Dict[str, str]) -> None:
     """Raise `ConfigError` for the first value outside its key's range, or an inconsistent pair of keys."""
 
@@ -148,10 +143,11 @@ def validate_args(args, origins: Dict[str, str]) -> None:
 
     micro, global_ = _get(args, "train.micro_batch_size"), _get(args, "train.global_batch_size")
     if isinstance(global_, int) and isinstance(micro, int) and global_ % micro:
+        below = global_ // micro * micro
+        nearest = " or ".join(str(m) for m in (below, below + micro) if m > 0)
         fail(
             "train.global_batch_size",
-            f"value {global_} is not a multiple of train.micro_batch_size={micro}; "
-            f"nearest valid: {' or '.join(map(str, _nearest_multiples(global_, micro)))}",
+            f"value {global_} is not a multiple of train.micro_batch_size={micro}; nearest valid: {nearest}",
         )
     workers, prefetch = _get(args, "data.dataloader.num_workers"), _get(args, "data.dataloader.prefetch_factor")
     if prefetch not in (None, _MISSING) and workers == 0:

@@ -70,7 +70,7 @@ def varlen_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- boundaries
-def _cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+def _cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """Document starts where a position does not continue the previous one (and at every row start)."""
     flat = position_ids.reshape(-1)
     starts = torch.ones_like(flat, dtype=torch.bool)
@@ -84,16 +84,13 @@ def _document_bounds(query: torch.Tensor, attention_mask, kwargs) -> Optional[to
     """cu_seqlens over the flattened (batch * seq) tokens of a packed batch; None when there is no packing."""
     batch, _, q_len, _ = query.shape
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        if cu.numel() > 2 or batch > 1:
-            return cu
-        return None
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None or position_ids.shape[-1] != q_len or q_len == 1:
-        return None
-    if attention_mask is not None and not bool(attention_mask.all()):
-        return None  # a padded batch: transformers' padding path handles it
-    cu = _cu_seqlens_from_position_ids(position_ids.expand(batch, -1))
+    if cu is None:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None or position_ids.shape[-1] != q_len or q_len == 1:
+            return None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return None  # a padded batch: transformers' padding path handles it
+        cu = _cu_seqlens_from_position_ids(position_ids.expand(batch, -1))
     return cu if cu.numel() > 2 or batch > 1 else None
 
 

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from .vocab_parallel_loss import IGNORE_INDEX, vocab_parallel_cross_entropy_sum
+from .vocab_parallel_loss import IGNORE_INDEX, vocab_parallel_token_cross_entropy
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -47,20 +47,13 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tenso
     """Sum of cross-entropy (fp32) of `logits[..., t, :]` against the shifted `labels[..., t]`, and its token count."""
     flat_labels = labels.reshape(-1).to(logits.device)
     if isinstance(logits, DTensor):  # a tensor-parallel head's vocab-sharded logits: reduced without gathering
-        return vocab_parallel_cross_entropy_sum(logits, flat_labels), (flat_labels != IGNORE_INDEX).sum()
+        return vocab_parallel_token_cross_entropy(logits, flat_labels).sum(), (flat_labels != IGNORE_INDEX).sum()
     flat_logits = logits.reshape(-1, logits.size(-1)).float()
     loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss, (flat_labels != IGNORE_INDEX).sum()
 
 
 # --------------------------------------------------------------------------------------- head-loss backends
-def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()
-    if isinstance(logits, DTensor):  # tensor parallel: this chunk's logits sharded on the vocabulary
-        return vocab_parallel_cross_entropy_sum(logits, targets)
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
 class _LinearCrossEntropySum(torch.autograd.Function):
     """sum_i CE(hidden_i @ W^T + b, target_i) over rows whose target is not IGNORE_INDEX, chunk by chunk; the
     gradients are computed in forward and only scaled by the incoming (scalar) gradient in backward."""
@@ -139,19 +132,21 @@ def chunked_backend(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     gradients."""
     if torch.is_grad_enabled() and isinstance(head, nn.Linear) and not isinstance(head.weight, DTensor):
         return _LinearCrossEntropySum.apply(hidden, head.weight, head.bias, targets, chunk_size)
-    return sum(map_chunks(_chunk_loss, head, hidden, targets, chunk_size), hidden.new_zeros((), dtype=torch.float32))
+    # (lm_loss_sum: a tensor-parallel head's chunk of logits is vocab-sharded)
+    losses = map_chunks(lambda h, t: lm_loss_sum(head(h), t)[0], hidden, targets, chunk_size)
+    return sum(losses, hidden.new_zeros((), dtype=torch.float32))
 
 
-def map_chunks(fn: Callable, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> list:
-    """`fn(head, rows, their targets)` for each `chunk_size` rows of `hidden`; with gradients each call is recomputed
-    in backward, so one chunk's logits are alive at a time."""
+def map_chunks(fn: Callable, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> list:
+    """`fn(rows, their targets)` for each `chunk_size` rows of `hidden`; with gradients each call is recomputed in
+    backward, so one chunk's logits are alive at a time."""
     pieces = []
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if torch.is_grad_enabled():
-            pieces.append(checkpoint(fn, head, h, t, use_reentrant=False))
+            pieces.append(checkpoint(fn, h, t, use_reentrant=False))
         else:
-            pieces.append(fn(head, h, t))
+            pieces.append(fn(h, t))
     return pieces
 
 

@@ -17,7 +17,6 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_reduce as all_reduce_autograd
 from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ExpertsInterface
 
@@ -25,6 +24,7 @@ from ..compat.torch import all_to_all_single_autograd, grouped_mm, grouped_mm_av
 from ..compat.transformers import experts_gate
 from ..utils.collectives import gather_seq
 from .loss import IGNORE_INDEX
+from .preference_loss import all_reduce_sum
 
 FUSED = "veomni_fused"
 
@@ -216,9 +216,7 @@ def load_balancing_loss_sum(
     tokens = torch.zeros(documents, device=labels.device).index_add_(0, document, torch.ones_like(counted))
     loss_tokens = torch.zeros(documents, device=labels.device).index_add_(0, document, counted)
     if group is not None:
-        stats = all_reduce_autograd(
-            torch.cat([chosen, probs, tokens[:, None], loss_tokens[:, None]], dim=1), group=group
-        )
+        stats = all_reduce_sum(torch.cat([chosen, probs, tokens[:, None], loss_tokens[:, None]], dim=1), group)
         chosen, probs = stats[:, :num_experts], stats[:, num_experts : 2 * num_experts]
         tokens, loss_tokens = stats[:, -2], stats[:, -1]
     # an unused document slot has no tokens (and adds exactly 0): clamped so it divides 0 by 1, not by 0

@@ -26,8 +26,6 @@ from torch.distributed.tensor import DTensor
 from .loss import IGNORE_INDEX, _target_positions, forward_to_head_input, map_chunks, supports_chunked_loss
 from .vocab_parallel_loss import vocab_parallel_token_cross_entropy
 
-LOSS_TYPES = ("sigmoid", "ipo")
-
 
 class _AllReduceSum(torch.autograd.Function):
     """Sum over `group`, forward and backward: every rank holds the whole sum, and each shard's gradient is the sum
@@ -60,13 +58,9 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
-def _chunk_logps(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return token_logps(head(hidden), targets)
-
-
 def _head_logps(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """`token_logps(head(hidden), targets)`, `chunk_size` rows of logits at a time (recomputed in backward)."""
-    pieces = map_chunks(_chunk_logps, head, hidden, targets, chunk_size)
+    pieces = map_chunks(lambda h, t: token_logps(head(h), t), hidden, targets, chunk_size)
     return torch.cat(pieces) if pieces else hidden.new_zeros((0,), dtype=torch.float32)
 
 
@@ -139,4 +133,4 @@ def preference_loss(
             raise ValueError("the ipo loss needs each sequence's response tokens (chosen_tokens, rejected_tokens)")
         delta = chosen_ratio / chosen_tokens.clamp(min=1.0) - rejected_ratio / rejected_tokens.clamp(min=1.0)
         return (delta - 1 / (2 * beta)) ** 2
-    raise ValueError(f"dpo.loss_type={loss_type!r}; expected one of {list(LOSS_TYPES)}")
+    raise ValueError(f"dpo.loss_type={loss_type!r}; expected one of ['sigmoid', 'ipo']")

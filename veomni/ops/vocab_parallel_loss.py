@@ -65,15 +65,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy_sum(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy (fp32) of [..., V] logits sharded on V against [...] targets (the same on every tp
-    rank). Returns a plain scalar, identical on every rank of the tp group."""
-    return vocab_parallel_token_cross_entropy(logits, targets).sum()
-
-
 def vocab_parallel_token_cross_entropy(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token cross-entropy (fp32, [N]; 0 where the target is IGNORE_INDEX) of [..., V] logits sharded on V
-    against [...] targets: the same on every rank of the tp group (the preference loss sums it per sequence)."""
+    against [...] targets: the same on every rank of the tp group (the LM loss sums it, the preference loss sums it
+    per sequence)."""
     local, group, start = vocab_shard(logits)
     flat = local.reshape(-1, local.shape[-1])
     return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1).to(local.device), group, start)

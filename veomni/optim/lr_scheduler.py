@@ -44,9 +44,8 @@ def build_lr_scheduler(
     peak = lr if lr is not None else optimizer.param_groups[0]["lr"]
     if peak <= 0:
         raise ValueError(f"peak lr must be positive, got {peak}")
-    lr_at(0, train_steps, peak, lr_min, lr_start, lr_warmup_ratio, lr_decay_style, lr_decay_ratio)  # validate
 
     def factor(step: int) -> float:
         return lr_at(step, train_steps, peak, lr_min, lr_start, lr_warmup_ratio, lr_decay_style, lr_decay_ratio) / peak
 
-    return LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, factor)  # (which calls factor(0) at once: a bad decay style raises here)

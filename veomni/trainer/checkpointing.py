@@ -8,13 +8,13 @@ run stops in seconds); `TrainCheckpointer` is built once the model, optimizer an
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 import yaml
 
-from ..arguments.parser import args_to_dict, save_args
+from ..arguments.parser import save_args
 from ..checkpoint import Checkpointer, RunDirError, move_run_aside, plan_run, rng_state, set_rng_state
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
 from ..checkpoint.rng import reseed
@@ -178,7 +178,7 @@ def report_config_changes(args, resume_path: str) -> None:
         return
     with open(saved) as f:
         before = _flat(yaml.safe_load(f) or {})
-    now = _flat(args_to_dict(args))
+    now = _flat(asdict(args))
     changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k) and k not in _RUN_ONLY_KEYS]
     if not changed:
         return

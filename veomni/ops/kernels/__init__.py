@@ -15,7 +15,7 @@ the chunked loss's 61.4 ms and 4.9 GB.
 import functools
 import importlib.util
 import os
-from typing import Dict
+from typing import Dict, Optional
 
 from torch import nn
 
@@ -52,33 +52,30 @@ def resolve_kernels(choice: str, device_type: str, tp_size: int = 1, compiled: b
         raise ValueError(f"{KEY}={choice!r}: choose one of {', '.join(CHOICES)}")
     if choice == "eager":
         return "eager"
-    runs_here = device_type == "cuda" or _triton_interpreter()
-    if choice == "auto":
-        if not liger_available():
-            reason = "liger-kernel is not installed (pip install veomni[kernels])"
-        elif not runs_here:
-            reason = f"no CUDA device ({device_type})"
-        elif tp_size > 1:
-            reason = "tensor parallel (tp_size > 1) runs transformers' modules"
-        elif compiled:
-            reason = "ops_implementation.compile: inductor fuses these layers itself, faster than with liger inside"
-        else:
-            _said(choice, "liger", "liger-kernel RMSNorm, RoPE and SwiGLU on this model")
-            return "liger"
-        _said(choice, "eager", reason)
+    blocker = _liger_blocker(device_type, tp_size)
+    if choice == "liger":
+        if blocker:
+            raise ValueError(f"{KEY}=liger {blocker}")
+        _said(choice, "liger", "asked for")
+        return "liger"
+    if compiled and not blocker:
+        blocker = "ops_implementation.compile: inductor fuses these layers itself, faster than with liger inside"
+    if blocker:
+        _said(choice, "eager", blocker)
         return "eager"
-    _check_liger_runs(KEY, device_type, tp_size)
-    _said(choice, "liger", "asked for")
+    _said(choice, "liger", "liger-kernel RMSNorm, RoPE and SwiGLU on this model")
     return "liger"
 
 
-def _check_liger_runs(key: str, device_type: str, tp_size: int) -> None:
+def _liger_blocker(device_type: str, tp_size: int) -> Optional[str]:
+    """Why liger's kernels cannot run here (worded to follow `<key>=liger`), or None."""
     if not liger_available():
-        raise ValueError(f"{key}=liger needs liger-kernel and triton: pip install veomni[kernels]")
+        return "needs liger-kernel and triton: pip install veomni[kernels]"
     if not (device_type == "cuda" or _triton_interpreter()):
-        raise ValueError(f"{key}=liger needs a CUDA GPU (Triton kernels); this run is on {device_type}")
+        return f"needs a CUDA GPU (Triton kernels); this run is on {device_type}"
     if tp_size > 1:
-        raise ValueError(f"{key}=liger with tensor parallel (tp_size={tp_size}): liger's kernels take no DTensors")
+        return f"with tensor parallel (tp_size={tp_size}): liger's kernels take no DTensors"
+    return None
 
 
 def resolve_loss_implementation(choice: str, device_type: str, tp_size: int = 1) -> str:
@@ -87,17 +84,17 @@ def resolve_loss_implementation(choice: str, device_type: str, tp_size: int = 1)
     parallel), `chunked` otherwise."""
     if choice not in ("auto", "chunked", "liger"):
         raise ValueError(f"{LOSS_KEY}={choice!r}: choose auto, chunked or liger")
-    if choice == "liger":
-        _check_liger_runs(LOSS_KEY, device_type, tp_size)
+    blocker = _liger_blocker(device_type, tp_size)
+    if choice == "liger" and blocker:
+        raise ValueError(f"{LOSS_KEY}=liger {blocker}")
     if choice == "auto":
-        return "liger" if liger_available() and device_type == "cuda" and tp_size == 1 else "chunked"
+        return "liger" if device_type == "cuda" and not blocker else "chunked"
     return choice
 
 
 @functools.lru_cache(maxsize=None)
 def _said(choice: str, chosen: str, why: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        logger.info(f"{KEY}={choice}: {chosen} ({why})")
+    logger.info(f"{KEY}={choice}: {chosen} ({why})")  # (rank 0's: our loggers say INFO on rank 0 only)
 
 
 def bind_kernels(

@@ -20,7 +20,7 @@ and the attention calls the plain `apply_rotary_pos_emb`, so liger's plain RoPE 
 (`liger_multimodal_rotary_pos_emb` targets `apply_multimodal_rotary_pos_emb`, which those files no longer call).
 """
 
-from typing import Callable, Dict
+from typing import Dict
 
 import torch
 from torch import nn
@@ -30,12 +30,6 @@ from ...compat.transformers import bind_forward_with_global, bind_instance_metho
 # modeling files whose RMSNorm / gated MLP / RoPE match liger's kernels (parity-tested in tests/test_kernels.py)
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl")
 _MODELING_FILES = {f"transformers.models.{name}.modeling_{name}" for name in FAMILIES}
-
-
-def _liger_ropes() -> Dict[str, Callable]:
-    from .liger_ops import rotary_pos_emb, rotary_pos_emb_vision
-
-    return {"apply_rotary_pos_emb": rotary_pos_emb, "apply_rotary_pos_emb_vision": rotary_pos_emb_vision}
 
 
 def _in_family(module: nn.Module) -> bool:
@@ -71,7 +65,7 @@ def _liger_rms_norm(norm: nn.Module) -> nn.Module:
 
 def bind_liger(model: nn.Module) -> Dict[str, int]:
     """Bind liger's kernels onto `model`'s own modules; returns {"rms_norm": n, "swiglu": n, "rope": n}."""
-    from .liger_ops import swiglu_mlp_forward
+    from .liger_ops import rotary_pos_emb, rotary_pos_emb_vision, swiglu_mlp_forward
 
     counts = {"rms_norm": 0, "swiglu": 0, "rope": 0}
     for parent in list(model.modules()):
@@ -79,7 +73,7 @@ def bind_liger(model: nn.Module) -> Dict[str, int]:
             if is_rms_norm(child):
                 setattr(parent, name, _liger_rms_norm(child))
                 counts["rms_norm"] += 1
-    ropes = _liger_ropes()
+    ropes = {"apply_rotary_pos_emb": rotary_pos_emb, "apply_rotary_pos_emb_vision": rotary_pos_emb_vision}
     for module in model.modules():
         if is_swiglu_mlp(module):
             bind_instance_method(module, "forward", swiglu_mlp_forward.__get__(module))
