@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..models.loader import INDEX_FILE, SAFETENSORS_DTYPES
+from ..models.loader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE
 
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 # the order safetensors writes a file's tensors in: by dtype, this list first to last, then by name
@@ -28,7 +28,7 @@ Spec = Tuple[str, Tuple[int, ...], torch.dtype]  # a tensor to be written: name,
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 @dataclass
@@ -45,10 +45,10 @@ class Slot:
         return nbytes(self.shape[1:], self.dtype)
 
 
-def shard_names(count: int, single: str = "model.safetensors") -> List[str]:
+def shard_names(count: int) -> List[str]:
     """`model.safetensors`, or `model-0000i-of-0000N.safetensors` as transformers names shards."""
     if count == 1:
-        return [single]
+        return [SINGLE_FILE]
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
