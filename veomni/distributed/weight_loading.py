@@ -19,9 +19,9 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from ..models.loader import ModelWeights, WeightsMismatchError, local_index, tie_again, tied_sources
+from ..models.loader import ModelWeights, WeightsMismatchError, copy_full, local_index, tie_again, tied_sources
 from ..utils.device import get_device
 from ..utils.logging import get_logger
 
@@ -92,16 +92,14 @@ def _copy_into(model: nn.Module, stream: Iterable[Tuple[str, torch.Tensor, bool]
                 continue
             raise KeyError(f"{source_name}: key '{name}' matches no parameter of {type(model).__name__}")
         target = state[name]
-        local = target.to_local() if isinstance(target, DTensor) else target
-        if not is_local and tuple(tensor.shape) != tuple(target.shape):
+        if is_local:
+            (target.to_local() if isinstance(target, DTensor) else target).copy_(tensor)
+        elif tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"{source_name}: '{name}' has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
             )
-        index = None if is_local or not isinstance(target, DTensor) else local_index(target)
-        if not is_local and isinstance(target, DTensor) and index is None:  # a strided shard: DTensor slices it
-            tensor = tensor.to(device=local.device, dtype=local.dtype)
-            tensor = distribute_tensor(tensor, target.device_mesh, target.placements, src_data_rank=None).to_local()
-        local.copy_(tensor[index] if index is not None else tensor)  # copy_ casts: no full-size fp32 temporary
+        else:
+            copy_full(target, tensor)
         loaded.add(name)
     missing = [n for n in state if n not in loaded and n not in tied]
     if missing:
