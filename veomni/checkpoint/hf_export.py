@@ -12,6 +12,7 @@ layouts are transformers' own rules (`save_pretrained`'s), through models/hf_con
 """
 
 import copy
+import functools
 import os
 import shutil
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..models.hf_conversion import TensorGroup, convert_group, plan_save
+from ..models.hf_conversion import convert_group, plan_save
 from ..models.loader import local_index, tied_sources
 from ..utils.collectives import on_every_rank, on_rank0, rank_and_world
 from ..utils.logging import get_logger
@@ -98,12 +99,8 @@ def hub_items(model: nn.Module, shapes: Shapes) -> List[Item]:
             continue
         fake = {key: torch.empty(shapes[key][0], dtype=shapes[key][1], device="meta") for key in group.keys}
         outputs = [(name, tuple(t.shape), t.dtype) for name, t in convert_group(group, fake, model).items()]
-        items.append(Item(list(group.keys), outputs, _converter(group, model)))
+        items.append(Item(list(group.keys), outputs, functools.partial(convert_group, group, model=model)))
     return items
-
-
-def _converter(group: TensorGroup, model: nn.Module):
-    return lambda tensors: convert_group(group, tensors, model)
 
 
 def _files(items: Sequence[Item], max_shard_bytes: int, single: Optional[str]) -> Dict[str, List[Spec]]:
