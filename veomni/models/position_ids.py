@@ -37,13 +37,16 @@ _ROPE_INDEX_CLASSES = {
 }
 
 
+def _thinker_config(config):
+    """Omni checkpoints nest the language model's config as `thinker_config`; the thinker owns the M-RoPE."""
+    return getattr(config, "thinker_config", None) or config
+
+
 class _RopeIndex:
     """Picklable `(input_ids, grids...) -> (3, L)` position ids through the model class's `get_rope_index`."""
 
     def __init__(self, config):
-        from .multimodal import thinker_config  # (which imports this module)
-
-        config = thinker_config(config)  # an Omni config's thinker owns the M-RoPE
+        config = _thinker_config(config)
         if config.model_type not in _ROPE_INDEX_CLASSES:
             raise ValueError(
                 f"no M-RoPE position ids for model type {config.model_type!r}; known: {sorted(_ROPE_INDEX_CLASSES)}"
