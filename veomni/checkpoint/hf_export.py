@@ -49,14 +49,14 @@ TOKENIZER_FILES = (
 Shapes = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
 
 
-def export_config(config, out_dir: str, architecture: Optional[str] = None) -> None:
-    """The model config for inference: the cache back on, the real class name (not FSDP's wrapper)."""
+def export_config(config, out_dir: str, architecture: str) -> None:
+    """The model config for inference: the cache back on, the real class name (`architecture_of`, not FSDP's
+    wrapper)."""
     config = copy.deepcopy(config)
     config.use_cache = True
     if getattr(config, "text_config", None) is not None:
         config.text_config.use_cache = True
-    if architecture:
-        config.architectures = [architecture]
+    config.architectures = [architecture]
     config.save_pretrained(out_dir)
 
 
