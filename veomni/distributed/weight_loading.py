@@ -14,14 +14,13 @@ layout FSDP2 uses, so no further communication happens after the chunk broadcast
 """
 
 import math
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from ..models.loader import ModelWeights, WeightsMismatchError, copy_full, local_index, tie_again, tied_sources
+from ..models.loader import ModelWeights, WeightsMismatchError, copy_into, local_index, tie_again, tied_sources
 from ..utils.device import get_device
 from ..utils.logging import get_logger
 
@@ -79,34 +78,6 @@ def _broadcast_chunks(source: Optional[Iterable[Tuple[str, torch.Tensor]]], max_
             yield name, part.view(dtype).view(shape), False
 
 
-@torch.no_grad()
-def _copy_into(model: nn.Module, stream: Iterable[Tuple[str, torch.Tensor, bool]], source_name: str) -> int:
-    """Copy the stream into `model`; returns how many tensors came as this rank's slice only."""
-    state: Dict[str, torch.Tensor] = model.state_dict()
-    tied = set(tied_sources(model))
-    loaded, slices = set(), 0
-    for name, tensor, is_local in stream:
-        slices += is_local
-        if name not in state:
-            if name in tied:
-                continue
-            raise KeyError(f"{source_name}: key '{name}' matches no parameter of {type(model).__name__}")
-        target = state[name]
-        if is_local:
-            (target.to_local() if isinstance(target, DTensor) else target).copy_(tensor)
-        elif tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"{source_name}: '{name}' has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
-            )
-        else:
-            copy_full(target, tensor)
-        loaded.add(name)
-    missing = [n for n in state if n not in loaded and n not in tied]
-    if missing:
-        raise KeyError(f"{source_name}: no value for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    return slices
-
-
 def load_checkpoint(model: nn.Module, weights_path: str, broadcast_from_rank0: bool, max_broadcast_bytes: int) -> None:
     """Fill `model` (materialised, possibly sharded) from an HF checkpoint folder, with transformers' key rules."""
     if broadcast_from_rank0 and dist.get_world_size() > 1:
@@ -118,11 +89,11 @@ def load_checkpoint(model: nn.Module, weights_path: str, broadcast_from_rank0: b
                     yield name, tensor
 
             source = read()
-        _copy_into(model, _broadcast_chunks(source, max_broadcast_bytes), weights_path)
+        copy_into(model, _broadcast_chunks(source, max_broadcast_bytes), weights_path)
         return
     state = model.state_dict()
     weights = ModelWeights(weights_path, model)
-    slices = _copy_into(model, weights.tensors(lambda name: local_index(state[name])), weights_path)
+    slices = copy_into(model, weights.tensors(lambda name: local_index(state[name])), weights_path)
     logger.info(f"read {slices} of {len(state)} tensors as this rank's slice only (the rest whole, then sliced)")
 
 
@@ -158,5 +129,5 @@ def materialize_meta_model(
 
         name = "rank-0 initialisation"
         source = initialise() if dist.get_rank() == 0 else None
-        _copy_into(model, _broadcast_chunks(source, max_broadcast_bytes), name)
+        copy_into(model, _broadcast_chunks(source, max_broadcast_bytes), name)
     logger.info(f"materialised meta model from {name}")

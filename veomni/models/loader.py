@@ -14,7 +14,7 @@ import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
@@ -497,8 +497,34 @@ class ModelWeights:
 
 
 @torch.no_grad()
+def copy_into(model: nn.Module, stream: Iterable[Tuple[str, torch.Tensor, bool]], source_name: str) -> int:
+    """Copy a stream of `(model name, tensor, is_local_slice)` into `model` (plain or DTensor-sharded parameters),
+    every tensor of its state dict exactly once; returns how many came as this rank's slice only."""
+    state: Dict[str, torch.Tensor] = model.state_dict()
+    tied = set(tied_sources(model))
+    loaded, slices = set(), 0
+    for name, tensor, is_local in stream:
+        slices += is_local
+        if name not in state:
+            if name in tied:
+                continue
+            raise KeyError(f"{source_name}: key '{name}' matches no parameter of {type(model).__name__}")
+        target = state[name]
+        if is_local:
+            (target.to_local() if isinstance(target, DTensor) else target).copy_(tensor)
+        elif tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{source_name}: '{name}' has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
+            )
+        else:
+            copy_full(target, tensor)
+        loaded.add(name)
+    missing = [n for n in state if n not in loaded and n not in tied]
+    if missing:
+        raise KeyError(f"{source_name}: no value for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    return slices
+
+
 def load_weights(model: nn.Module, weights_path: str) -> None:
     """Copy a checkpoint into a materialised (non-meta, non-sharded) model, exactly as `from_pretrained` would."""
-    state = model.state_dict()
-    for name, tensor, _ in ModelWeights(weights_path, model).tensors():
-        state[name].copy_(tensor.to(state[name].dtype))
+    copy_into(model, ModelWeights(weights_path, model).tensors(), weights_path)
