@@ -12,20 +12,20 @@ layouts are transformers' own rules (`save_pretrained`'s), through models/hf_con
 """
 
 import copy
+import functools
 import os
 import shutil
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..models.hf_conversion import TensorGroup, convert_group, plan_save
+from ..models.hf_conversion import convert_group, plan_save
 from ..models.loader import local_index, tied_sources
-from ..utils.collectives import on_every_rank, on_rank0
+from ..utils.collectives import on_every_rank, on_rank0, rank_and_world
 from ..utils.logging import get_logger
 from .safetensors_layout import Layout, Spec, nbytes, shard_names
 
@@ -49,14 +49,14 @@ TOKENIZER_FILES = (
 Shapes = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
 
 
-def export_config(config, out_dir: str, architecture: Optional[str] = None) -> None:
-    """The model config for inference: the cache back on, the real class name (not FSDP's wrapper)."""
+def export_config(config, out_dir: str, architecture: str) -> None:
+    """The model config for inference: the cache back on, the real class name (`architecture_of`, not FSDP's
+    wrapper)."""
     config = copy.deepcopy(config)
     config.use_cache = True
     if getattr(config, "text_config", None) is not None:
         config.text_config.use_cache = True
-    if architecture:
-        config.architectures = [architecture]
+    config.architectures = [architecture]
     config.save_pretrained(out_dir)
 
 
@@ -99,12 +99,8 @@ def hub_items(model: nn.Module, shapes: Shapes) -> List[Item]:
             continue
         fake = {key: torch.empty(shapes[key][0], dtype=shapes[key][1], device="meta") for key in group.keys}
         outputs = [(name, tuple(t.shape), t.dtype) for name, t in convert_group(group, fake, model).items()]
-        items.append(Item(list(group.keys), outputs, _converter(group, model)))
+        items.append(Item(list(group.keys), outputs, functools.partial(convert_group, group, model=model)))
     return items
-
-
-def _converter(group: TensorGroup, model: nn.Module):
-    return lambda tensors: convert_group(group, tensors, model)
 
 
 def _files(items: Sequence[Item], max_shard_bytes: int, single: Optional[str]) -> Dict[str, List[Spec]]:
@@ -149,10 +145,6 @@ class _Sink:
             raise self.error
 
 
-def _rank_world(collective: bool = True) -> Tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if collective and dist.is_initialized() else (0, 1)
-
-
 def _alone(fn: Callable[[], Any], *_) -> Any:
     return fn()
 
@@ -184,7 +176,7 @@ def write_folder(
     try:
         on_every_rank_(sink.finish, f"writing the HF export {out_dir}")
     except Exception:
-        if _rank_world(collective)[0] == 0:
+        if not collective or rank_and_world()[0] == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # the half-written export only takes space
         raise
 
@@ -229,7 +221,7 @@ def produce(item: Item, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Ten
 def live_writer(state: Dict[str, torch.Tensor]) -> Callable[[int, Item, _Sink], None]:
     """How each rank writes the items of a live model's (sharded) `state`: row blocks where it holds them, the rest
     gathered one item at a time (a collective, in item order on every rank) and written by the item's rank."""
-    rank, world = _rank_world()
+    rank, world = rank_and_world()
 
     def write(index: int, item: Item, sink: _Sink) -> None:
         block = _row_block(state[item.keys[0]]) if item.convert is None else None
@@ -312,7 +304,7 @@ def dcp_writer(reader, shapes: Shapes, all_ranks: bool) -> Callable[[int, Item, 
     """Each item read from the DCP files by the rank whose turn it is (no collective)."""
     import torch.distributed.checkpoint as dcp
 
-    rank, world = _rank_world(all_ranks)
+    rank, world = rank_and_world() if all_ranks else (0, 1)
 
     def read(keys: List[str]) -> Dict[str, torch.Tensor]:
         state = {"model": {key: torch.empty(shapes[key][0], dtype=shapes[key][1]) for key in keys}}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from ..utils.collectives import on_every_rank, on_rank0
+from ..utils.collectives import on_every_rank, on_rank0, rank_and_world
 from ..utils.hub import first_line
 from ..utils.logging import get_logger
 
@@ -97,10 +97,6 @@ def _files(folder: str) -> List[str]:
     return sorted(f for f in found if f not in (CHECKSUMS, "meta.json") and not f.endswith(".part"))
 
 
-def _world() -> Tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def _gather(value: Any) -> List[Any]:
     if not dist.is_initialized():
         return [value]
@@ -116,7 +112,7 @@ def _shared(fn: Callable[[], Any], what: str) -> List[Any]:
 
 def shared_crcs(folder: str, names: List[str]) -> Dict[str, int]:
     """Collective: the CRC-32 of each file (relative to `folder`), the ranks sharing the reading."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     mine = lambda: {name: file_crc32(os.path.join(folder, name)) for name in names[rank::world]}  # noqa: E731
     return {k: v for part in _shared(mine, f"checksumming files of {folder}") for k, v in part.items()}
 
@@ -159,7 +155,7 @@ def damaged_files(folder: str, required: bool = False) -> Optional[List[str]]:
     """Collective: the files whose checksum does not match (every rank gets the same list); None when the
     checkpoint has no checksums (written by an earlier version). `required` (its meta.json says it has them): a
     missing or malformed `checksums.json` raises ChecksumsError naming it."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     expected = _expected(folder, required)
     if expected is None:
         return None

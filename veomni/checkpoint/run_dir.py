@@ -133,9 +133,9 @@ def plan_run(output_dir: str, load_path: Optional[str], overwrite: bool = False)
     return RunPlan(None, False, f"starting fresh in {output_dir}")
 
 
-def move_run_aside(output_dir: str, now: Optional[float] = None) -> str:
+def move_run_aside(output_dir: str) -> str:
     """Rename the run's files into `<output_dir>.old-<timestamp>` (a sibling, so the rename is atomic per file)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     base = f"{os.path.normpath(os.path.abspath(output_dir))}.old-{stamp}"
     target, n = base, 1
     while os.path.exists(target):  # two restarts within a second

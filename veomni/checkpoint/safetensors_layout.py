@@ -12,11 +12,11 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from ..models.loader import INDEX_FILE, SAFETENSORS_DTYPES
+from ..models.loader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE
 
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 # the order safetensors writes a file's tensors in: by dtype, this list first to last, then by name
@@ -28,7 +28,7 @@ Spec = Tuple[str, Tuple[int, ...], torch.dtype]  # a tensor to be written: name,
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 @dataclass
@@ -45,18 +45,18 @@ class Slot:
         return nbytes(self.shape[1:], self.dtype)
 
 
-def shard_names(count: int, single: str = "model.safetensors") -> List[str]:
+def shard_names(count: int) -> List[str]:
     """`model.safetensors`, or `model-0000i-of-0000N.safetensors` as transformers names shards."""
     if count == 1:
-        return [single]
+        return [SINGLE_FILE]
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def header(specs: Sequence[Spec], metadata: Dict[str, str]) -> Tuple[bytes, Dict[str, int]]:
+def header(specs: Sequence[Spec]) -> Tuple[bytes, Dict[str, int]]:
     """A file's header bytes (length prefix included) and each tensor's offset in the file, as `save_file`
     writes them."""
     order = sorted(specs, key=lambda s: (_ORDER.index(_NAMES[s[2]]), s[0]))
-    entries, offsets, position = {"__metadata__": metadata}, {}, 0
+    entries, offsets, position = {"__metadata__": {"format": "pt"}}, {}, 0  # save_file's metadata
     for name, shape, dtype in order:
         size = nbytes(shape, dtype)
         entries[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [position, position + size]}
@@ -70,12 +70,12 @@ def header(specs: Sequence[Spec], metadata: Dict[str, str]) -> Tuple[bytes, Dict
 class Layout:
     """Files of named tensors, decided up front: `files[name] = specs` in the order the caller chose."""
 
-    def __init__(self, files: Dict[str, List[Spec]], metadata: Optional[Dict[str, str]] = None):
-        self.files, self.metadata = files, metadata or {"format": "pt"}
+    def __init__(self, files: Dict[str, List[Spec]]):
+        self.files = files
         self.slots: Dict[str, Slot] = {}
         self.headers: Dict[str, bytes] = {}
         for file, specs in files.items():
-            self.headers[file], offsets = header(specs, self.metadata)
+            self.headers[file], offsets = header(specs)
             for name, shape, dtype in specs:
                 if name in self.slots:
                     raise ValueError(f"tensor '{name}' is planned twice ({self.slots[name].file} and {file})")

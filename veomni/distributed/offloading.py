@@ -45,7 +45,7 @@ class ActivationOffload(saved_tensors_hooks):
         self.offloaded_bytes = 0
 
         def pack(tensor: torch.Tensor):
-            nbytes = tensor.numel() * tensor.element_size()
+            nbytes = tensor.nbytes
             is_parameter = tensor.requires_grad and tensor.grad_fn is None
             if tensor.device.type == "cpu" or is_parameter or nbytes <= _MIN_OFFLOAD_BYTES:
                 return tensor.device, False, tensor

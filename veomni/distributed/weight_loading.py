@@ -13,14 +13,14 @@ Each rank keeps only its own shard: `distribute_tensor(..., src_data_rank=None)`
 layout FSDP2 uses, so no further communication happens after the chunk broadcast.
 """
 
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+import math
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..models.loader import ModelWeights, WeightsMismatchError, local_index, tie_again, tied_sources
+from ..models.loader import ModelWeights, WeightsMismatchError, copy_into, local_index, tie_again, tied_sources
 from ..utils.device import get_device
 from ..utils.logging import get_logger
 
@@ -31,12 +31,11 @@ _FAILED = "__veomni_read_failed__"
 def _chunks(tensors: Iterable[Tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
     chunk, size = [], 0
     for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > max_bytes:
+        if chunk and size + tensor.nbytes > max_bytes:
             yield chunk
             chunk, size = [], 0
         chunk.append((name, tensor))
-        size += nbytes
+        size += tensor.nbytes
     if chunk:
         yield chunk
 
@@ -49,7 +48,8 @@ def _next_chunk(chunks) -> Tuple[Optional[list], Optional[BaseException]]:
 
 
 def _broadcast_chunks(source: Optional[Iterable[Tuple[str, torch.Tensor]]], max_bytes: int):
-    """Rank 0 reads `source`; every rank receives the same `(name, tensor)` stream, one chunk per broadcast."""
+    """Rank 0 reads `source` (other ranks pass None); every rank receives the same stream of full tensors, one
+    chunk per broadcast, as `(name, tensor, False)` for `_copy_into`."""
     device = get_device()
     rank = dist.get_rank()
     chunks = _chunks(source, max_bytes) if rank == 0 else None
@@ -67,7 +67,7 @@ def _broadcast_chunks(source: Optional[Iterable[Tuple[str, torch.Tensor]]], max_
             raise (WeightsMismatchError if mismatch else RuntimeError)(f"(read on rank 0) {message}")
         if meta[0] is None:
             return
-        sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, s, d in meta[0]]
+        sizes = [math.prod(s) * d.itemsize for _, s, d in meta[0]]
         if rank == 0:
             parts = [t.contiguous().view(-1).view(torch.uint8) for _, t in chunk]
             flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)
@@ -75,50 +75,7 @@ def _broadcast_chunks(source: Optional[Iterable[Tuple[str, torch.Tensor]]], max_
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         dist.broadcast(flat, src=0)
         for (name, shape, dtype), part in zip(meta[0], flat.split(sizes)):
-            yield name, part.view(dtype).view(shape)
-
-
-@torch.no_grad()
-def load_full_tensors(
-    model: nn.Module,
-    tensors: Optional[Iterable[Tuple[str, torch.Tensor]]],
-    broadcast_from_rank0: bool = True,
-    max_broadcast_bytes: int = 2**30,
-    source_name: str = "weights",
-) -> None:
-    """Copy full tensors (under the model's names) into `model`, whose parameters may be DTensor shards or plain
-    tensors. With `broadcast_from_rank0`, only rank 0 needs `tensors` (others pass None)."""
-    stream = _broadcast_chunks(tensors, max_broadcast_bytes) if broadcast_from_rank0 else tensors
-    _copy_into(model, ((name, full, False) for name, full in stream), source_name)
-
-
-def _copy_into(model: nn.Module, stream: Iterable[Tuple[str, torch.Tensor, bool]], source_name: str) -> int:
-    """Copy the stream into `model`; returns how many tensors came as this rank's slice only."""
-    state: Dict[str, torch.Tensor] = model.state_dict()
-    tied = set(tied_sources(model))
-    loaded, slices = set(), 0
-    for name, tensor, is_local in stream:
-        slices += is_local
-        if name not in state:
-            if name in tied:
-                continue
-            raise KeyError(f"{source_name}: key '{name}' matches no parameter of {type(model).__name__}")
-        target = state[name]
-        local = target.to_local() if isinstance(target, DTensor) else target
-        if not is_local and tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"{source_name}: '{name}' has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
-            )
-        index = None if is_local or not isinstance(target, DTensor) else local_index(target)
-        if not is_local and isinstance(target, DTensor) and index is None:  # a strided shard: DTensor slices it
-            tensor = tensor.to(device=local.device, dtype=local.dtype)
-            tensor = distribute_tensor(tensor, target.device_mesh, target.placements, src_data_rank=None).to_local()
-        local.copy_(tensor[index] if index is not None else tensor)  # copy_ casts: no full-size fp32 temporary
-        loaded.add(name)
-    missing = [n for n in state if n not in loaded and n not in tied]
-    if missing:
-        raise KeyError(f"{source_name}: no value for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    return slices
+            yield name, part.view(dtype).view(shape), False
 
 
 def load_checkpoint(model: nn.Module, weights_path: str, broadcast_from_rank0: bool, max_broadcast_bytes: int) -> None:
@@ -132,11 +89,11 @@ def load_checkpoint(model: nn.Module, weights_path: str, broadcast_from_rank0: b
                     yield name, tensor
 
             source = read()
-        load_full_tensors(model, source, True, max_broadcast_bytes, source_name=weights_path)
+        copy_into(model, _broadcast_chunks(source, max_broadcast_bytes), weights_path)
         return
     state = model.state_dict()
     weights = ModelWeights(weights_path, model)
-    slices = _copy_into(model, weights.tensors(lambda name: local_index(state[name])), weights_path)
+    slices = copy_into(model, weights.tensors(lambda name: local_index(state[name])), weights_path)
     logger.info(f"read {slices} of {len(state)} tensors as this rank's slice only (the rest whole, then sliced)")
 
 
@@ -172,5 +129,5 @@ def materialize_meta_model(
 
         name = "rank-0 initialisation"
         source = initialise() if dist.get_rank() == 0 else None
-        load_full_tensors(model, source, True, max_broadcast_bytes, source_name=name)
+        copy_into(model, _broadcast_chunks(source, max_broadcast_bytes), name)
     logger.info(f"materialised meta model from {name}")

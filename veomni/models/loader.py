@@ -14,12 +14,12 @@ import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..compat.torch import parameter_slots
 from ..compat.transformers import keys_to_ignore_on_load_unexpected
@@ -279,6 +279,22 @@ def local_index(target: torch.Tensor) -> Optional[Tuple[slice, ...]]:
     return tuple(slice(lo, hi) for lo, hi in bounds)
 
 
+def copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole tensor `full` into `target`: a plain tensor, or a DTensor of which this rank keeps its own
+    shard, sliced locally with exactly DTensor's layout (no communication). `copy_` casts: no full-size temporary
+    in the target's dtype."""
+    if not isinstance(target, DTensor):
+        target.copy_(full)
+        return
+    index = local_index(target)
+    if index is None:  # a strided shard: DTensor slices it
+        full = full.to(device=target.device, dtype=target.dtype)
+        full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(full.to_local())
+    else:
+        target.to_local().copy_(full[index])
+
+
 def ignored_unexpected(model: nn.Module) -> Optional["re.Pattern"]:
     """Checkpoint keys `from_pretrained` drops without a word (`_adjust_missing_and_unexpected_keys`): the model's
     `_keys_to_ignore_on_load_unexpected` (an MTP head, an Omni talker), old per-layer `rotary_emb.inv_freq`, and
@@ -428,13 +444,11 @@ class ModelWeights:
         return sources, index
 
     def tensors(
-        self,
-        local_index: Optional[Callable[[str], Optional[Tuple[slice, ...]]]] = None,
-        readers: int = READ_AHEAD,
+        self, local_index: Optional[Callable[[str], Optional[Tuple[slice, ...]]]] = None
     ) -> Iterator[Tuple[str, torch.Tensor, bool]]:
         """Yield `(model name, tensor, is_local_slice)`, a group at a time in file order. `local_index(name)` may
         give the slice of a tensor this rank keeps: a tensor that is only renamed is then read as just that.
-        `readers` threads read the next groups while this one is converted and placed (reading is page faults
+        `READ_AHEAD` threads read the next groups while this one is converted and placed (reading is page faults
         and copies out of the mapped files, which release the GIL); at most that many groups wait in memory."""
         order = {path: i for i, path in enumerate(self.files.files)}
         groups = iter(sorted(self.groups, key=lambda g: order[self.files.file_of[g.keys[0]]]))
@@ -455,9 +469,9 @@ class ModelWeights:
                     "holds both with different values (transformers then unties them): set tie_word_embeddings=false"
                 )
 
-        with self.files, ThreadPoolExecutor(max(readers, 1)) as pool:
+        with self.files, ThreadPoolExecutor(READ_AHEAD) as pool:
             pending = collections.deque()
-            for group in itertools.islice(groups, max(readers, 1)):
+            for group in itertools.islice(groups, READ_AHEAD):
                 pending.append((group, pool.submit(self._read, group, local_index, unread)))
             while pending:
                 group, future = pending.popleft()
@@ -483,8 +497,34 @@ class ModelWeights:
 
 
 @torch.no_grad()
+def copy_into(model: nn.Module, stream: Iterable[Tuple[str, torch.Tensor, bool]], source_name: str) -> int:
+    """Copy a stream of `(model name, tensor, is_local_slice)` into `model` (plain or DTensor-sharded parameters),
+    every tensor of its state dict exactly once; returns how many came as this rank's slice only."""
+    state: Dict[str, torch.Tensor] = model.state_dict()
+    tied = set(tied_sources(model))
+    loaded, slices = set(), 0
+    for name, tensor, is_local in stream:
+        slices += is_local
+        if name not in state:
+            if name in tied:
+                continue
+            raise KeyError(f"{source_name}: key '{name}' matches no parameter of {type(model).__name__}")
+        target = state[name]
+        if is_local:
+            (target.to_local() if isinstance(target, DTensor) else target).copy_(tensor)
+        elif tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{source_name}: '{name}' has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
+            )
+        else:
+            copy_full(target, tensor)
+        loaded.add(name)
+    missing = [n for n in state if n not in loaded and n not in tied]
+    if missing:
+        raise KeyError(f"{source_name}: no value for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    return slices
+
+
 def load_weights(model: nn.Module, weights_path: str) -> None:
     """Copy a checkpoint into a materialised (non-meta, non-sharded) model, exactly as `from_pretrained` would."""
-    state = model.state_dict()
-    for name, tensor, _ in ModelWeights(weights_path, model).tensors():
-        state[name].copy_(tensor.to(state[name].dtype))
+    copy_into(model, ModelWeights(weights_path, model).tensors(), weights_path)

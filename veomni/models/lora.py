@@ -20,10 +20,9 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..utils.logging import get_logger
-from .loader import tied_sources
+from .loader import copy_full, tied_sources
 
 logger = get_logger(__name__)
 
@@ -162,10 +161,4 @@ def place_adapters(model: nn.Module, initial: Dict[str, torch.Tensor]) -> None:
     """Copy the full initial adapters into the (possibly sharded) model: each rank keeps its own slice."""
     params = dict(model.named_parameters())
     for name, full in initial.items():
-        param = params[name]
-        if isinstance(param, DTensor):
-            full = full.to(device=param.device, dtype=param.dtype)
-            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-        else:
-            param.copy_(full)
+        copy_full(params[name], full)

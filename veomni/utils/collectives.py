@@ -13,10 +13,15 @@ import contextlib
 import os
 import pickle
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+
+def rank_and_world() -> Tuple[int, int]:
+    """(this rank, the world size); (0, 1) outside torch.distributed."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def on_rank0(fn: Callable[[], Any], group: Optional[dist.ProcessGroup] = None) -> Any:

@@ -92,16 +92,11 @@ def _global_kwargs(kwargs: Dict, group, total: int) -> Dict:
     return out
 
 
-def launch_qkv(query, key, value, group) -> Tuple[PendingHeads, PendingHeads, PendingHeads, int]:
-    """Start the three exchanges (sync path: all three in flight together); returns them and the KV repeat."""
+def launch_qkv(query, key, value, group) -> Tuple[PendingHeads, PendingHeads, PendingHeads]:
+    """Start the three exchanges (sync path: all three in flight together), KV heads repeated as sp needs."""
     repeat = kv_replication(key.shape[1], query.shape[1], dist.get_world_size(group))
     key, value = repeat_kv_heads(key, repeat), repeat_kv_heads(value, repeat)
-    return (
-        launch_seq_to_heads(query, group),
-        launch_seq_to_heads(key, group),
-        launch_seq_to_heads(value, group),
-        repeat,
-    )
+    return tuple(launch_seq_to_heads(x, group) for x in (query, key, value))
 
 
 def attend_heads(
@@ -150,7 +145,7 @@ def ulysses_attention_forward(module, query, key, value, attention_mask, **kwarg
     """The registered `veomni_ulysses:<inner>` attention: [B, H, S/sp, D] in, ([B, S/sp, H, D], None) out."""
     inner = config_attn_implementation(module.config)[len(PREFIX) :]
     group = sp_group()
-    q, k, v, _ = launch_qkv(query, key, value, group)
+    q, k, v = launch_qkv(query, key, value, group)
     return attend_heads(module, q, k, v, attention_mask, inner, group, **kwargs), None
 
 
