@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..models.hf_conversion import convert_group, plan_save
-from ..models.loader import local_index, tied_sources
+from ..models.placement import local_index, tied_sources
 from ..utils.collectives import on_every_rank, on_rank0, rank_and_world
 from ..utils.logging import get_logger
 from .safetensors_layout import Layout, Spec, nbytes, shard_names

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..compat.torch import ColwiseParallelPassingPlainOutputs
 from ..compat.torch_runtime import explain_redistribute_notice
-from ..models.loader import tie_again, tied_sources
+from ..models.placement import tie_again, tied_sources
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.loader import ModelWeights, WeightsMismatchError, copy_into, local_index, tie_again, tied_sources
+from ..models.loader import ModelWeights, WeightsMismatchError
+from ..models.placement import copy_into, local_index, tie_again, tied_sources
 from ..utils.device import get_device
 from ..utils.logging import get_logger
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..utils.logging import get_logger
-from .loader import copy_full, tied_sources
+from .placement import copy_full, tied_sources
 
 logger = get_logger(__name__)
 
