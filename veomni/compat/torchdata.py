@@ -1,11 +1,12 @@
 """Private torchdata / torch.utils.data symbols: StatefulDataLoader's iterator slot, its workers' shutdown and the
 layout of its state dict.
 
-veomni's MicroBatchLoader stops loader workers as soon as their iterator is abandoned (torch waits for garbage
-collection, which in a reference cycle costs 5 s per worker), and reshards saved loader states between layouts.
-Both need internals torchdata does not expose; tests/test_data_loader.py and tests/test_compat.py exercise them.
+IteratorSlotLoader stops loader workers as soon as their iterator is abandoned (torch waits for garbage collection,
+which in a reference cycle costs 5 s per worker), and veomni reshards saved loader states between layouts. Both need
+internals torchdata does not expose; tests/test_data_loader.py and tests/test_compat.py exercise them.
 """
 
+import weakref
 from typing import Any, Dict, List, Tuple
 
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -33,16 +34,29 @@ _SNAPSHOT, _WORKER_SNAPSHOTS = "_snapshot", "_worker_snapshots"  # (those two co
 
 
 class IteratorSlotLoader(StatefulDataLoader):
-    """A StatefulDataLoader whose current iterator (torch's private `self._iterator`, assigned by `__iter__`,
-    `state_dict` and `load_state_dict`) lives in `self._live[0]`, a box a finalizer can reach without holding the
-    loader, and whose subclass hears of every replacement through `iterator_replaced(previous, new)`.
+    """A StatefulDataLoader that stops its worker processes as soon as their iterator is abandoned: when a state is
+    loaded, on `close()` (the trainer's, at the end of training or on a stop), and when the loader itself is collected
+    (unless the iterator is still in use: `for batch in build_dataloader(...)`). A new iter() leaves the previous
+    iterator working, as a DataLoader does: it may still be iterated.
 
-    If torchdata renames `_iterator`, the box stays empty while torch keeps its own attribute: workers would again
-    stop only at garbage collection (tests/test_data_loader.py's worker-shutdown tests catch it)."""
+    torch shuts an iterator's workers down only when the iterator is garbage collected. An iterator left mid-epoch
+    (max_steps reached, a resume, the end of training) otherwise keeps its workers alive until then, and when the
+    collection happens in a reference cycle, the workers' index queues are finalized before the iterator, the
+    "exit" message never reaches them, and each worker costs the full join timeout (5 s) before it is killed.
+
+    The current iterator (torch's private `self._iterator`, assigned by `__iter__`, `state_dict` and
+    `load_state_dict`) lives in `self._live[0]`, a box a finalizer can reach without holding the loader; each
+    replacement goes through `iterator_replaced(previous, new)`. If torchdata renames `_iterator`, the box stays
+    empty while torch keeps its own attribute: workers would again stop only at garbage collection
+    (tests/test_data_loader.py's worker-shutdown tests catch it)."""
 
     def __init__(self, *args, **kwargs):
         self._live: List[Any] = [None]
         super().__init__(*args, **kwargs)
+        # the box keeps the iterator out of the cyclic garbage, so its queues still work when the loader goes: the
+        # finalizer only lets go of it, and torch stops its workers at once unless someone still iterates it (as in
+        # `for batch in build_dataloader(...)`, where nothing else holds the loader)
+        weakref.finalize(self, _release, self._live).atexit = False  # at exit torch's own handling applies
 
     @property
     def _iterator(self):
@@ -54,7 +68,27 @@ class IteratorSlotLoader(StatefulDataLoader):
         self.iterator_replaced(previous, iterator)
 
     def iterator_replaced(self, previous, new) -> None:
-        """Called on each assignment of the current iterator (None when a state is loaded)."""
+        """Called on each assignment of the current iterator. load_state_dict drops it (None: its position is then
+        gone), so its workers stop. A new iter() replaces it, but the old one may still be iterated (two iterators,
+        as a DataLoader allows): it keeps its workers, and frees them when it ends or is collected."""
+        if new is None and previous is not None:
+            shutdown_iterator_workers(previous)
+
+    def __iter__(self):
+        closed = self._live[0]
+        if iterator_shut_down(closed):  # close()d (or ended): new workers; persistent ones can't be reset
+            keep_unstarted_iterator_state(self, closed)  # made by state_dict() and never iterated: its position
+            self._live[0] = None
+        return super().__iter__()
+
+    def close(self) -> None:
+        """Stop the current iterator's worker processes now. `state_dict()` still gives the position reached; a
+        later `iter()` starts the next epoch (or resumes a loaded state) with new workers."""
+        shutdown_iterator_workers(self._live[0])  # (they are idle or prefetching: they exit promptly)
+
+
+def _release(box: List[Any]) -> None:
+    box[0] = None  # the last reference gone, torch's __del__ stops the workers; otherwise its holder still iterates
 
 
 def iterator_shut_down(iterator) -> bool:

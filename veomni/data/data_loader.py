@@ -5,9 +5,6 @@ One path per kind of data:
   over the same memory-mapped sample cache): GlobalBatchStream (global_batches.py);
 - streamed (IterativeDataset, InterleavedIterableDataset, and any user iterable): SlotStream (streamed_batches.py).
 Either way the global batches do not depend on the world size, and the loader state resumes exactly.
-
-`build_loader` takes what it needs explicitly (the trainer calls it); `build_dataloader` is the seed's call, one
-adapter over it that derives those from the seed's arguments and the parallel state.
 """
 
 import copy
@@ -18,12 +15,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch.utils.data import IterableDataset
 
-from ..compat.torchdata import (
-    IteratorSlotLoader,
-    iterator_shut_down,
-    keep_unstarted_iterator_state,
-    shutdown_iterator_workers,
-)
+from ..compat.torchdata import IteratorSlotLoader
 from ..utils.logging import get_logger
 from .data_collator import MainCollator
 from .data_transform import DataFormatError
@@ -53,7 +45,8 @@ def build_loader(
     `batching.dataloader_batch_size` collated micro-batches. `seed` and `shuffle` apply to a user's map-style
     dataset (ours carry their own); `allow_changed_data`: see `MicroBatchLoader.load_state_dict`. Collective for
     sized data (its sample cache is opened or built here)."""
-    if is_user_map_style(dataset):
+    known = isinstance(dataset, IterableDataset) or hasattr(dataset, "epoch_order")  # streamed, or sized of ours
+    if not known and hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):  # a user's map-style dataset
         dataset = MappingDataset(dataset, seed=seed, shuffle=shuffle, name=type(dataset).__name__)
     if hasattr(dataset, "epoch_order"):  # sized: global batches from the sample cache
         dataset.prepare()
@@ -71,13 +64,6 @@ def build_loader(
         pin_memory=pin_memory and torch.cuda.is_available(),
         **extra,
     )
-
-
-def is_user_map_style(dataset) -> bool:
-    """A map-style dataset of the user's (`len` and `[i]`, not one of ours, not an IterableDataset)."""
-    if isinstance(dataset, IterableDataset) or hasattr(dataset, "epoch_order"):
-        return False
-    return hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
 
 
 def build_dataloader(
@@ -112,7 +98,10 @@ def build_dataloader(
     if dataloader_type != "native":
         raise ValueError(f"unknown dataloader type {dataloader_type!r}; only 'native' exists")
     if dp_rank is None or dp_size is None:  # the seed's call gives neither: this rank's place in the parallel state
-        dp_rank, dp_size = _data_parallel_place()
+        from ..distributed.parallel_state import get_parallel_state
+
+        state = get_parallel_state()  # raises, naming init_parallel_state, when it was not initialised
+        dp_rank, dp_size = state.dp_rank, state.dp_size
     if collate_fn is None:
         if not build_collate_fn:
             raise ValueError("build_collate_fn=False needs an explicit collate_fn")
@@ -145,38 +134,15 @@ def reshard_loader_state(states: List[Dict[str, Any]], dp_rank: int, dp_size: in
 
 
 class MicroBatchLoader(IteratorSlotLoader):
-    """The StatefulDataLoader over a micro-batch stream that stops its worker processes as soon as their iterator is
-    abandoned: when a state is loaded, on `close()` (the trainer's, at the end of training or on a stop), and when the
-    loader itself is collected (unless the iterator is still in use: `for batch in build_dataloader(...)`). A new
-    iter() leaves the previous iterator working, as a DataLoader does: it may still be iterated.
-
-    torch shuts an iterator's workers down only when the iterator is garbage collected. An iterator left mid-epoch
-    (max_steps reached, a resume, the end of training) otherwise keeps its workers alive until then, and when the
-    collection happens in a reference cycle, the workers' index queues are finalized before the iterator, the
-    "exit" message never reaches them, and each worker costs the full join timeout (5 s) before it is killed.
-    """
+    """The stateful loader over a micro-batch stream; its worker processes stop as soon as their iterator is
+    abandoned (IteratorSlotLoader)."""
 
     def __init__(self, stream, allow_changed_data: bool = False, **kwargs):
         self.epoch_ended = False  # the last streamed epoch ended at a slot that ran out (not at a stop)
-        super().__init__(stream, **kwargs)  # the current iterator is in `self._live[0]`: see IteratorSlotLoader
+        super().__init__(stream, **kwargs)
         self.stream, self.allow_changed_data = stream, allow_changed_data
-        # the box keeps the iterator out of the cyclic garbage, so its queues still work when the loader goes: the
-        # finalizer only lets go of it, and torch stops its workers at once unless someone still iterates it (as in
-        # `for batch in build_dataloader(...)`, where nothing else holds the loader)
-        weakref.finalize(self, _release, self._live).atexit = False  # at exit torch's own handling applies
-
-    def iterator_replaced(self, previous, iterator) -> None:
-        # StatefulDataLoader drops its iterator in load_state_dict (whose position is then gone): its workers stop.
-        # A new iter() replaces it, but the old one may still be iterated (two iterators, as a DataLoader allows):
-        # it keeps its workers, and frees them when it ends or is collected.
-        if iterator is None and previous is not None:
-            shutdown_iterator_workers(previous)
 
     def __iter__(self):
-        closed = self._live[0]
-        if iterator_shut_down(closed):  # close()d (or ended): new workers; persistent ones can't be reset
-            keep_unstarted_iterator_state(self, closed)  # made by state_dict() and never iterated: its position
-            self._live[0] = None
         iterator = super().__iter__()
         self.epoch_ended = False
         return _until_end_marker(iterator, weakref.ref(self)) if isinstance(self.stream, SlotStream) else iterator
@@ -215,11 +181,6 @@ class MicroBatchLoader(IteratorSlotLoader):
         """The token-budget warmup's length in steps (known once the run's steps are counted)."""
         self.stream.batching.warmup_steps = steps
 
-    def close(self) -> None:
-        """Stop the current iterator's worker processes now. `state_dict()` still gives the position reached; a
-        later `iter()` starts the next epoch (or resumes a loaded state) with new workers."""
-        shutdown_iterator_workers(self._live[0])  # (they are idle or prefetching: they exit promptly)
-
     def set_epoch(self, epoch: int, first_step: int = 0) -> None:
         """Reshuffle for `epoch` (the trainer calls this before each epoch's iter())."""
         self.stream.set_epoch(epoch, first_step)
@@ -255,10 +216,6 @@ def _until_end_marker(iterator, loader: "weakref.ref[MicroBatchLoader]"):
         yield step
 
 
-def _release(box: List[Any]) -> None:
-    box[0] = None  # the last reference gone, torch's __del__ stops the workers; otherwise its holder still iterates
-
-
 def _slots_per_rank(global_batch_size: Optional[int], micro: int, per_rank: int, dp_size: int) -> int:
     """dataloader_batch_size from global_batch_size (when given): a step is global_batch_size / micro_batch_size
     micro-batches over dp_size ranks. A global size that does not split, or that contradicts an explicit
@@ -277,13 +234,6 @@ def _slots_per_rank(global_batch_size: Optional[int], micro: int, per_rank: int,
             f"{slots} matches)"
         )
     return slots
-
-
-def _data_parallel_place():
-    from ..distributed.parallel_state import get_parallel_state
-
-    state = get_parallel_state()  # raises, naming init_parallel_state, when it was not initialised
-    return state.dp_rank, state.dp_size
 
 
 def _with_sequence_parallel(collate_fn_kwargs: Dict[str, Any]) -> Dict[str, Any]:

@@ -11,7 +11,7 @@ Every dataset answers `peek(n)`: its first records and what the transform makes 
 
 import os
 import re
-from typing import Any, Callable, Dict, List, Literal, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import yaml
 
@@ -54,7 +54,6 @@ DATASET_REGISTRY = Registry("dataset")
 def build_mapping_dataset(
     train_path: str,
     transform: Optional[Callable] = None,
-    namespace: Literal["train", "test"] = "train",
     seed: int = 42,
     source_name: Optional[str] = None,
     skip_bad_samples: bool = False,
@@ -77,9 +76,7 @@ def build_mapping_dataset(
 def build_iterable_dataset(
     train_path: str,
     transform: Optional[Callable] = None,
-    namespace: Literal["train", "test"] = "train",
     seed: int = 42,
-    source_name: Optional[str] = None,
     skip_bad_samples: bool = False,
     shuffle_buffer_size: int = 1000,
     unit_bytes: Optional[int] = None,

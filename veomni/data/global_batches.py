@@ -27,6 +27,7 @@ drop_last, they are dropped and counted (`dropped` in `data_report(loader)`).
 import copy
 import dataclasses
 import hashlib
+import itertools
 import os
 import uuid
 from dataclasses import dataclass
@@ -54,18 +55,25 @@ class Batching:
     drop_last: bool = False
 
 
-def first_fit(lengths: Iterable[int], budget: int) -> List[int]:
-    """Positions (in arrival order) of the samples that make one dyn_bsz micro-batch: each sample that still fits
-    the token budget is taken, the first one always (a sample longer than the budget goes alone); stops as soon as
-    the budget is full. Shared by both loaders' planners, so they pack identically."""
-    chosen, used = [], 0
-    for i, n in enumerate(lengths):
-        if used + n <= budget or not chosen:
-            chosen.append(i)
-            used += n
-            if used >= budget:
-                break
-    return chosen
+def take(buffer: List[Any], lengths: Iterable[int], budget: int, b: Batching) -> List[Any]:
+    """Remove and return the next micro-batch from `buffer` (entries in arrival order, `lengths` their token counts):
+    the first `micro_batch_size`, or with dyn_bsz first-fit into the token budget (the first entry always: a sample
+    longer than the budget goes alone; stops as soon as the budget is full). Both streams pack through it, so they
+    pack identically."""
+    if not b.dyn_bsz:
+        chosen = list(range(min(b.micro_batch_size, len(buffer))))
+    else:
+        chosen, used = [], 0
+        for i, n in enumerate(lengths):
+            if used + n <= budget or not chosen:
+                chosen.append(i)
+                used += n
+                if used >= budget:
+                    break
+    picked = [buffer[i] for i in chosen]
+    for i in reversed(chosen):
+        del buffer[i]
+    return picked
 
 
 class Plan:
@@ -95,16 +103,11 @@ def plan_micro_batches(
         complete = n // b.micro_batch_size  # a short last micro-batch is tail
     else:
         micro: List[int] = []
-        bound_list, buffer, nxt = [0], [], 0
-        while nxt < n or buffer:
-            while len(buffer) < buffer_size and nxt < n:
-                buffer.append(nxt)
-                nxt += 1
-            chosen = first_fit((lengths[pos] for pos in buffer), budget((len(bound_list) - 1) // per_step))
-            micro += [buffer[i] for i in chosen]
+        bound_list, buffer, arrivals = [0], [], iter(range(n))
+        while buffer or len(micro) < n:
+            buffer += itertools.islice(arrivals, buffer_size - len(buffer))
+            micro += take(buffer, (lengths[pos] for pos in buffer), budget((len(bound_list) - 1) // per_step), b)
             bound_list.append(len(micro))
-            for i in reversed(chosen):
-                del buffer[i]
         positions, bounds = np.asarray(micro, dtype=np.int64), np.asarray(bound_list, dtype=np.int64)
         complete = len(bounds) - 1
     keep = complete // per_step * per_step  # micro-batches of the full steps

@@ -7,6 +7,7 @@ is streamed: each slot sub-stream draws from its own shard of every source.
 ends the epoch when any source runs out.
 """
 
+from functools import cached_property
 from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
@@ -89,11 +90,10 @@ class InterleavedMappingDataset(InterleaveDataset):
         parts = [s.counts() for s in self.sources]
         return {name: sum(p[name] for p in parts) for name in parts[0]}
 
+    @cached_property
     def _bases(self) -> np.ndarray:
-        if getattr(self, "_sample_bases", None) is None:
-            counts = [s.prepare().num_samples for s in self.sources]
-            self._sample_bases = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        return self._sample_bases
+        counts = [s.prepare().num_samples for s in self.sources]
+        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     def __iter__(self):
         """Plain iteration (one process, epoch 0) for users who read the dataset without the loader."""
@@ -101,7 +101,7 @@ class InterleavedMappingDataset(InterleaveDataset):
 
     def epoch_order(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
         """The draw's records in order, each record's samples in place (ids numbered source after source)."""
-        caches, bases = [s.prepare() for s in self.sources], self._bases()
+        caches, bases = [s.prepare() for s in self.sources], self._bases
         keys = np.array(list(self.iter_keys(epoch, 0, 1, {})), dtype=np.int64).reshape(-1, 2)
         firsts, counts = np.zeros(len(keys), np.int64), np.zeros(len(keys), np.int64)
         for s, cache in enumerate(caches):
@@ -112,7 +112,7 @@ class InterleavedMappingDataset(InterleaveDataset):
         return ids, np.concatenate([c.lengths for c in caches])[ids]
 
     def sample(self, i: int) -> Dict[str, Any]:
-        bases = self._bases()
+        bases = self._bases
         s = int(np.searchsorted(bases, i, side="right")) - 1
         return self.sources[s].sample(int(i) - int(bases[s]))
 

@@ -115,9 +115,6 @@ class MappingDataset(Dataset, Transforming):
         return self.record_samples(record)[piece]
 
     def iter_keys(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> Iterator[Key]:
-        """`(record,)` in this epoch's order, this shard's stride, from `state["cursor"]` on (an interleave's draw)."""
-        mine = self.record_order(epoch)[shard::num_shards].tolist()
-        state.setdefault("cursor", 0)
-        while state["cursor"] < len(mine):
-            state["cursor"] += 1
-            yield (mine[state["cursor"] - 1],)
+        """`(record,)` in this epoch's order, this shard's stride: an interleave's draw, made whole, never resumed
+        part way (InterleavedMappingDataset.epoch_order), so `state` is not needed."""
+        return ((record,) for record in self.record_order(epoch)[shard::num_shards].tolist())

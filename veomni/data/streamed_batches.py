@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 from torch.utils.data import get_worker_info
 
 from ..compat.torchdata import worker_snapshots
-from .global_batches import Batching, BatchingStream, first_fit
+from .global_batches import Batching, BatchingStream, take
 
 END_OF_EPOCH = "veomni_end_of_epoch"
 _UNITS_PER_SUB_STREAM = 16
@@ -99,13 +99,7 @@ class _SubStream:
         short = self.exhausted and b.drop_last and not b.dyn_bsz and len(buffer) < b.micro_batch_size
         if not buffer or short:
             return None
-        if b.dyn_bsz:
-            chosen = first_fit((entry[-1] for entry in buffer), budget)
-        else:
-            chosen = list(range(min(b.micro_batch_size, len(buffer))))
-        picked = [buffer[i] for i in chosen]
-        for i in reversed(chosen):
-            del buffer[i]
+        picked = take(buffer, (entry[-1] for entry in buffer), budget, b)
         samples = [self._pieces(tuple(e[:-2]))[e[-2]] for e in picked]
         live = {tuple(e[:-2]) for e in buffer}
         self.cache = {key: samples for key, samples in self.cache.items() if key in live}
