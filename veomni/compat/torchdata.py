@@ -1,9 +1,8 @@
 """Private torchdata / torch.utils.data symbols: StatefulDataLoader's iterator slot, its workers' shutdown and the
 layout of its state dict.
 
-IteratorSlotLoader stops loader workers as soon as their iterator is abandoned (torch waits for garbage collection,
-which in a reference cycle costs 5 s per worker), and veomni reshards saved loader states between layouts. Both need
-internals torchdata does not expose; tests/test_data_loader.py and tests/test_compat.py exercise them.
+IteratorSlotLoader stops loader workers as soon as their iterator is abandoned, and veomni reshards saved loader
+states between layouts: both need internals torchdata does not expose (tests/test_compat.py checks them).
 """
 
 import weakref

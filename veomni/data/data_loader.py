@@ -162,16 +162,18 @@ class MicroBatchLoader(IteratorSlotLoader):
         current epoch's data order starts again, from the new data."""
         state = dict(state)
         saved = state.pop(_DATA, None) or {}
-        changed = _changed(saved.get("fingerprint"), self.data_fingerprint())
+        before, now = saved.get("fingerprint"), self.data_fingerprint()
+        parts = _PARTS.items() if before and now else ()  # nothing to compare when either side cannot tell
+        changed = " and the ".join(label for part, label in parts if before.get(part) != now.get(part))
         if changed and not self.allow_changed_data:
             raise DataFormatError(
-                f"resuming on changed data: the {' and the '.join(changed)} differ from the checkpoint's (saved at "
+                f"resuming on changed data: the {changed} differ from the checkpoint's (saved at "
                 "epoch {epoch}); set --data.allow_changed_data true to train on the data as it is now, its order "
                 "restarting at the current epoch".format(epoch=saved.get("epoch"))
             )
         if changed:
             logger.warning(
-                f"the {' and the '.join(changed)} changed since the checkpoint: data.allow_changed_data, so the data "
+                f"the {changed} changed since the checkpoint: data.allow_changed_data, so the data "
                 f"order restarts at the start of the current epoch ({saved.get('epoch')}), on the data as it is now"
             )
             return
@@ -196,13 +198,6 @@ class MicroBatchLoader(IteratorSlotLoader):
 
 _DATA = "veomni_data"  # the loader state's record of the data it read
 _PARTS = {"files": "data files", "transform": "transform", "tokenizer": "tokenizer"}
-
-
-def _changed(saved: Optional[Dict[str, Any]], now: Optional[Dict[str, Any]]) -> List[str]:
-    """The parts of the data fingerprint that differ (none when either side cannot tell)."""
-    if not saved or not now:
-        return []
-    return [label for part, label in _PARTS.items() if saved.get(part) != now.get(part)]
 
 
 def _until_end_marker(iterator, loader: "weakref.ref[MicroBatchLoader]"):

@@ -185,7 +185,7 @@ class GlobalBatchStream(BatchingStream):
         first = min(self.first_step, self.batching.warmup_steps)  # past the warmup, where it starts changes nothing
         key = (epoch, first, self.batching.warmup_steps)
         if key not in self._plans:
-            path = self._plan_path(epoch, first, self.slots)
+            path = self._plan_path(epoch, first)
             plan = _load_plan(path, self.slots)
             if plan is None:
                 lengths, budget = self.order(epoch)[1].tolist(), lambda s: self._token_budget(first + s)
@@ -194,14 +194,14 @@ class GlobalBatchStream(BatchingStream):
             self._plans = {key: plan}
         return self._plans[key]
 
-    def _plan_path(self, epoch: int, first: int, per_step: int) -> Optional[str]:
+    def _plan_path(self, epoch: int, first: int) -> Optional[str]:
         """Where this epoch's plan is kept: in the dataset's cache (None for a cache of one run's own)."""
         where = self.dataset.plan_store() if hasattr(self.dataset, "plan_store") else None
         if where is None:
             return None
         folder, identity = where
         b = self.batching
-        spec = (_PLAN_FORMAT, identity, epoch, first, per_step, b.micro_batch_size, b.max_seq_len, b.dyn_bsz,
+        spec = (_PLAN_FORMAT, identity, epoch, first, self.slots, b.micro_batch_size, b.max_seq_len, b.dyn_bsz,
                 self.buffer_size, b.warmup_steps, b.warmup_init_tokens, b.drop_last)  # fmt: skip
         return os.path.join(folder, "plans", hashlib.sha256(repr(spec).encode()).hexdigest()[:20] + ".npz")
 
