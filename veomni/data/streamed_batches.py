@@ -25,6 +25,7 @@ from .global_batches import Batching, BatchingStream, take
 
 END_OF_EPOCH = "veomni_end_of_epoch"
 _UNITS_PER_SUB_STREAM = 16
+_READ_AHEAD = 64  # records per samples_many call: many records per (batched) transform
 _COUNTERS = ("produced", "samples", "skipped", "empty", "dropped")
 
 
@@ -83,8 +84,8 @@ class _SubStream:
     def _read(self) -> None:
         owner, buffer, source = self.owner, self.state["buffer"], self.owner.dataset
         while len(buffer) < owner.buffer_size and not self.exhausted:
-            chunk = list(itertools.islice(self.keys, owner.read_ahead))  # many records per (batched) transform
-            self.exhausted = len(chunk) < owner.read_ahead
+            chunk = list(itertools.islice(self.keys, _READ_AHEAD))
+            self.exhausted = len(chunk) < _READ_AHEAD
             before = {c: getattr(source, c, 0) for c in ("skipped", "empty")}
             for key, samples in zip(chunk, source.samples_many(chunk) if chunk else []):
                 self.cache[key] = samples
@@ -125,7 +126,6 @@ class SlotStream(BatchingStream):
             source if hasattr(source, "iter_keys") else PlainIterable(source), collate_fn, batching, dp_rank, dp_size
         )
         self.workers = max(num_workers, 1)
-        self.read_ahead = 64
         if hasattr(source, "cut_units"):  # >= 16 units per sub-stream: one running out early ends the epoch
             source.cut_units(_UNITS_PER_SUB_STREAM * self.slots * self.workers)
 
