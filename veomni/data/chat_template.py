@@ -83,14 +83,6 @@ def _in_spans(positions: np.ndarray, spans: List[Tuple[int, int]]) -> np.ndarray
     return (k >= 0) & (positions < ends[k])
 
 
-def _checked(ids: List[int], labels: List[int], max_seq_len: int) -> Dict[str, List[int]]:
-    if len(ids) > max_seq_len:
-        raise DataFormatError(f"conversation has {len(ids)} tokens, more than max_seq_len={max_seq_len}")
-    if all(lab == IGNORE_INDEX for lab in labels):
-        raise DataFormatError("no assistant tokens to train on")
-    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
-
-
 def require_tokens(tokenizer, tokens: Sequence[str], template: str, hint: str) -> None:
     """A template's special tokens must be single tokens of the tokenizer, else ChatTemplateError."""
     vocab = tokenizer.get_vocab()
@@ -136,20 +128,16 @@ class TokenizerTemplate(ChatTemplate):
         self.uses_generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.jinja) is not None
         self.generation_prompt, self.end_of_turn = self._turn_markers()
 
-    def _render(self, messages, tools=None, generation_prompt=False) -> str:
+    def _render(self, messages, tools=None, tokenize=False, **options):
         return self.tokenizer.apply_chat_template(
-            list(messages),
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-            chat_template=self.jinja,
+            list(messages), tools=tools, tokenize=tokenize, chat_template=self.jinja, **options
         )
 
     def _turn_markers(self) -> Tuple[str, str]:
         """The generation prompt and the end-of-turn marker, read off a one-exchange probe rendering."""
         user, reply = "VEOMNI_PROBE_QUESTION", "VEOMNI_PROBE_ANSWER"
         asked = [{"role": "user", "content": user}]
-        before, prompted = self._render(asked), self._render(asked, generation_prompt=True)
+        before, prompted = self._render(asked), self._render(asked, add_generation_prompt=True)
         other = "; use data.chat_template chatml or default, or a tokenizer whose template renders assistant turns"
         if not prompted.startswith(before) or prompted == before:
             raise ChatTemplateError(
@@ -175,13 +163,12 @@ class TokenizerTemplate(ChatTemplate):
         messages = list(messages)
         try:
             if self.uses_generation_tags:  # one tokenisation: HF's, with its assistant mask and the offsets
-                enc = self.tokenizer.apply_chat_template(
+                enc = self._render(
                     messages,
-                    tools=tools,
+                    tools,
                     tokenize=True,
                     return_dict=True,
                     return_assistant_tokens_mask=True,
-                    chat_template=self.jinja,
                     tokenizer_kwargs={"return_offsets_mapping": True},
                 )
                 offsets = enc["offset_mapping"]
@@ -211,7 +198,12 @@ class TokenizerTemplate(ChatTemplate):
         ]
         starts = np.array([start for start, _ in offsets], dtype=np.int64)
         keep = _in_spans(starts, spans) & ~_in_spans(starts, holes)
-        return _checked(ids, np.where(keep, ids, IGNORE_INDEX).tolist(), max_seq_len)
+        if len(ids) > max_seq_len:
+            raise DataFormatError(f"conversation has {len(ids)} tokens, more than max_seq_len={max_seq_len}")
+        if not keep.any():
+            raise DataFormatError("no assistant tokens to train on")
+        labels = np.where(keep, ids, IGNORE_INDEX).tolist()
+        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
     def _assistant_spans(self, text: str, messages) -> List[Tuple[int, int]]:
         spans, cursor = [], 0
@@ -328,9 +320,7 @@ def build_chat_template(
     if name == "auto":
         name = "tokenizer" if getattr(tokenizer, "chat_template", None) else "default"
     cls = CHAT_TEMPLATE_REGISTRY.get(name)
-    options = {}
-    if last_turn_only:
-        options["last_turn_only"] = True
+    options = {"last_turn_only": True} if last_turn_only else {}
     if think_loss != "train":
         options["think_loss"] = think_loss
     if options and not getattr(cls, "supports_label_options", False):
@@ -345,10 +335,8 @@ def training_template_note(template: ChatTemplate, requested: str, own: Optional
     """(an info line saying which template trains, a warning or None): the warning when the model would be served
     with another template than it was trained on -- the tokenizer's own (`own`, which the HF export carries)."""
     jinja = template.get_jinja_template() or None
-    if type(template) is TokenizerTemplate and jinja == own:
-        which = "the tokenizer's own"
-    elif type(template) is TokenizerTemplate:
-        which = "a custom jinja template"
+    if type(template) is TokenizerTemplate:
+        which = "the tokenizer's own" if jinja == own else "a custom jinja template"
     else:
         which = repr(requested if requested != "auto" else "default")
     info = f"chat template: {which} ({type(template).__name__}"

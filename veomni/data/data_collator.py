@@ -142,6 +142,4 @@ def _per_token(sample, key: str, length: int, samples, info: DataCollateInfo) ->
     if key in sample:
         return torch.as_tensor(sample[key])
     like = next(torch.as_tensor(s[key]) for s in samples if key in s)
-    if key == "position_ids":
-        return torch.arange(length).expand(*like.shape[:-1], length)
-    return torch.full((*like.shape[:-1], length), info.sp_pad_value or 0, dtype=like.dtype)
+    return _padded(key, like[..., :0], length, -1, info.sp_pad_value or 0)

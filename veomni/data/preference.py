@@ -86,8 +86,7 @@ def _encode_messages(example: Dict[str, Any], chat_template, text_keys) -> List[
         response = _as_messages(example[key], key)
         if response[-1]["role"] != "assistant":
             raise DataFormatError(f"'{key}' must end with an assistant message, got role {response[-1]['role']!r}")
-        enc = chat_template.encode_messages(history + response, max_seq_len=1 << 30)
-        out.append({"input_ids": enc["input_ids"], "labels": enc["labels"]})
+        out.append(chat_template.encode_messages(history + response, max_seq_len=1 << 30))
     return out
 
 
@@ -121,15 +120,9 @@ def process_preference_example(
         else:
             chosen, rejected = _encode_messages(example, chat_template, text_keys)
     _check_pair(chosen, rejected, max_seq_len)
-    ids = chosen["input_ids"] + rejected["input_ids"]
-    return [
-        {
-            "input_ids": ids,
-            "attention_mask": [1] * len(ids),
-            "labels": chosen["labels"] + rejected["labels"],
-            "dpo_part": [0] * len(chosen["input_ids"]) + [1] * len(rejected["input_ids"]),
-        }
-    ]
+    ids, labels = chosen["input_ids"] + rejected["input_ids"], chosen["labels"] + rejected["labels"]
+    part = [0] * len(chosen["input_ids"]) + [1] * len(rejected["input_ids"])
+    return [{"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels, "dpo_part": part}]
 
 
 def pair_key(sample: Dict[str, Any]) -> str:
