@@ -64,23 +64,14 @@ class ChatTemplate(ABC):
 
 def _marked_runs(offsets, mask) -> List[Tuple[int, int]]:
     """Runs of marked tokens (HF's assistant mask) as character spans, one per run."""
-    spans, previous = [], 0
-    for (start, end), marked in zip(offsets, mask):
-        if marked and previous:
-            spans[-1] = (spans[-1][0], end)
-        elif marked:
-            spans.append((start, end))
-        previous = marked
-    return spans
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask, dtype=np.int8), [0]])))  # first, past-last
+    return [(offsets[first][0], offsets[last - 1][1]) for first, last in zip(edges[::2], edges[1::2])]
 
 
 def _in_spans(positions: np.ndarray, spans: List[Tuple[int, int]]) -> np.ndarray:
-    """Whether each position lies inside one of the sorted, disjoint [start, end) spans."""
-    if not spans:
-        return np.zeros(len(positions), dtype=bool)
-    starts, ends = np.asarray(spans).T
-    k = np.searchsorted(starts, positions, side="right") - 1  # the last span starting at or before each position
-    return (k >= 0) & (positions < ends[k])
+    """Whether each position lies inside one of the sorted, disjoint [start, end) spans: past an odd number of
+    their boundaries."""
+    return np.searchsorted(np.ravel(spans), positions, side="right") % 2 == 1
 
 
 def require_tokens(tokenizer, tokens: Sequence[str], template: str, hint: str) -> None:
@@ -162,23 +153,21 @@ class TokenizerTemplate(ChatTemplate):
             raise DataFormatError(f"chat template {type(self).__name__} has no tool format; use 'tokenizer'")
         messages = list(messages)
         try:
-            if self.uses_generation_tags:  # one tokenisation: HF's, with its assistant mask and the offsets
-                enc = self._render(
-                    messages,
-                    tools,
-                    tokenize=True,
-                    return_dict=True,
-                    return_assistant_tokens_mask=True,
-                    tokenizer_kwargs={"return_offsets_mapping": True},
-                )
-                offsets = enc["offset_mapping"]
-                text = self._render(messages, tools) if self.think_loss != "train" else ""  # for its think blocks
-                spans = _marked_runs(offsets, enc["assistant_masks"])
-                return self._labelled(list(enc["input_ids"]), offsets, spans, text, max_seq_len)
-            text = self._render(messages, tools)
+            if not self.uses_generation_tags:
+                return self._encode_rendered(self._render(messages, tools), messages, max_seq_len)
+            enc = self._render(  # one tokenisation: HF's, with its assistant mask and the offsets
+                messages,
+                tools,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                tokenizer_kwargs={"return_offsets_mapping": True},
+            )
+            text = self._render(messages, tools) if self.think_loss != "train" else ""  # for its think blocks
         except TemplateError as err:  # a conversation this template cannot render is bad data (skippable), not a crash
             raise DataFormatError(f"the chat template cannot render this conversation: {err}") from err
-        return self._encode_rendered(text, messages, max_seq_len)
+        spans = _marked_runs(enc["offset_mapping"], enc["assistant_masks"])
+        return self._labelled(list(enc["input_ids"]), enc["offset_mapping"], spans, text, max_seq_len)
 
     def _encode_rendered(self, text: str, messages, max_seq_len: int) -> Dict[str, List[int]]:
         """Tokenise the rendered `text` once; labels on the assistant spans aligned with `messages`."""

@@ -48,16 +48,6 @@ def process_pretrain_example(
     return samples
 
 
-def _with_specials(ids: List[int], tokenizer, add_eos: bool) -> List[int]:
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None and getattr(tokenizer, "add_bos_token", False):
-        ids = [bos] + ids
-    eos: Optional[int] = getattr(tokenizer, "eos_token_id", None)
-    if add_eos and eos is not None:
-        ids = ids + [eos]
-    return ids
-
-
 def _pieces(ids: List[int], max_seq_len: int, split_long: bool) -> List[Dict[str, List[int]]]:
     if not split_long:
         ids = ids[:max_seq_len]
@@ -90,8 +80,11 @@ def process_pretrain_batch(
         except DataFormatError as err:
             out[i] = err
     if texts:
+        bos, eos = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)
+        head = [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
+        tail = [eos] if add_eos and eos is not None else []
         for i, ids in zip(where, encode_many(tokenizer, texts)):
-            out[i] = _pieces(_with_specials(ids, tokenizer, add_eos), max_seq_len, split_long)
+            out[i] = _pieces(head + ids + tail, max_seq_len, split_long)
     return out
 
 
