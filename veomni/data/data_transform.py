@@ -64,10 +64,8 @@ def process_pretrain_batch(
     split_long: bool = True,
     **kwargs,
 ) -> List[Union[List[Dict[str, List[int]]], DataFormatError]]:
-    """`process_pretrain_example` over many records with one (multi-threaded) tokenizer call.
-
-    Returns one entry per record: its samples, or the DataFormatError that record raised.
-    """
+    """`process_pretrain_example` over many records with one (multi-threaded) tokenizer call: for each record, its
+    samples or the DataFormatError it raised."""
     out: List[Any] = [None] * len(examples)
     texts, where = [], []
     for i, example in enumerate(examples):

@@ -20,6 +20,7 @@ the two sequences separate documents (position ids restart at each, labels shift
 """
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
@@ -48,17 +49,13 @@ def _encode_text(example: Dict[str, Any], tokenizer) -> List[Dict[str, List[int]
     response is what follows the longest common prefix of the prompt's ids."""
     eos = tokenizer.eos_token or ""
     prompt_ids = tokenizer(example["prompt"])["input_ids"]
-    out = []
+    pairs = []
     for key in PAIR_KEYS:
         text = example[key] if example[key].endswith(eos) else example[key] + eos
-        ids = tokenizer(example["prompt"] + text)["input_ids"]
-        out.append((ids, _common_prefix(prompt_ids, ids)))
-    shared = min(n for _, n in out)  # the same prompt for both, as TRL cuts it
-    return [_labelled(ids, shared) for ids, _ in out]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        pairs.append(tokenizer(example["prompt"] + text)["input_ids"])
+    # the same prompt for both, as TRL cuts it (os.path.commonprefix compares any sequences item by item)
+    shared = min(len(os.path.commonprefix([prompt_ids, ids])) for ids in pairs)
+    return [_labelled(ids, shared) for ids in pairs]
 
 
 def _labelled(ids: List[int], prompt_len: int) -> Dict[str, List[int]]:
@@ -162,9 +159,8 @@ class PreferenceCollator:
                 doc[SEQUENCE_INDEX] = torch.full((len(doc["input_ids"]),), len(docs), dtype=torch.long)
                 docs.append(doc)
         batch = self.main(docs)
-        pairs = len(samples)
-        batch["num_pairs"] = pairs
+        batch["num_pairs"] = len(samples)
         batch["pair_keys"] = [pair_key(sample) for sample in samples]
-        batch["loss_units"] = pairs if self.main.sp_rank == 0 else 0
+        batch["loss_units"] = len(samples) if self.main.sp_rank == 0 else 0
         batch["num_targets"] = int((batch["labels"] != IGNORE_INDEX).sum())  # this rank's scored tokens (host)
         return batch
