@@ -14,6 +14,7 @@ import json
 import os
 import re
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -290,8 +291,7 @@ def _custom_jinja(name: str) -> Optional[str]:
     if name.endswith((".jinja", ".j2")):
         if not os.path.isfile(name):
             raise ChatTemplateError(f"data.chat_template: {name} does not exist")
-        with open(name, encoding="utf-8") as f:
-            return f.read()
+        return Path(name).read_text(encoding="utf-8")
     return None
 
 
@@ -335,15 +335,13 @@ def training_template_note(template: ChatTemplate, requested: str, own: Optional
     if jinja == own:
         return info, None
     exported = "the HF export carries the training template" if jinja else "the HF export cannot carry it (no jinja)"
-    if own:
-        warning = (
-            f"training with chat template {which}, not the tokenizer's own chat template: a model served with the "
-            f"tokenizer's template sees a format it was not trained on ({exported}). Use data.chat_template auto to "
-            "train on the tokenizer's own"
-        )
-    else:
-        warning = f"the tokenizer ships no chat template; training with {which} ({exported})"
-    return info, warning
+    if not own:
+        return info, f"the tokenizer ships no chat template; training with {which} ({exported})"
+    return info, (
+        f"training with chat template {which}, not the tokenizer's own chat template: a model served with the "
+        f"tokenizer's template sees a format it was not trained on ({exported}). Use data.chat_template auto to "
+        "train on the tokenizer's own"
+    )
 
 
 def export_chat_template(folder: str, jinja: Optional[str]) -> None:
@@ -351,17 +349,11 @@ def export_chat_template(folder: str, jinja: Optional[str]) -> None:
     separate `chat_template.jinja`, which transformers prefers, is rewritten too)."""
     if not jinja:
         return
-    path = os.path.join(folder, "tokenizer_config.json")
-    config = {}
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    separate = os.path.join(folder, "chat_template.jinja")
-    if os.path.isfile(separate):
-        with open(separate, "w", encoding="utf-8") as f:
-            f.write(jinja)
+    path, separate = Path(folder, "tokenizer_config.json"), Path(folder, "chat_template.jinja")
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if separate.is_file():
+        separate.write_text(jinja, encoding="utf-8")
         config.pop("chat_template", None)
     else:
         config["chat_template"] = jinja
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")

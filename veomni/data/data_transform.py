@@ -17,17 +17,6 @@ class DataFormatError(ValueError):
     """A record that cannot be turned into a training sample; the message names the record."""
 
 
-def _text_of(example: Dict[str, Any], text_keys: Union[str, Sequence[str]]) -> str:
-    keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
-    for key in keys:
-        if key in example:
-            value = example[key]
-            if not isinstance(value, str):
-                raise DataFormatError(f"key '{key}' holds {type(value).__name__}, expected a string")
-            return value
-    raise DataFormatError(f"no text key {keys} in record with keys {sorted(example)}")
-
-
 def process_pretrain_example(
     example: Dict[str, Any],
     tokenizer,
@@ -66,17 +55,20 @@ def process_pretrain_batch(
 ) -> List[Union[List[Dict[str, List[int]]], DataFormatError]]:
     """`process_pretrain_example` over many records with one (multi-threaded) tokenizer call: for each record, its
     samples or the DataFormatError it raised."""
+    keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
     out: List[Any] = [None] * len(examples)
     texts, where = [], []
     for i, example in enumerate(examples):
+        key = next((k for k in keys if k in example), None)
         if "input_ids" in example:
             out[i] = _pieces(list(example["input_ids"]), max_seq_len, split_long)
-            continue
-        try:
-            texts.append(_text_of(example, text_keys))
+        elif key is None:
+            out[i] = DataFormatError(f"no text key {keys} in record with keys {sorted(example)}")
+        elif not isinstance(example[key], str):
+            out[i] = DataFormatError(f"key '{key}' holds {type(example[key]).__name__}, expected a string")
+        else:
+            texts.append(example[key])
             where.append(i)
-        except DataFormatError as err:
-            out[i] = err
     if texts:
         bos, eos = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)
         head = [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
