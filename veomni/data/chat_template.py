@@ -232,11 +232,8 @@ def _assistant_anchors(message) -> List[str]:
         raise DataFormatError("assistant content must be a string (or null with tool_calls)")
     if "reasoning_content" not in message and "</think>" in content:
         content = content.split("</think>")[-1]  # the answer; the reasoning may be dropped by the template
-    anchors = [content.strip()] if content.strip() else []
-    for call in message.get("tool_calls") or []:
-        name = (call.get("function") or call).get("name")
-        if name:
-            anchors.append(name)
+    names = [(call.get("function") or call).get("name") for call in message.get("tool_calls") or []]
+    anchors = [anchor for anchor in (content.strip(), *names) if anchor]
     if not anchors:
         raise DataFormatError("assistant message has neither content nor tool calls: nothing to train on")
     return anchors

@@ -157,9 +157,7 @@ def _alpaca_messages(example: Dict[str, Any]) -> List[Dict[str, Any]]:
             raise DataFormatError(f"Alpaca field '{key}' holds {type(example[key]).__name__}; {expected}")
     if not example["output"].strip():
         raise DataFormatError(f"Alpaca field 'output' is empty: nothing to train on (fields {sorted(example)})")
-    messages = []
-    if example.get("system"):
-        messages.append({"role": "system", "content": example["system"]})
+    messages = [{"role": "system", "content": example["system"]}] if example.get("system") else []
     history = example.get("history") or []
     if not isinstance(history, list) or not all(isinstance(t, (list, tuple)) and len(t) == 2 for t in history):
         raise DataFormatError(f"Alpaca field 'history' must be a list of [instruction, answer] pairs; {expected}")
@@ -170,7 +168,8 @@ def _alpaca_messages(example: Dict[str, Any]) -> List[Dict[str, Any]]:
     return messages
 
 
-def _tools_of(example: Dict[str, Any]) -> Optional[List[Any]]:
+def _tools_of(example: Dict[str, Any]) -> Dict[str, List[Any]]:
+    """`{"tools": [function schemas]}` to pass to the chat template, or {} when the record has none."""
     tools = example.get("tools")
     if isinstance(tools, str):  # datasets often store the schemas as a JSON string
         try:
@@ -179,7 +178,7 @@ def _tools_of(example: Dict[str, Any]) -> Optional[List[Any]]:
             raise DataFormatError(f"'tools' is not valid JSON ({err.msg})") from None
     if tools is not None and not isinstance(tools, list):
         raise DataFormatError(f"'tools' must be a list of function schemas, got {type(tools).__name__}")
-    return tools or None
+    return {"tools": tools} if tools else {}
 
 
 def process_sft_example(
@@ -200,9 +199,8 @@ def process_sft_example(
     `max_seq_len` tokens, labelled as in the full conversation (an error if no assistant token is left).
     """
     tools = _tools_of(example)
-    extra = {"tools": tools} if tools else {}
     messages = _messages_of(example, text_keys, conversation_format)
-    enc = chat_template.encode_messages(messages, max_seq_len=sys.maxsize if truncate else max_seq_len, **extra)
+    enc = chat_template.encode_messages(messages, max_seq_len=sys.maxsize if truncate else max_seq_len, **tools)
     if truncate:
         enc = {k: v[:max_seq_len] for k, v in enc.items()}
         if all(lab == IGNORE_INDEX for lab in enc["labels"]):

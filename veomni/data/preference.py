@@ -33,10 +33,10 @@ from .data_transform import IGNORE_INDEX, DataFormatError, normalise_message
 PAIR_KEYS = ("chosen", "rejected")
 
 
-def _as_messages(value: Any, key: str) -> List[Dict[str, Any]]:
-    """Text (an assistant reply), one message or a list of messages -> messages (role/content)."""
+def _as_messages(value: Any, key: str, role: str = "assistant") -> List[Dict[str, Any]]:
+    """Text (a `role` message), one message or a list of messages -> messages (role/content)."""
     if isinstance(value, str):
-        return [{"role": "assistant", "content": value}]
+        return [{"role": role, "content": value}]
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list) or not value:
@@ -69,15 +69,11 @@ def _encode_ids(example: Dict[str, Any]) -> List[Dict[str, List[int]]]:
 
 def _encode_messages(example: Dict[str, Any], chat_template, text_keys) -> List[Dict[str, List[int]]]:
     """Conversational pairs through the chat template, loss on the last assistant turn (the response) only."""
-    if "prompt" in example:
-        prompt = example["prompt"]
-        history = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _as_messages(prompt, "prompt")
-    else:
-        keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
-        key = next((k for k in keys + ["messages", "conversations"] if k in example), None)
-        if key is None:
-            raise DataFormatError(f"no prompt: neither 'prompt' nor a conversation under {keys} in {sorted(example)}")
-        history = _as_messages(example[key], key)
+    keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
+    key = next((k for k in ["prompt", *keys, "messages", "conversations"] if k in example), None)
+    if key is None:
+        raise DataFormatError(f"no prompt: neither 'prompt' nor a conversation under {keys} in {sorted(example)}")
+    history = _as_messages(example[key], key, "user" if key == "prompt" else "assistant")  # a text prompt: the user's
     out = []
     for key in PAIR_KEYS:
         response = _as_messages(example[key], key)
