@@ -1,8 +1,5 @@
-"""Chat templates: conversations -> `input_ids` and `labels` that train only on assistant tokens.
-
-Every template renders a conversation once, tokenises the whole text once (so ids equal what
-`tokenizer.apply_chat_template` gives for the same jinja), and labels a token only when it starts inside an
-assistant span of the rendered text. `get_jinja_template()` returns the same format as HF jinja.
+"""Chat templates: conversations -> `input_ids` and `labels` that train only on assistant tokens, labelled on the
+one tokenisation of one rendering (so ids equal `tokenizer.apply_chat_template`'s; TokenizerTemplate says how).
 
 `build_chat_template("auto", tokenizer)` (the default of `data.chat_template`) is the tokenizer's own template when it
 ships one, else the plain `default` format. Two options apply to every built-in template: `last_turn_only` (loss on
