@@ -1,8 +1,5 @@
-"""Chat templates: conversations -> `input_ids` and `labels` that train only on assistant tokens.
-
-Every template renders a conversation once, tokenises the whole text once (so ids equal what
-`tokenizer.apply_chat_template` gives for the same jinja), and labels a token only when it starts inside an
-assistant span of the rendered text. `get_jinja_template()` returns the same format as HF jinja.
+"""Chat templates: conversations -> `input_ids` and `labels` that train only on assistant tokens, labelled on the
+one tokenisation of one rendering (so ids equal `tokenizer.apply_chat_template`'s; TokenizerTemplate says how).
 
 `build_chat_template("auto", tokenizer)` (the default of `data.chat_template`) is the tokenizer's own template when it
 ships one, else the plain `default` format. Two options apply to every built-in template: `last_turn_only` (loss on
@@ -14,6 +11,7 @@ import json
 import os
 import re
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -64,31 +62,14 @@ class ChatTemplate(ABC):
 
 def _marked_runs(offsets, mask) -> List[Tuple[int, int]]:
     """Runs of marked tokens (HF's assistant mask) as character spans, one per run."""
-    spans, previous = [], 0
-    for (start, end), marked in zip(offsets, mask):
-        if marked and previous:
-            spans[-1] = (spans[-1][0], end)
-        elif marked:
-            spans.append((start, end))
-        previous = marked
-    return spans
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask, dtype=np.int8), [0]])))  # first, past-last
+    return [(offsets[first][0], offsets[last - 1][1]) for first, last in zip(edges[::2], edges[1::2])]
 
 
 def _in_spans(positions: np.ndarray, spans: List[Tuple[int, int]]) -> np.ndarray:
-    """Whether each position lies inside one of the sorted, disjoint [start, end) spans."""
-    if not spans:
-        return np.zeros(len(positions), dtype=bool)
-    starts, ends = np.asarray(spans).T
-    k = np.searchsorted(starts, positions, side="right") - 1  # the last span starting at or before each position
-    return (k >= 0) & (positions < ends[k])
-
-
-def _checked(ids: List[int], labels: List[int], max_seq_len: int) -> Dict[str, List[int]]:
-    if len(ids) > max_seq_len:
-        raise DataFormatError(f"conversation has {len(ids)} tokens, more than max_seq_len={max_seq_len}")
-    if all(lab == IGNORE_INDEX for lab in labels):
-        raise DataFormatError("no assistant tokens to train on")
-    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+    """Whether each position lies inside one of the sorted, disjoint [start, end) spans: past an odd number of
+    their boundaries."""
+    return np.searchsorted(np.ravel(spans), positions, side="right") % 2 == 1
 
 
 def require_tokens(tokenizer, tokens: Sequence[str], template: str, hint: str) -> None:
@@ -136,20 +117,16 @@ class TokenizerTemplate(ChatTemplate):
         self.uses_generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.jinja) is not None
         self.generation_prompt, self.end_of_turn = self._turn_markers()
 
-    def _render(self, messages, tools=None, generation_prompt=False) -> str:
+    def _render(self, messages, tools=None, tokenize=False, **options):
         return self.tokenizer.apply_chat_template(
-            list(messages),
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-            chat_template=self.jinja,
+            list(messages), tools=tools, tokenize=tokenize, chat_template=self.jinja, **options
         )
 
     def _turn_markers(self) -> Tuple[str, str]:
         """The generation prompt and the end-of-turn marker, read off a one-exchange probe rendering."""
         user, reply = "VEOMNI_PROBE_QUESTION", "VEOMNI_PROBE_ANSWER"
         asked = [{"role": "user", "content": user}]
-        before, prompted = self._render(asked), self._render(asked, generation_prompt=True)
+        before, prompted = self._render(asked), self._render(asked, add_generation_prompt=True)
         other = "; use data.chat_template chatml or default, or a tokenizer whose template renders assistant turns"
         if not prompted.startswith(before) or prompted == before:
             raise ChatTemplateError(
@@ -174,24 +151,21 @@ class TokenizerTemplate(ChatTemplate):
             raise DataFormatError(f"chat template {type(self).__name__} has no tool format; use 'tokenizer'")
         messages = list(messages)
         try:
-            if self.uses_generation_tags:  # one tokenisation: HF's, with its assistant mask and the offsets
-                enc = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    tokenize=True,
-                    return_dict=True,
-                    return_assistant_tokens_mask=True,
-                    chat_template=self.jinja,
-                    tokenizer_kwargs={"return_offsets_mapping": True},
-                )
-                offsets = enc["offset_mapping"]
-                text = self._render(messages, tools) if self.think_loss != "train" else ""  # for its think blocks
-                spans = _marked_runs(offsets, enc["assistant_masks"])
-                return self._labelled(list(enc["input_ids"]), offsets, spans, text, max_seq_len)
-            text = self._render(messages, tools)
+            if not self.uses_generation_tags:
+                return self._encode_rendered(self._render(messages, tools), messages, max_seq_len)
+            enc = self._render(  # one tokenisation: HF's, with its assistant mask and the offsets
+                messages,
+                tools,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                tokenizer_kwargs={"return_offsets_mapping": True},
+            )
+            text = self._render(messages, tools) if self.think_loss != "train" else ""  # for its think blocks
         except TemplateError as err:  # a conversation this template cannot render is bad data (skippable), not a crash
             raise DataFormatError(f"the chat template cannot render this conversation: {err}") from err
-        return self._encode_rendered(text, messages, max_seq_len)
+        spans = _marked_runs(enc["offset_mapping"], enc["assistant_masks"])
+        return self._labelled(list(enc["input_ids"]), enc["offset_mapping"], spans, text, max_seq_len)
 
     def _encode_rendered(self, text: str, messages, max_seq_len: int) -> Dict[str, List[int]]:
         """Tokenise the rendered `text` once; labels on the assistant spans aligned with `messages`."""
@@ -211,7 +185,12 @@ class TokenizerTemplate(ChatTemplate):
         ]
         starts = np.array([start for start, _ in offsets], dtype=np.int64)
         keep = _in_spans(starts, spans) & ~_in_spans(starts, holes)
-        return _checked(ids, np.where(keep, ids, IGNORE_INDEX).tolist(), max_seq_len)
+        if len(ids) > max_seq_len:
+            raise DataFormatError(f"conversation has {len(ids)} tokens, more than max_seq_len={max_seq_len}")
+        if not keep.any():
+            raise DataFormatError("no assistant tokens to train on")
+        labels = np.where(keep, ids, IGNORE_INDEX).tolist()
+        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
     def _assistant_spans(self, text: str, messages) -> List[Tuple[int, int]]:
         spans, cursor = [], 0
@@ -250,11 +229,8 @@ def _assistant_anchors(message) -> List[str]:
         raise DataFormatError("assistant content must be a string (or null with tool_calls)")
     if "reasoning_content" not in message and "</think>" in content:
         content = content.split("</think>")[-1]  # the answer; the reasoning may be dropped by the template
-    anchors = [content.strip()] if content.strip() else []
-    for call in message.get("tool_calls") or []:
-        name = (call.get("function") or call).get("name")
-        if name:
-            anchors.append(name)
+    names = [(call.get("function") or call).get("name") for call in message.get("tool_calls") or []]
+    anchors = [anchor for anchor in (content.strip(), *names) if anchor]
     if not anchors:
         raise DataFormatError("assistant message has neither content nor tool calls: nothing to train on")
     return anchors
@@ -309,8 +285,7 @@ def _custom_jinja(name: str) -> Optional[str]:
     if name.endswith((".jinja", ".j2")):
         if not os.path.isfile(name):
             raise ChatTemplateError(f"data.chat_template: {name} does not exist")
-        with open(name, encoding="utf-8") as f:
-            return f.read()
+        return Path(name).read_text(encoding="utf-8")
     return None
 
 
@@ -328,9 +303,7 @@ def build_chat_template(
     if name == "auto":
         name = "tokenizer" if getattr(tokenizer, "chat_template", None) else "default"
     cls = CHAT_TEMPLATE_REGISTRY.get(name)
-    options = {}
-    if last_turn_only:
-        options["last_turn_only"] = True
+    options = {"last_turn_only": True} if last_turn_only else {}
     if think_loss != "train":
         options["think_loss"] = think_loss
     if options and not getattr(cls, "supports_label_options", False):
@@ -345,10 +318,8 @@ def training_template_note(template: ChatTemplate, requested: str, own: Optional
     """(an info line saying which template trains, a warning or None): the warning when the model would be served
     with another template than it was trained on -- the tokenizer's own (`own`, which the HF export carries)."""
     jinja = template.get_jinja_template() or None
-    if type(template) is TokenizerTemplate and jinja == own:
-        which = "the tokenizer's own"
-    elif type(template) is TokenizerTemplate:
-        which = "a custom jinja template"
+    if type(template) is TokenizerTemplate:
+        which = "the tokenizer's own" if jinja == own else "a custom jinja template"
     else:
         which = repr(requested if requested != "auto" else "default")
     info = f"chat template: {which} ({type(template).__name__}"
@@ -358,15 +329,13 @@ def training_template_note(template: ChatTemplate, requested: str, own: Optional
     if jinja == own:
         return info, None
     exported = "the HF export carries the training template" if jinja else "the HF export cannot carry it (no jinja)"
-    if own:
-        warning = (
-            f"training with chat template {which}, not the tokenizer's own chat template: a model served with the "
-            f"tokenizer's template sees a format it was not trained on ({exported}). Use data.chat_template auto to "
-            "train on the tokenizer's own"
-        )
-    else:
-        warning = f"the tokenizer ships no chat template; training with {which} ({exported})"
-    return info, warning
+    if not own:
+        return info, f"the tokenizer ships no chat template; training with {which} ({exported})"
+    return info, (
+        f"training with chat template {which}, not the tokenizer's own chat template: a model served with the "
+        f"tokenizer's template sees a format it was not trained on ({exported}). Use data.chat_template auto to "
+        "train on the tokenizer's own"
+    )
 
 
 def export_chat_template(folder: str, jinja: Optional[str]) -> None:
@@ -374,17 +343,11 @@ def export_chat_template(folder: str, jinja: Optional[str]) -> None:
     separate `chat_template.jinja`, which transformers prefers, is rewritten too)."""
     if not jinja:
         return
-    path = os.path.join(folder, "tokenizer_config.json")
-    config = {}
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    separate = os.path.join(folder, "chat_template.jinja")
-    if os.path.isfile(separate):
-        with open(separate, "w", encoding="utf-8") as f:
-            f.write(jinja)
+    path, separate = Path(folder, "tokenizer_config.json"), Path(folder, "chat_template.jinja")
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if separate.is_file():
+        separate.write_text(jinja, encoding="utf-8")
         config.pop("chat_template", None)
     else:
         config["chat_template"] = jinja
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")

@@ -88,8 +88,10 @@ class MainCollator:
         cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
         batch["max_length_q"] = batch["max_length_k"] = max(lengths)
-        if self.sp_size > 1:
-            self._slice_for_sp(batch)
+        if self.sp_size > 1:  # this rank's slice of each sequence-parallel field
+            for key, info in self.collate_infos.items():
+                if key in batch and info.sp_slice:
+                    batch[key] = batch[key].chunk(self.sp_size, dim=info.pack_dim)[self.sp_rank].contiguous()
         if "labels" in batch and not self.seq_classification:
             batch["shift_labels"] = batch["labels"]
         return batch
@@ -106,11 +108,6 @@ class MainCollator:
                 batch[key] = _padded(key, value, width, info.pack_dim, info.sp_pad_value)
         if pad:
             lengths.append(pad)
-
-    def _slice_for_sp(self, batch: Dict[str, torch.Tensor]) -> None:
-        for key, info in self.collate_infos.items():
-            if key in batch and info.sp_slice:
-                batch[key] = batch[key].chunk(self.sp_size, dim=info.pack_dim)[self.sp_rank].contiguous()
 
     def _pad(self, batch: Dict[str, torch.Tensor], lengths: List[int]) -> None:
         """Pad the packed row to `max_seq_len` as one extra document that carries no loss."""
@@ -142,6 +139,4 @@ def _per_token(sample, key: str, length: int, samples, info: DataCollateInfo) ->
     if key in sample:
         return torch.as_tensor(sample[key])
     like = next(torch.as_tensor(s[key]) for s in samples if key in s)
-    if key == "position_ids":
-        return torch.arange(length).expand(*like.shape[:-1], length)
-    return torch.full((*like.shape[:-1], length), info.sp_pad_value or 0, dtype=like.dtype)
+    return _padded(key, like[..., :0], length, -1, info.sp_pad_value or 0)

@@ -1,5 +1,4 @@
-"""What a loader's epoch did with the data, so that nothing is lost silently: samples handed out, bad records
-skipped, empty records, blank lines, samples dropped, streamed records not reached (read from the loader's state)."""
+"""What a loader's epoch did with the data, read from the loader's state, so that nothing is lost silently."""
 
 from typing import Any, Dict
 

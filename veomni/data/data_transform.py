@@ -1,25 +1,20 @@
-"""Sample transforms: raw records -> token sequences with labels (HF convention: labels aligned to input_ids)."""
+"""Sample transforms: raw records -> token sequences with labels (HF convention: labels aligned to input_ids), and
+`Transforming`, what every dataset of records shares: the transform applied with the bad-data policy, and `peek(n)`."""
 
 import json
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Union
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from ..utils.logging import EVERY_RANK, get_logger
+
+logger = get_logger(__name__)
 IGNORE_INDEX = -100
+Key = Tuple[int, ...]
 
 
 class DataFormatError(ValueError):
     """A record that cannot be turned into a training sample; the message names the record."""
-
-
-def _text_of(example: Dict[str, Any], text_keys: Union[str, Sequence[str]]) -> str:
-    keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
-    for key in keys:
-        if key in example:
-            value = example[key]
-            if not isinstance(value, str):
-                raise DataFormatError(f"key '{key}' holds {type(value).__name__}, expected a string")
-            return value
-    raise DataFormatError(f"no text key {keys} in record with keys {sorted(example)}")
 
 
 def process_pretrain_example(
@@ -42,16 +37,6 @@ def process_pretrain_example(
     return samples
 
 
-def _with_specials(ids: List[int], tokenizer, add_eos: bool) -> List[int]:
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None and getattr(tokenizer, "add_bos_token", False):
-        ids = [bos] + ids
-    eos: Optional[int] = getattr(tokenizer, "eos_token_id", None)
-    if add_eos and eos is not None:
-        ids = ids + [eos]
-    return ids
-
-
 def _pieces(ids: List[int], max_seq_len: int, split_long: bool) -> List[Dict[str, List[int]]]:
     if not split_long:
         ids = ids[:max_seq_len]
@@ -68,24 +53,28 @@ def process_pretrain_batch(
     split_long: bool = True,
     **kwargs,
 ) -> List[Union[List[Dict[str, List[int]]], DataFormatError]]:
-    """`process_pretrain_example` over many records with one (multi-threaded) tokenizer call.
-
-    Returns one entry per record: its samples, or the DataFormatError that record raised.
-    """
+    """`process_pretrain_example` over many records with one (multi-threaded) tokenizer call: for each record, its
+    samples or the DataFormatError it raised."""
+    keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
     out: List[Any] = [None] * len(examples)
     texts, where = [], []
     for i, example in enumerate(examples):
+        key = next((k for k in keys if k in example), None)
         if "input_ids" in example:
             out[i] = _pieces(list(example["input_ids"]), max_seq_len, split_long)
-            continue
-        try:
-            texts.append(_text_of(example, text_keys))
+        elif key is None:
+            out[i] = DataFormatError(f"no text key {keys} in record with keys {sorted(example)}")
+        elif not isinstance(example[key], str):
+            out[i] = DataFormatError(f"key '{key}' holds {type(example[key]).__name__}, expected a string")
+        else:
+            texts.append(example[key])
             where.append(i)
-        except DataFormatError as err:
-            out[i] = err
     if texts:
+        bos, eos = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)
+        head = [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
+        tail = [eos] if add_eos and eos is not None else []
         for i, ids in zip(where, encode_many(tokenizer, texts)):
-            out[i] = _pieces(_with_specials(ids, tokenizer, add_eos), max_seq_len, split_long)
+            out[i] = _pieces(head + ids + tail, max_seq_len, split_long)
     return out
 
 
@@ -109,17 +98,8 @@ def encode_many(tokenizer, texts: List[str]) -> List[List[int]]:
 process_pretrain_example.batched = process_pretrain_batch
 
 
-_SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "function": "tool",
-}
-
-
+_ROLES = {"human": "user", "gpt": "assistant", "function": "tool"}  # ShareGPT's role names -> OpenAI's
+_ROLES.update({role: role for role in ("user", "assistant", "system", "tool")})
 CONVERSATION_FORMATS = ("auto", "messages", "alpaca")
 ALPACA_NEEDED, ALPACA_OPTIONAL = ("instruction", "output"), ("input", "system", "history")
 
@@ -158,10 +138,10 @@ def normalise_message(m: Any, where: str) -> Dict[str, Any]:
     role = m.get("role", m.get("from"))
     content = m.get("content", m.get("value"))
     tool_call = role in ("assistant", "gpt") and content is None and m.get("tool_calls")
-    if role not in _SHAREGPT_ROLES or not (isinstance(content, str) or tool_call):
+    if role not in _ROLES or not (isinstance(content, str) or tool_call):
         raise DataFormatError(f"{where} needs a known role and string content, got {sorted(m)}")
     rest = {k: v for k, v in m.items() if k not in ("from", "value", "role", "content")}
-    return {"role": _SHAREGPT_ROLES[role], "content": content, **rest}
+    return {"role": _ROLES[role], "content": content, **rest}
 
 
 def _alpaca_messages(example: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -173,14 +153,11 @@ def _alpaca_messages(example: Dict[str, Any]) -> List[Dict[str, Any]]:
     if missing:
         raise DataFormatError(f"Alpaca record lacks {missing}: it holds fields {sorted(example)}; {expected}")
     for key in ALPACA_NEEDED + ("input", "system"):
-        value = example.get(key)
-        if key in example and value is not None and not isinstance(value, str):
-            raise DataFormatError(f"Alpaca field '{key}' holds {type(value).__name__}; {expected}")
+        if not isinstance(example.get(key), (str, type(None))):
+            raise DataFormatError(f"Alpaca field '{key}' holds {type(example[key]).__name__}; {expected}")
     if not example["output"].strip():
         raise DataFormatError(f"Alpaca field 'output' is empty: nothing to train on (fields {sorted(example)})")
-    messages = []
-    if example.get("system"):
-        messages.append({"role": "system", "content": example["system"]})
+    messages = [{"role": "system", "content": example["system"]}] if example.get("system") else []
     history = example.get("history") or []
     if not isinstance(history, list) or not all(isinstance(t, (list, tuple)) and len(t) == 2 for t in history):
         raise DataFormatError(f"Alpaca field 'history' must be a list of [instruction, answer] pairs; {expected}")
@@ -191,7 +168,8 @@ def _alpaca_messages(example: Dict[str, Any]) -> List[Dict[str, Any]]:
     return messages
 
 
-def _tools_of(example: Dict[str, Any]) -> Optional[List[Any]]:
+def _tools_of(example: Dict[str, Any]) -> Dict[str, List[Any]]:
+    """`{"tools": [function schemas]}` to pass to the chat template, or {} when the record has none."""
     tools = example.get("tools")
     if isinstance(tools, str):  # datasets often store the schemas as a JSON string
         try:
@@ -200,7 +178,7 @@ def _tools_of(example: Dict[str, Any]) -> Optional[List[Any]]:
             raise DataFormatError(f"'tools' is not valid JSON ({err.msg})") from None
     if tools is not None and not isinstance(tools, list):
         raise DataFormatError(f"'tools' must be a list of function schemas, got {type(tools).__name__}")
-    return tools or None
+    return {"tools": tools} if tools else {}
 
 
 def process_sft_example(
@@ -221,12 +199,76 @@ def process_sft_example(
     `max_seq_len` tokens, labelled as in the full conversation (an error if no assistant token is left).
     """
     tools = _tools_of(example)
-    extra = {"tools": tools} if tools else {}
     messages = _messages_of(example, text_keys, conversation_format)
-    if not truncate:
-        return [chat_template.encode_messages(messages, max_seq_len=max_seq_len, **extra)]
-    enc = chat_template.encode_messages(messages, max_seq_len=sys.maxsize, **extra)
-    enc = {k: v[:max_seq_len] for k, v in enc.items()}
-    if all(lab == IGNORE_INDEX for lab in enc["labels"]):
-        raise DataFormatError(f"no assistant token in the first max_seq_len={max_seq_len} tokens")
+    enc = chat_template.encode_messages(messages, max_seq_len=sys.maxsize if truncate else max_seq_len, **tools)
+    if truncate:
+        enc = {k: v[:max_seq_len] for k, v in enc.items()}
+        if all(lab == IGNORE_INDEX for lab in enc["labels"]):
+            raise DataFormatError(f"no assistant token in the first max_seq_len={max_seq_len} tokens")
     return [enc]
+
+
+class Transforming:
+    """Applies `self.transform` to records of `self.reader`: a bad record raises naming it, or is skipped and
+    counted (`data.skip_bad_samples`)."""
+
+    transform: Optional[Callable]
+    skip_bad_samples: bool
+    skipped: int = 0  # bad records skipped
+    empty: int = 0  # records that gave no sample (empty text, a one-token document): counted, not errors
+
+    def _reject(self, err: DataFormatError, where: Optional[Any]) -> List[Dict[str, Any]]:
+        """Raise the bad record's error, or skip it. `where` (a lazy location: counting a jsonl line reads the
+        file up to it) becomes text only when the message is shown, so skipping stays linear in the data."""
+
+        def message() -> str:
+            return str(err) if where is None else f"{where}: {err}"
+
+        if not self.skip_bad_samples:
+            raise DataFormatError(message() + " (set data.skip_bad_samples to skip such samples)") from None
+        self.skipped += 1
+        if self.skipped <= 5:
+            logger.warning(f"skipped bad sample: {message()}", extra=EVERY_RANK)
+        return []
+
+    def _apply_many(self, records: List[Any], wheres: List[Any]) -> List[List[Dict[str, Any]]]:
+        """Each record's samples, through the transform's batched form when it has one; a bad record (the reader's
+        error, which already names its place, or the transform's, given the record's `where`) is `_reject`ed."""
+        ok = [i for i, record in enumerate(records) if not isinstance(record, DataFormatError)]
+        batched = _batched_form(self.transform)
+        todo = [records[i] for i in ok]
+        results = dict(zip(ok, batched(todo) if batched else [_transform(self.transform, r) for r in todo]))
+        out = []
+        for i, record in enumerate(records):
+            res = results.get(i, record)
+            if isinstance(res, DataFormatError):
+                out.append(self._reject(res, wheres[i] if i in results else None))
+            else:
+                self.empty += not res
+                out.append(res)
+        return out
+
+    def peek(self, n: int) -> List[Tuple[str, Any, Any]]:
+        """The first `n` records as `(location, record, samples or the DataFormatError it gives)`, read from the
+        start of the data without building or counting anything (pre-flight checks and the preview)."""
+        return [
+            (str(where), record, record if isinstance(record, DataFormatError) else _transform(self.transform, record))
+            for record, where in self.reader.first(n)
+        ]
+
+
+def _transform(transform: Optional[Callable], record: Any) -> Any:
+    """The record's samples (a list), or the DataFormatError the transform raised for it."""
+    try:
+        out = transform(record) if transform is not None else record
+    except DataFormatError as err:
+        return err
+    return out if isinstance(out, list) else [out]
+
+
+def _batched_form(transform: Optional[Callable]) -> Optional[Callable]:
+    """The batched version of a transform (`fn.batched`, also through functools.partial), or None."""
+    if isinstance(transform, partial):
+        inner = getattr(transform.func, "batched", None)
+        return partial(inner, *transform.args, **transform.keywords) if inner else None
+    return getattr(transform, "batched", None)

@@ -13,10 +13,10 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 import numpy as np
 from torch.utils.data import IterableDataset
 
+from .data_transform import Key
 from .fingerprint import fingerprint
 from .sample_cache import expand_runs
 from .streaming import IterativeDataset, mix
-from .transforming import Key
 
 
 class InterleaveDataset(IterableDataset):

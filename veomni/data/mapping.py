@@ -20,10 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .data_transform import DataFormatError
+from .data_transform import DataFormatError, Key, Transforming
 from .readers import RecordFiles, RecordList
 from .sample_cache import SampleCache, open_or_build
-from .transforming import Key, Transforming
 
 
 class MappingDataset(Dataset, Transforming):

@@ -20,6 +20,7 @@ the two sequences separate documents (position ids restart at each, labels shift
 """
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
@@ -32,10 +33,10 @@ from .data_transform import IGNORE_INDEX, DataFormatError, normalise_message
 PAIR_KEYS = ("chosen", "rejected")
 
 
-def _as_messages(value: Any, key: str) -> List[Dict[str, Any]]:
-    """Text (an assistant reply), one message or a list of messages -> messages (role/content)."""
+def _as_messages(value: Any, key: str, role: str = "assistant") -> List[Dict[str, Any]]:
+    """Text (a `role` message), one message or a list of messages -> messages (role/content)."""
     if isinstance(value, str):
-        return [{"role": "assistant", "content": value}]
+        return [{"role": role, "content": value}]
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list) or not value:
@@ -48,17 +49,13 @@ def _encode_text(example: Dict[str, Any], tokenizer) -> List[Dict[str, List[int]
     response is what follows the longest common prefix of the prompt's ids."""
     eos = tokenizer.eos_token or ""
     prompt_ids = tokenizer(example["prompt"])["input_ids"]
-    out = []
+    pairs = []
     for key in PAIR_KEYS:
         text = example[key] if example[key].endswith(eos) else example[key] + eos
-        ids = tokenizer(example["prompt"] + text)["input_ids"]
-        out.append((ids, _common_prefix(prompt_ids, ids)))
-    shared = min(n for _, n in out)  # the same prompt for both, as TRL cuts it
-    return [_labelled(ids, shared) for ids, _ in out]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        pairs.append(tokenizer(example["prompt"] + text)["input_ids"])
+    # the same prompt for both, as TRL cuts it (os.path.commonprefix compares any sequences item by item)
+    shared = min(len(os.path.commonprefix([prompt_ids, ids])) for ids in pairs)
+    return [_labelled(ids, shared) for ids in pairs]
 
 
 def _labelled(ids: List[int], prompt_len: int) -> Dict[str, List[int]]:
@@ -72,22 +69,17 @@ def _encode_ids(example: Dict[str, Any]) -> List[Dict[str, List[int]]]:
 
 def _encode_messages(example: Dict[str, Any], chat_template, text_keys) -> List[Dict[str, List[int]]]:
     """Conversational pairs through the chat template, loss on the last assistant turn (the response) only."""
-    if "prompt" in example:
-        prompt = example["prompt"]
-        history = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _as_messages(prompt, "prompt")
-    else:
-        keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
-        key = next((k for k in keys + ["messages", "conversations"] if k in example), None)
-        if key is None:
-            raise DataFormatError(f"no prompt: neither 'prompt' nor a conversation under {keys} in {sorted(example)}")
-        history = _as_messages(example[key], key)
+    keys = [text_keys] if isinstance(text_keys, str) else list(text_keys)
+    key = next((k for k in ["prompt", *keys, "messages", "conversations"] if k in example), None)
+    if key is None:
+        raise DataFormatError(f"no prompt: neither 'prompt' nor a conversation under {keys} in {sorted(example)}")
+    history = _as_messages(example[key], key, "user" if key == "prompt" else "assistant")  # a text prompt: the user's
     out = []
     for key in PAIR_KEYS:
         response = _as_messages(example[key], key)
         if response[-1]["role"] != "assistant":
             raise DataFormatError(f"'{key}' must end with an assistant message, got role {response[-1]['role']!r}")
-        enc = chat_template.encode_messages(history + response, max_seq_len=1 << 30)
-        out.append({"input_ids": enc["input_ids"], "labels": enc["labels"]})
+        out.append(chat_template.encode_messages(history + response, max_seq_len=1 << 30))
     return out
 
 
@@ -121,15 +113,9 @@ def process_preference_example(
         else:
             chosen, rejected = _encode_messages(example, chat_template, text_keys)
     _check_pair(chosen, rejected, max_seq_len)
-    ids = chosen["input_ids"] + rejected["input_ids"]
-    return [
-        {
-            "input_ids": ids,
-            "attention_mask": [1] * len(ids),
-            "labels": chosen["labels"] + rejected["labels"],
-            "dpo_part": [0] * len(chosen["input_ids"]) + [1] * len(rejected["input_ids"]),
-        }
-    ]
+    ids, labels = chosen["input_ids"] + rejected["input_ids"], chosen["labels"] + rejected["labels"]
+    part = [0] * len(chosen["input_ids"]) + [1] * len(rejected["input_ids"])
+    return [{"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels, "dpo_part": part}]
 
 
 def pair_key(sample: Dict[str, Any]) -> str:
@@ -169,9 +155,8 @@ class PreferenceCollator:
                 doc[SEQUENCE_INDEX] = torch.full((len(doc["input_ids"]),), len(docs), dtype=torch.long)
                 docs.append(doc)
         batch = self.main(docs)
-        pairs = len(samples)
-        batch["num_pairs"] = pairs
+        batch["num_pairs"] = len(samples)
         batch["pair_keys"] = [pair_key(sample) for sample in samples]
-        batch["loss_units"] = pairs if self.main.sp_rank == 0 else 0
+        batch["loss_units"] = len(samples) if self.main.sp_rank == 0 else 0
         batch["num_targets"] = int((batch["labels"] != IGNORE_INDEX).sum())  # this rank's scored tokens (host)
         return batch

@@ -14,9 +14,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.utils.data import IterableDataset
 
+from .data_transform import Key, Transforming
 from .fingerprint import Unfingerprintable, data_fingerprint
 from .readers import BLANK, RecordFiles
-from .transforming import Key, Transforming
 
 
 def mix(*values: int) -> int:
