@@ -26,7 +26,7 @@ import torch
 
 from ...compat.transformers import calculate_timestamps, feat_extract_output_lengths
 from ..data_transform import DataFormatError
-from .preprocess import AUDIO_SAMPLING_RATE, conversation_from_sample, media_of
+from .preprocess import AUDIO_SAMPLING_RATE, MEDIA_TYPES, conversation_from_sample, media_of
 
 
 def _image_features(processor, images, image_kwargs) -> Dict[str, torch.Tensor]:
@@ -91,27 +91,26 @@ def audio_token_count(processor, feature_lengths: torch.Tensor) -> torch.Tensor:
 
 
 def _replacements(processor, features, style: str, fps: float) -> Dict[str, List[str]]:
-    tok = processor.tokenizer
-    image_token, video_token = processor.image_token, processor.video_token
     merge = processor.image_processor.merge_size**2
     out: Dict[str, List[str]] = {}
     if "image_grid_thw" in features:
-        out["image"] = [image_token * int(g.prod() // merge) for g in features["image_grid_thw"]]
+        out["image"] = [processor.image_token * int(g.prod() // merge) for g in features["image_grid_thw"]]
     if "video_grid_thw" in features:
-        out["video"] = []
-        for grid in features["video_grid_thw"]:
-            if style == "qwen3":  # one `<t seconds>` + vision block per temporal patch (Qwen3VLProcessor's layout)
-                frames = int(grid[0]) * processor.image_processor.temporal_patch_size
-                stamps = calculate_timestamps(processor, list(range(frames)), fps, merge_size=frames // int(grid[0]))
-                per_frame = video_token * int(grid[1:].prod() // merge)
-                start, end = tok.convert_ids_to_tokens([processor.vision_start_token_id, processor.vision_end_token_id])
-                out["video"].append("".join(f"<{t:.1f} seconds>{start}{per_frame}{end}" for t in stamps))
-            else:
-                out["video"].append(video_token * int(grid.prod() // merge))
+        out["video"] = [_video_replacement(processor, grid, merge, style, fps) for grid in features["video_grid_thw"]]
     if "feature_attention_mask" in features:
         counts = audio_token_count(processor, features["feature_attention_mask"].sum(-1))
         out["audio"] = [processor.audio_token * int(n) for n in counts]
     return out
+
+
+def _video_replacement(processor, grid: torch.Tensor, merge: int, style: str, fps: float) -> str:
+    if style != "qwen3":
+        return processor.video_token * int(grid.prod() // merge)
+    # one `<t seconds>` + vision block per temporal patch (Qwen3VLProcessor's layout)
+    temporal_patch = processor.image_processor.temporal_patch_size
+    stamps = calculate_timestamps(processor, list(range(int(grid[0]) * temporal_patch)), fps, merge_size=temporal_patch)
+    block = processor.vision_start_token + processor.video_token * int(grid[1:].prod() // merge)
+    return "".join(f"<{t:.1f} seconds>{block}{processor.vision_end_token}" for t in stamps)
 
 
 def _process_sample(
@@ -141,12 +140,8 @@ def _process_sample(
     encoded = chat_template.encode_messages(
         conversation, max_seq_len=max_seq_len, replacements=_replacements(processor, features, style, fps)
     )
-    input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
-    out = {
-        "input_ids": input_ids,
-        "attention_mask": torch.ones_like(input_ids),
-        "labels": torch.tensor(encoded["labels"], dtype=torch.long),
-    }
+    out = {key: torch.tensor(value, dtype=torch.long) for key, value in encoded.items()}  # ids, attention mask, labels
+    input_ids = out["input_ids"]
     if style == "qwen3":  # Qwen3-VL's M-RoPE uses the timestamps in the text, not seconds per grid
         features.pop("second_per_grid_ts", None)
     audio_seqlens = features["feature_attention_mask"].sum(-1) if "feature_attention_mask" in features else None
@@ -160,8 +155,8 @@ def _process_sample(
     if style == "omni" and "second_per_grid_ts" in features:  # the Omni thinker's forward keyword
         features["video_second_per_grid"] = features.pop("second_per_grid_ts")
     out.update(features)
-    for kind, token in (("image", "image_token_id"), ("video", "video_token_id"), ("audio", "audio_token_id")):
-        token_id = getattr(processor, token, None)
+    for kind in MEDIA_TYPES:
+        token_id = getattr(processor, f"{kind}_token_id", None)
         if token_id is not None:
             out[f"{kind}_mask"] = input_ids == token_id
     return out

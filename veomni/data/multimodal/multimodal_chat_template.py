@@ -20,14 +20,13 @@ MULTIMODAL_CHAT_TEMPLATE_REGISTRY = Registry("multimodal chat template")
 
 class MultimodalChatTemplate(TokenizerTemplate):
     """The model's own jinja (`jinja`, rendered as `apply_chat_template` does, assistant turns aligned with the
-    messages as TokenizerTemplate aligns them) with each media placeholder expanded; subclasses set the jinja, the
-    placeholder token of each media type, and the other special tokens it writes."""
+    messages as TokenizerTemplate aligns them) with each media placeholder expanded; subclasses set the jinja and
+    the placeholder token of each media type."""
 
     placeholders: Dict[str, str] = {}  # media type -> the single placeholder token the jinja writes
-    special_tokens: Sequence[str] = ()  # the media markers around the placeholders
 
     def __init__(self, tokenizer):
-        needed = sorted({"<|im_start|>", "<|im_end|>", *self.placeholders.values(), *self.special_tokens})
+        needed = sorted(set(re.findall(r"<\|\w+\|>", self.jinja)))  # the special tokens the jinja writes
         require_tokens(tokenizer, needed, type(self).__name__, "use the model's own processor (build_processor)")
         super().__init__(tokenizer)
         self._placeholder = re.compile("|".join(re.escape(t) for t in self.placeholders.values()))
@@ -68,7 +67,6 @@ class Qwen2VLTemplate(MultimodalChatTemplate):
     """Qwen2-VL / Qwen2.5-VL: a default system prompt, `<|vision_start|><|image_pad|>...<|vision_end|>`."""
 
     placeholders = {"image": "<|image_pad|>", "video": "<|video_pad|>"}
-    special_tokens = ("<|vision_start|>", "<|vision_end|>")
     jinja = hf_chat_templates.QWEN2_VL
 
 
@@ -85,7 +83,6 @@ class Qwen3VLTemplate(Qwen2VLTemplate):
 class Qwen2_5OmniTemplate(MultimodalChatTemplate):
     """Qwen2.5-Omni thinker: `<|vision_bos|><|IMAGE|>...<|vision_eos|>`, `<|audio_bos|><|AUDIO|>...<|audio_eos|>`."""
 
-    special_tokens = ("<|vision_bos|>", "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>")
     placeholders = {"image": "<|IMAGE|>", "video": "<|VIDEO|>", "audio": "<|AUDIO|>"}
     jinja = hf_chat_templates.QWEN2_5_OMNI
 

@@ -4,9 +4,7 @@ The parts are the released models' own: the Qwen2/Qwen3 byte-level BPE tokenizer
 which holds `<|vision_start|>`, `<|image_pad|>`, `<|video_pad|>`), transformers' `Qwen2VLImageProcessor`,
 `WhisperFeatureExtractor` (128 mel bins, as Qwen2.5-Omni's), the video processor where torchvision is installed, and
 the model's chat template (`hf_chat_templates.py`). Qwen2.5-Omni's tokenizer is the same vocabulary with some
-special tokens renamed (`<|AUDIO|>` = 151646, `<|audio_bos|>` = 151647, `<|audio_eos|>` = 151648,
-`<|vision_bos|>` = 151652, `<|vision_eos|>` = 151653, `<|IMAGE|>` = 151655, `<|VIDEO|>` = 151656): the builder
-renames them in tokenizer.json. `save_pretrained` writes the folder; `veomni.models.build_processor(folder)` loads it.
+special tokens renamed (OMNI_TOKENS): the builder renames them in tokenizer.json. `save_pretrained` writes the folder; `veomni.models.build_processor(folder)` loads it.
 """
 
 import functools
@@ -19,23 +17,15 @@ from ...models.processor import torchvision_available, without_video_processor
 from ...utils.asset_cache import qwen_tokenizer_dir
 from . import hf_chat_templates
 
-OMNI_RENAMES = {
-    151646: "<|AUDIO|>",
-    151647: "<|audio_bos|>",
-    151648: "<|audio_eos|>",
-    151652: "<|vision_bos|>",
-    151653: "<|vision_eos|>",
-    151655: "<|IMAGE|>",
-    151656: "<|VIDEO|>",
-}
-OMNI_TOKEN_ATTRS = {  # tokenizer attributes Qwen2_5OmniProcessor reads (`tokenizer.image_token`, ...)
-    "image_token": "<|IMAGE|>",
-    "audio_token": "<|AUDIO|>",
-    "video_token": "<|VIDEO|>",
-    "vision_bos_token": "<|vision_bos|>",
-    "vision_eos_token": "<|vision_eos|>",
-    "audio_bos_token": "<|audio_bos|>",
-    "audio_eos_token": "<|audio_eos|>",
+# Omni's name of each renamed id, and the tokenizer attribute Qwen2_5OmniProcessor reads it from (`image_token`, ...)
+OMNI_TOKENS = {
+    151646: ("<|AUDIO|>", "audio_token"),
+    151647: ("<|audio_bos|>", "audio_bos_token"),
+    151648: ("<|audio_eos|>", "audio_eos_token"),
+    151652: ("<|vision_bos|>", "vision_bos_token"),
+    151653: ("<|vision_eos|>", "vision_eos_token"),
+    151655: ("<|IMAGE|>", "image_token"),
+    151656: ("<|VIDEO|>", "video_token"),
 }
 # model kind -> (processor class, chat template, vision patch size, image mean/std); Qwen3-VL's vision tower uses
 # 16-pixel patches and 0.5 mean/std (its released preprocessor_config.json), Qwen2/2.5-VL and Omni 14 and CLIP's.
@@ -53,27 +43,26 @@ def _load_tokenizer(omni: bool, tokenizer_dir: str):
     a temporary folder). Loading a 151k-token tokenizer takes seconds: the VL kinds share one load per process."""
     from transformers import AutoTokenizer
 
-    with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
-        tok = json.load(f)
-    with open(os.path.join(tokenizer_dir, "tokenizer_config.json")) as f:
-        cfg = json.load(f)
+    files = {}
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(tokenizer_dir, name)) as f:
+            files[name] = json.load(f)
+    tok, cfg = files["tokenizer.json"], files["tokenizer_config.json"]
     cfg.pop("chat_template", None)  # the text model's template; the processor carries the multimodal one
     if omni:
         renamed = {}
         for added in tok["added_tokens"]:
-            if added["id"] in OMNI_RENAMES:
-                renamed[added["content"]] = OMNI_RENAMES[added["id"]]
-                added["content"] = OMNI_RENAMES[added["id"]]
+            if added["id"] in OMNI_TOKENS:
+                renamed[added["content"]] = OMNI_TOKENS[added["id"]][0]
+                added["content"] = OMNI_TOKENS[added["id"]][0]
         cfg["additional_special_tokens"] = [renamed.get(t, t) for t in cfg.get("additional_special_tokens", [])]
-        for idx, entry in cfg.get("added_tokens_decoder", {}).items():
-            if int(idx) in OMNI_RENAMES:
-                entry["content"] = OMNI_RENAMES[int(idx)]
-        cfg["extra_special_tokens"] = dict(OMNI_TOKEN_ATTRS)
+        for entry in cfg.get("added_tokens_decoder", {}).values():
+            entry["content"] = renamed.get(entry["content"], entry["content"])
+        cfg["extra_special_tokens"] = {attr: name for name, attr in OMNI_TOKENS.values()}
     with tempfile.TemporaryDirectory() as folder:
-        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-            json.dump(tok, f, ensure_ascii=False)
-        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-            json.dump(cfg, f, ensure_ascii=False, indent=1)
+        for name, content in files.items():
+            with open(os.path.join(folder, name), "w") as f:
+                json.dump(content, f, ensure_ascii=False)
         return AutoTokenizer.from_pretrained(folder)
 
 
