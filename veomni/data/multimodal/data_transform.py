@@ -45,12 +45,10 @@ def _frames_to_patches(image_processor, frames) -> tuple:
     grids = out["image_grid_thw"]
     if not bool((grids == grids[0]).all()):
         raise DataFormatError("all frames of a video must have the same size")
-    n = int(grids[0].prod())
-    channels = 3
-    per_frame = out["pixel_values"].reshape(len(frames), n, channels, tp, -1)[:, :, :, 0]  # (F, n, C, p*p)
-    paired = per_frame.reshape(len(frames) // tp, tp, n, channels, -1).permute(0, 2, 3, 1, 4)  # (T, n, C, tp, p*p)
-    grid = torch.tensor([len(frames) // tp, int(grids[0][1]), int(grids[0][2])])
-    return paired.reshape(grid[0] * n, -1), grid
+    t, n = len(frames) // tp, int(grids[0].prod())
+    per_frame = out["pixel_values"].reshape(len(frames), n, 3, tp, -1)[:, :, :, 0]  # (F, n, C=3 RGB, p*p)
+    paired = per_frame.reshape(t, tp, n, 3, -1).permute(0, 2, 3, 1, 4)  # (T, n, C, tp, p*p)
+    return paired.reshape(t * n, -1), torch.tensor([t, int(grids[0][1]), int(grids[0][2])])
 
 
 def _video_features(processor, videos, fps: float) -> Dict[str, torch.Tensor]:

@@ -13,6 +13,8 @@ Each template is assembled from the pieces it repeats (Qwen2-VL and Qwen2.5-Omni
 branches; Qwen3-VL's user and tool turns share one content loop), and the result is the released text byte for byte.
 """
 
+import string
+
 
 def _media_branch(kind: str, keys: str, id_flag: str, label: str, placeholder: str) -> str:
     """One media branch of a Qwen2-style content loop (`test %}body`): count the item, say its number if asked,
@@ -56,17 +58,19 @@ QWEN2_5_OMNI = _qwen2_template(
 )
 
 # Qwen3-VL's template has whitespace control and indentation: its repeated pieces are cut out verbatim.
-# The text of a system message given as a list of content items (said with and without tools).
-_QWEN3_SYSTEM_TEXT = """        {%- if messages[0].content is string %}
-            {{- messages[0].content }}
+# The text of a content given as a string or a list of content items (the system message's, said with and without
+# tools, and each assistant message's): `$content` names the content, `$item` each of its items.
+_QWEN3_TEXT = string.Template("""        {%- if $content is string %}
+            {{- $content }}
         {%- else %}
-            {%- for content in messages[0].content %}
-                {%- if 'text' in content %}
-                    {{- content.text }}
+            {%- for $item in $content %}
+                {%- if 'text' in $item %}
+                    {{- $item.text }}
                 {%- endif %}
             {%- endfor %}
         {%- endif %}
-"""
+""")
+_QWEN3_SYSTEM_TEXT = _QWEN3_TEXT.substitute(content="messages[0].content", item="content")
 
 # A user or tool message's content: text, and image/video placeholders numbered across the conversation.
 _QWEN3_CONTENT = """        {%- if message.content is string %}
@@ -120,16 +124,9 @@ QWEN3_VL = (
     + """        {{- '<|im_end|>\\n' }}
     {%- elif message.role == "assistant" %}
         {{- '<|im_start|>' + message.role + '\\n' }}
-        {%- if message.content is string %}
-            {{- message.content }}
-        {%- else %}
-            {%- for content_item in message.content %}
-                {%- if 'text' in content_item %}
-                    {{- content_item.text }}
-                {%- endif %}
-            {%- endfor %}
-        {%- endif %}
-        {%- if message.tool_calls %}
+"""
+    + _QWEN3_TEXT.substitute(content="message.content", item="content_item")
+    + """        {%- if message.tool_calls %}
             {%- for tool_call in message.tool_calls %}
                 {%- if (loop.first and message.content) or (not loop.first) %}
                     {{- '\\n' }}

