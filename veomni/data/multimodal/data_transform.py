@@ -78,16 +78,6 @@ def _audio_features(processor, audios, audio_kwargs) -> Dict[str, torch.Tensor]:
     return {"input_features": out["input_features"], "feature_attention_mask": out["attention_mask"].long()}
 
 
-def audio_token_count(processor, feature_lengths: torch.Tensor) -> torch.Tensor:
-    """Audio placeholder tokens per clip, by the processor module's own `_get_feat_extract_output_lengths`
-    (Qwen2.5-Omni: conv stride 2 then 2x pooling; Qwen3-Omni: per 100-frame chunk); Qwen2.5-Omni's rule if the
-    module has none."""
-    own = feat_extract_output_lengths(processor)
-    if own is not None:
-        return own(feature_lengths)
-    return ((feature_lengths - 1) // 2 + 1 - 2) // 2 + 1
-
-
 def _replacements(processor, features, style: str, fps: float) -> Dict[str, List[str]]:
     merge = processor.image_processor.merge_size**2
     out: Dict[str, List[str]] = {}
@@ -96,7 +86,11 @@ def _replacements(processor, features, style: str, fps: float) -> Dict[str, List
     if "video_grid_thw" in features:
         out["video"] = [_video_replacement(processor, grid, merge, style, fps) for grid in features["video_grid_thw"]]
     if "feature_attention_mask" in features:
-        counts = audio_token_count(processor, features["feature_attention_mask"].sum(-1))
+        lengths = features["feature_attention_mask"].sum(-1)
+        # the processor module's own rule (Qwen2.5-Omni: conv stride 2 then 2x pooling; Qwen3-Omni: per 100-frame
+        # chunk); Qwen2.5-Omni's if the module has none
+        own_rule = feat_extract_output_lengths(processor)
+        counts = own_rule(lengths) if own_rule is not None else ((lengths - 1) // 2 + 1 - 2) // 2 + 1
         out["audio"] = [processor.audio_token * int(n) for n in counts]
     return out
 

@@ -51,14 +51,13 @@ def _text_only(i: int, message: Dict, template: MultimodalChatTemplate) -> Dict:
     content = message["content"]
     if isinstance(content, str):
         return message
-    for part in content:
-        if part["type"] != "text" and part["type"] not in template.placeholders:
-            raise DataFormatError(f"chat template {type(template).__name__} has no {part['type']!r} parts")
-        if part["type"] != "text" and message["role"] != "user":
-            raise DataFormatError(f"{message['role']} turn {i} holds a {part['type']}; media go in user turns")
-    if any(part["type"] != "text" for part in content):
-        return message
-    return {**message, "content": "".join(part["text"] for part in content)}
+    media = [part["type"] for part in content if part["type"] != "text"]
+    for kind in media:
+        if kind not in template.placeholders:
+            raise DataFormatError(f"chat template {type(template).__name__} has no {kind!r} parts")
+        if message["role"] != "user":
+            raise DataFormatError(f"{message['role']} turn {i} holds a {kind}; media go in user turns")
+    return message if media else {**message, "content": "".join(part["text"] for part in content)}
 
 
 @MULTIMODAL_CHAT_TEMPLATE_REGISTRY.register("qwen2_vl")
