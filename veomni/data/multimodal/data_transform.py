@@ -19,7 +19,7 @@ each frame goes through the image processor and consecutive frames are paired in
 patch layout (t, h/m, w/m, m, m) x (C, temporal_patch, p, p), with the image processor's resizing.
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
@@ -27,13 +27,6 @@ import torch
 from ...compat.transformers import calculate_timestamps, feat_extract_output_lengths
 from ..data_transform import DataFormatError
 from .preprocess import AUDIO_SAMPLING_RATE, MEDIA_TYPES, conversation_from_sample, media_of
-
-
-def _image_features(processor, images, image_kwargs) -> Dict[str, torch.Tensor]:
-    if not images:
-        return {}
-    out = processor.image_processor(images=images, return_tensors="pt", **(image_kwargs or {}))
-    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
 
 
 def _frames_to_patches(image_processor, frames) -> tuple:
@@ -52,8 +45,6 @@ def _frames_to_patches(image_processor, frames) -> tuple:
 
 
 def _video_features(processor, videos, fps: float) -> Dict[str, torch.Tensor]:
-    if not videos:
-        return {}
     video_processor = getattr(processor, "video_processor", None)
     if video_processor is not None:
         arrays = [np.stack([np.asarray(f) for f in frames]) for frames in videos]
@@ -69,33 +60,8 @@ def _video_features(processor, videos, fps: float) -> Dict[str, torch.Tensor]:
     return {"pixel_values_videos": pixels, "video_grid_thw": grids, "second_per_grid_ts": seconds}
 
 
-def _audio_features(processor, audios, audio_kwargs) -> Dict[str, torch.Tensor]:
-    if not audios:
-        return {}
-    kwargs = dict(sampling_rate=AUDIO_SAMPLING_RATE, padding="max_length", return_attention_mask=True)
-    kwargs.update(audio_kwargs or {})  # Qwen-Omni processors pad to the extractor's 30 s window ("max_length")
-    out = processor.feature_extractor(audios, return_tensors="pt", **kwargs)
-    return {"input_features": out["input_features"], "feature_attention_mask": out["attention_mask"].long()}
-
-
-def _replacements(processor, features, style: str, fps: float) -> Dict[str, List[str]]:
+def _video_replacement(processor, grid: torch.Tensor, style: str, fps: float) -> str:
     merge = processor.image_processor.merge_size**2
-    out: Dict[str, List[str]] = {}
-    if "image_grid_thw" in features:
-        out["image"] = [processor.image_token * int(g.prod() // merge) for g in features["image_grid_thw"]]
-    if "video_grid_thw" in features:
-        out["video"] = [_video_replacement(processor, grid, merge, style, fps) for grid in features["video_grid_thw"]]
-    if "feature_attention_mask" in features:
-        lengths = features["feature_attention_mask"].sum(-1)
-        # the processor module's own rule (Qwen2.5-Omni: conv stride 2 then 2x pooling; Qwen3-Omni: per 100-frame
-        # chunk); Qwen2.5-Omni's if the module has none
-        own_rule = feat_extract_output_lengths(processor)
-        counts = own_rule(lengths) if own_rule is not None else ((lengths - 1) // 2 + 1 - 2) // 2 + 1
-        out["audio"] = [processor.audio_token * int(n) for n in counts]
-    return out
-
-
-def _video_replacement(processor, grid: torch.Tensor, merge: int, style: str, fps: float) -> str:
     if style != "qwen3":
         return processor.video_token * int(grid.prod() // merge)
     # one `<t seconds>` + vision block per temporal patch (Qwen3VLProcessor's layout)
@@ -121,17 +87,31 @@ def _process_sample(
 ) -> Dict[str, torch.Tensor]:
     conversation = conversation_from_sample(sample, media_dir=media_dir, max_image_pixels=max_image_pixels)
     media = media_of(conversation)
-    if media["audio"] and getattr(processor, "feature_extractor", None) is None:
-        raise DataFormatError("the sample has audio but the processor has no audio feature extractor")
     fps = float(sample.get("video_fps") or video_fps)
-    features = {
-        **_image_features(processor, media["image"], image_kwargs),
-        **_video_features(processor, media["video"], fps),
-        **_audio_features(processor, media["audio"], audio_kwargs),
-    }
-    encoded = chat_template.encode_messages(
-        conversation, max_seq_len=max_seq_len, replacements=_replacements(processor, features, style, fps)
-    )
+    merge = processor.image_processor.merge_size**2
+    features, replacements = {}, {}  # the processor's outputs; each media part's expanded placeholder
+    if media["image"]:
+        processed = processor.image_processor(images=media["image"], return_tensors="pt", **(image_kwargs or {}))
+        features.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"].long())
+        replacements["image"] = [processor.image_token * int(g.prod() // merge) for g in features["image_grid_thw"]]
+    if media["video"]:
+        features.update(_video_features(processor, media["video"], fps))
+        replacements["video"] = [_video_replacement(processor, g, style, fps) for g in features["video_grid_thw"]]
+    if media["audio"]:
+        if getattr(processor, "feature_extractor", None) is None:
+            raise DataFormatError("the sample has audio but the processor has no audio feature extractor")
+        kwargs = dict(sampling_rate=AUDIO_SAMPLING_RATE, padding="max_length", return_attention_mask=True)
+        kwargs.update(audio_kwargs or {})  # Qwen-Omni processors pad to the extractor's 30 s window ("max_length")
+        processed = processor.feature_extractor(media["audio"], return_tensors="pt", **kwargs)
+        mask = processed["attention_mask"].long()
+        features.update(input_features=processed["input_features"], feature_attention_mask=mask)
+        lengths = mask.sum(-1)
+        # the processor module's own rule (Qwen2.5-Omni: conv stride 2 then 2x pooling; Qwen3-Omni: per 100-frame
+        # chunk); Qwen2.5-Omni's if the module has none
+        own_rule = feat_extract_output_lengths(processor)
+        counts = own_rule(lengths) if own_rule is not None else ((lengths - 1) // 2 + 1 - 2) // 2 + 1
+        replacements["audio"] = [processor.audio_token * int(n) for n in counts]
+    encoded = chat_template.encode_messages(conversation, max_seq_len=max_seq_len, replacements=replacements)
     out = {key: torch.tensor(value, dtype=torch.long) for key, value in encoded.items()}  # ids, attention mask, labels
     input_ids = out["input_ids"]
     if style == "qwen3":  # Qwen3-VL's M-RoPE uses the timestamps in the text, not seconds per grid
