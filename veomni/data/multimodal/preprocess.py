@@ -138,12 +138,6 @@ def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
     return np.interp(np.arange(n) * (rate / target), np.arange(len(samples)), samples).astype(np.float32)
 
 
-def _load(kind: str, src, media_dir: Optional[str], max_image_pixels: Optional[int]):
-    if kind == "audio":
-        return load_audio(src, media_dir)
-    return (load_image if kind == "image" else load_video)(src, media_dir, max_image_pixels)
-
-
 def _openai_part(part, media_dir: Optional[str], max_image_pixels: Optional[int]) -> Dict[str, Any]:
     if isinstance(part, str):
         return {"type": "text", "text": part}
@@ -160,7 +154,10 @@ def _openai_part(part, media_dir: Optional[str], max_image_pixels: Optional[int]
         src = part.get(kind) if part.get(kind) is not None else part.get("url", part.get("path"))
     else:
         raise DataFormatError(f"unsupported content part type {kind!r}")
-    return {"type": kind, kind: _load(kind, src, media_dir, max_image_pixels)}
+    if kind == "audio":
+        return {"type": kind, kind: load_audio(src, media_dir)}
+    load = load_image if kind == "image" else load_video
+    return {"type": kind, kind: load(src, media_dir, max_image_pixels)}
 
 
 def _pool(sample, kind: str) -> List[Any]:
