@@ -19,21 +19,14 @@ each frame goes through the image processor and consecutive frames are paired in
 patch layout (t, h/m, w/m, m, m) x (C, temporal_patch, p, p), with the image processor's resizing.
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from ...compat.transformers import calculate_timestamps, feat_extract_output_lengths
 from ..data_transform import DataFormatError
-from .preprocess import AUDIO_SAMPLING_RATE, conversation_from_sample, media_of
-
-
-def _image_features(processor, images, image_kwargs) -> Dict[str, torch.Tensor]:
-    if not images:
-        return {}
-    out = processor.image_processor(images=images, return_tensors="pt", **(image_kwargs or {}))
-    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
+from .preprocess import AUDIO_SAMPLING_RATE, MEDIA_TYPES, conversation_from_sample, media_of
 
 
 def _frames_to_patches(image_processor, frames) -> tuple:
@@ -45,17 +38,13 @@ def _frames_to_patches(image_processor, frames) -> tuple:
     grids = out["image_grid_thw"]
     if not bool((grids == grids[0]).all()):
         raise DataFormatError("all frames of a video must have the same size")
-    n = int(grids[0].prod())
-    channels = 3
-    per_frame = out["pixel_values"].reshape(len(frames), n, channels, tp, -1)[:, :, :, 0]  # (F, n, C, p*p)
-    paired = per_frame.reshape(len(frames) // tp, tp, n, channels, -1).permute(0, 2, 3, 1, 4)  # (T, n, C, tp, p*p)
-    grid = torch.tensor([len(frames) // tp, int(grids[0][1]), int(grids[0][2])])
-    return paired.reshape(grid[0] * n, -1), grid
+    t, n = len(frames) // tp, int(grids[0].prod())
+    per_frame = out["pixel_values"].reshape(len(frames), n, 3, tp, -1)[:, :, :, 0]  # (F, n, C=3 RGB, p*p)
+    paired = per_frame.reshape(t, tp, n, 3, -1).permute(0, 2, 3, 1, 4)  # (T, n, C, tp, p*p)
+    return paired.reshape(t * n, -1), torch.tensor([t, int(grids[0][1]), int(grids[0][2])])
 
 
 def _video_features(processor, videos, fps: float) -> Dict[str, torch.Tensor]:
-    if not videos:
-        return {}
     video_processor = getattr(processor, "video_processor", None)
     if video_processor is not None:
         arrays = [np.stack([np.asarray(f) for f in frames]) for frames in videos]
@@ -71,47 +60,15 @@ def _video_features(processor, videos, fps: float) -> Dict[str, torch.Tensor]:
     return {"pixel_values_videos": pixels, "video_grid_thw": grids, "second_per_grid_ts": seconds}
 
 
-def _audio_features(processor, audios, audio_kwargs) -> Dict[str, torch.Tensor]:
-    if not audios:
-        return {}
-    kwargs = dict(sampling_rate=AUDIO_SAMPLING_RATE, padding="max_length", return_attention_mask=True)
-    kwargs.update(audio_kwargs or {})  # Qwen-Omni processors pad to the extractor's 30 s window ("max_length")
-    out = processor.feature_extractor(audios, return_tensors="pt", **kwargs)
-    return {"input_features": out["input_features"], "feature_attention_mask": out["attention_mask"].long()}
-
-
-def audio_token_count(processor, feature_lengths: torch.Tensor) -> torch.Tensor:
-    """Audio placeholder tokens per clip, by the processor module's own `_get_feat_extract_output_lengths`
-    (Qwen2.5-Omni: conv stride 2 then 2x pooling; Qwen3-Omni: per 100-frame chunk); Qwen2.5-Omni's rule if the
-    module has none."""
-    own = feat_extract_output_lengths(processor)
-    if own is not None:
-        return own(feature_lengths)
-    return ((feature_lengths - 1) // 2 + 1 - 2) // 2 + 1
-
-
-def _replacements(processor, features, style: str, fps: float) -> Dict[str, List[str]]:
-    tok = processor.tokenizer
-    image_token, video_token = processor.image_token, processor.video_token
+def _video_replacement(processor, grid: torch.Tensor, style: str, fps: float) -> str:
     merge = processor.image_processor.merge_size**2
-    out: Dict[str, List[str]] = {}
-    if "image_grid_thw" in features:
-        out["image"] = [image_token * int(g.prod() // merge) for g in features["image_grid_thw"]]
-    if "video_grid_thw" in features:
-        out["video"] = []
-        for grid in features["video_grid_thw"]:
-            if style == "qwen3":  # one `<t seconds>` + vision block per temporal patch (Qwen3VLProcessor's layout)
-                frames = int(grid[0]) * processor.image_processor.temporal_patch_size
-                stamps = calculate_timestamps(processor, list(range(frames)), fps, merge_size=frames // int(grid[0]))
-                per_frame = video_token * int(grid[1:].prod() // merge)
-                start, end = tok.convert_ids_to_tokens([processor.vision_start_token_id, processor.vision_end_token_id])
-                out["video"].append("".join(f"<{t:.1f} seconds>{start}{per_frame}{end}" for t in stamps))
-            else:
-                out["video"].append(video_token * int(grid.prod() // merge))
-    if "feature_attention_mask" in features:
-        counts = audio_token_count(processor, features["feature_attention_mask"].sum(-1))
-        out["audio"] = [processor.audio_token * int(n) for n in counts]
-    return out
+    if style != "qwen3":
+        return processor.video_token * int(grid.prod() // merge)
+    # one `<t seconds>` + vision block per temporal patch (Qwen3VLProcessor's layout)
+    temporal_patch = processor.image_processor.temporal_patch_size
+    stamps = calculate_timestamps(processor, list(range(int(grid[0]) * temporal_patch)), fps, merge_size=temporal_patch)
+    block = processor.vision_start_token + processor.video_token * int(grid[1:].prod() // merge)
+    return "".join(f"<{t:.1f} seconds>{block}{processor.vision_end_token}" for t in stamps)
 
 
 def _process_sample(
@@ -130,23 +87,33 @@ def _process_sample(
 ) -> Dict[str, torch.Tensor]:
     conversation = conversation_from_sample(sample, media_dir=media_dir, max_image_pixels=max_image_pixels)
     media = media_of(conversation)
-    if media["audio"] and getattr(processor, "feature_extractor", None) is None:
-        raise DataFormatError("the sample has audio but the processor has no audio feature extractor")
     fps = float(sample.get("video_fps") or video_fps)
-    features = {
-        **_image_features(processor, media["image"], image_kwargs),
-        **_video_features(processor, media["video"], fps),
-        **_audio_features(processor, media["audio"], audio_kwargs),
-    }
-    encoded = chat_template.encode_messages(
-        conversation, max_seq_len=max_seq_len, replacements=_replacements(processor, features, style, fps)
-    )
-    input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
-    out = {
-        "input_ids": input_ids,
-        "attention_mask": torch.ones_like(input_ids),
-        "labels": torch.tensor(encoded["labels"], dtype=torch.long),
-    }
+    merge = processor.image_processor.merge_size**2
+    features, replacements = {}, {}  # the processor's outputs; each media part's expanded placeholder
+    if media["image"]:
+        processed = processor.image_processor(images=media["image"], return_tensors="pt", **(image_kwargs or {}))
+        features.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"].long())
+        replacements["image"] = [processor.image_token * int(g.prod() // merge) for g in features["image_grid_thw"]]
+    if media["video"]:
+        features.update(_video_features(processor, media["video"], fps))
+        replacements["video"] = [_video_replacement(processor, g, style, fps) for g in features["video_grid_thw"]]
+    if media["audio"]:
+        if getattr(processor, "feature_extractor", None) is None:
+            raise DataFormatError("the sample has audio but the processor has no audio feature extractor")
+        kwargs = dict(sampling_rate=AUDIO_SAMPLING_RATE, padding="max_length", return_attention_mask=True)
+        kwargs.update(audio_kwargs or {})  # Qwen-Omni processors pad to the extractor's 30 s window ("max_length")
+        processed = processor.feature_extractor(media["audio"], return_tensors="pt", **kwargs)
+        mask = processed["attention_mask"].long()
+        features.update(input_features=processed["input_features"], feature_attention_mask=mask)
+        lengths = mask.sum(-1)
+        # the processor module's own rule (Qwen2.5-Omni: conv stride 2 then 2x pooling; Qwen3-Omni: per 100-frame
+        # chunk); Qwen2.5-Omni's if the module has none
+        own_rule = feat_extract_output_lengths(processor)
+        counts = own_rule(lengths) if own_rule is not None else ((lengths - 1) // 2 + 1 - 2) // 2 + 1
+        replacements["audio"] = [processor.audio_token * int(n) for n in counts]
+    encoded = chat_template.encode_messages(conversation, max_seq_len=max_seq_len, replacements=replacements)
+    out = {key: torch.tensor(value, dtype=torch.long) for key, value in encoded.items()}  # ids, attention mask, labels
+    input_ids = out["input_ids"]
     if style == "qwen3":  # Qwen3-VL's M-RoPE uses the timestamps in the text, not seconds per grid
         features.pop("second_per_grid_ts", None)
     audio_seqlens = features["feature_attention_mask"].sum(-1) if "feature_attention_mask" in features else None
@@ -160,8 +127,8 @@ def _process_sample(
     if style == "omni" and "second_per_grid_ts" in features:  # the Omni thinker's forward keyword
         features["video_second_per_grid"] = features.pop("second_per_grid_ts")
     out.update(features)
-    for kind, token in (("image", "image_token_id"), ("video", "video_token_id"), ("audio", "audio_token_id")):
-        token_id = getattr(processor, token, None)
+    for kind in MEDIA_TYPES:
+        token_id = getattr(processor, f"{kind}_token_id", None)
         if token_id is not None:
             out[f"{kind}_mask"] = input_ids == token_id
     return out

@@ -55,13 +55,8 @@ def write_easy_vqa_jsonl(path: str, split: str = "train", limit: Optional[int] =
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         for row in rows:
-            messages = [
-                {
-                    "role": "user",
-                    "content": [{"type": "image", "image": row["image"]}, {"type": "text", "text": row["question"]}],
-                },
-                {"role": "assistant", "content": row["answer"]},
-            ]
+            question = [{"type": "image", "image": row["image"]}, {"type": "text", "text": row["question"]}]
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": row["answer"]}]
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
 

@@ -111,13 +111,13 @@ def load_video(src, media_dir: Optional[str] = None, max_pixels: Optional[int] =
     return frames
 
 
-def load_audio(src, media_dir: Optional[str] = None, sampling_rate: int = AUDIO_SAMPLING_RATE) -> np.ndarray:
-    """Mono float32 samples at `sampling_rate`; an array is taken as already at that rate, a WAV file (path,
+def load_audio(src, media_dir: Optional[str] = None) -> np.ndarray:
+    """Mono float32 samples at AUDIO_SAMPLING_RATE; an array is taken as already at that rate, a WAV file (path,
     bytes, base64) is read with the standard library and resampled linearly."""
-    if isinstance(src, np.ndarray) or isinstance(src, list):
+    if isinstance(src, (np.ndarray, list)):
         return np.asarray(src, dtype=np.float32)
     if isinstance(src, dict) and "array" in src:  # HF datasets' decoded Audio
-        return resample(np.asarray(src["array"], np.float32), int(src["sampling_rate"]), sampling_rate)
+        return resample(np.asarray(src["array"], np.float32), int(src["sampling_rate"]), AUDIO_SAMPLING_RATE)
     try:
         with wave.open(io.BytesIO(_read_bytes(src, media_dir))) as w:
             width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
@@ -128,7 +128,7 @@ def load_audio(src, media_dir: Optional[str] = None, sampling_rate: int = AUDIO_
         raise DataFormatError(f"only 16-bit PCM WAV audio is read here, got {8 * width}-bit")
     samples = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
     samples = samples.reshape(-1, channels).mean(axis=1)
-    return resample(samples, rate, sampling_rate)
+    return resample(samples, rate, AUDIO_SAMPLING_RATE)
 
 
 def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
@@ -138,15 +138,7 @@ def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
     return np.interp(np.arange(n) * (rate / target), np.arange(len(samples)), samples).astype(np.float32)
 
 
-def _loaders(max_image_pixels: Optional[int]) -> Dict[str, Any]:
-    return {
-        "image": lambda src, media_dir: load_image(src, media_dir, max_image_pixels),
-        "video": lambda src, media_dir: load_video(src, media_dir, max_image_pixels),
-        "audio": load_audio,
-    }
-
-
-def _openai_part(part, media_dir: Optional[str], loaders) -> Dict[str, Any]:
+def _openai_part(part, media_dir: Optional[str], max_image_pixels: Optional[int]) -> Dict[str, Any]:
     if isinstance(part, str):
         return {"type": "text", "text": part}
     kind = part.get("type") or next((k for k in ("text", *MEDIA_TYPES, "image_url") if k in part), None)
@@ -162,19 +154,10 @@ def _openai_part(part, media_dir: Optional[str], loaders) -> Dict[str, Any]:
         src = part.get(kind) if part.get(kind) is not None else part.get("url", part.get("path"))
     else:
         raise DataFormatError(f"unsupported content part type {kind!r}")
-    return {"type": kind, kind: loaders[kind](src, media_dir)}
-
-
-def _from_openai(messages, media_dir, loaders) -> List[Dict[str, Any]]:
-    out = []
-    for i, m in enumerate(messages):
-        role = _ROLES.get(m.get("role"))
-        if role is None:
-            raise DataFormatError(f"message {i} has role {m.get('role')!r}; expected system, user or assistant")
-        content = m.get("content")
-        parts = [content] if isinstance(content, str) else list(content or [])
-        out.append({"role": role, "content": [_openai_part(p, media_dir, loaders) for p in parts]})
-    return out
+    if kind == "audio":
+        return {"type": kind, kind: load_audio(src, media_dir)}
+    load = load_image if kind == "image" else load_video
+    return {"type": kind, kind: load(src, media_dir, max_image_pixels)}
 
 
 def _pool(sample, kind: str) -> List[Any]:
@@ -183,30 +166,28 @@ def _pool(sample, kind: str) -> List[Any]:
     return [sample[kind]] if sample.get(kind) is not None else []
 
 
-def _from_sharegpt(sample, media_dir, loaders) -> List[Dict[str, Any]]:
-    # `images` lists, or LLaVA's singular `image` / `video` (ShareGPT4V, LLaVA-Video): one item of that kind
+def _sharegpt_messages(sample) -> List[Dict[str, Any]]:
+    """The ShareGPT turns as OpenAI messages, each marker a part holding the next item of its list (`images`, or
+    LLaVA's singular `image` / `video`, as ShareGPT4V and LLaVA-Video ship them)."""
     pools = {kind: _pool(sample, kind) for kind in MEDIA_TYPES}
     used = dict.fromkeys(MEDIA_TYPES, 0)
-    out = []
-    for i, turn in enumerate(sample["conversations"]):
-        role = _ROLES.get(turn.get("from", turn.get("role")))
-        if role is None:
-            raise DataFormatError(f"turn {i} is from {turn.get('from')!r}; expected human, gpt or system")
+    messages = []
+    for turn in sample["conversations"]:
         parts = []
         for piece in _MARKER.split(turn.get("value", turn.get("content", ""))):
             if piece in ("<image>", "<video>", "<audio>"):
                 kind = piece[1:-1]
                 if used[kind] >= len(pools[kind]):
                     raise DataFormatError(f"more {piece} markers than {kind}s in the sample")
-                parts.append({"type": kind, kind: loaders[kind](pools[kind][used[kind]], media_dir)})
+                parts.append({"type": kind, kind: pools[kind][used[kind]]})
                 used[kind] += 1
             elif piece:
-                parts.append({"type": "text", "text": piece})
-        out.append({"role": role, "content": parts})
+                parts.append(piece)
+        messages.append({"role": turn.get("from", turn.get("role")), "content": parts})
     for kind in MEDIA_TYPES:
         if used[kind] != len(pools[kind]):
             raise DataFormatError(f"{len(pools[kind])} {kind}s but {used[kind]} <{kind}> markers")
-    return out
+    return messages
 
 
 def conversation_from_sample(
@@ -214,12 +195,23 @@ def conversation_from_sample(
 ) -> List[Dict[str, Any]]:
     """The sample's conversation in the normalised form above, media loaded (images of at most `max_image_pixels`,
     default MAX_IMAGE_PIXELS)."""
-    loaders = _loaders(max_image_pixels)
     if "messages" in sample:
-        return _from_openai(sample["messages"], media_dir, loaders)
-    if "conversations" in sample:
-        return _from_sharegpt(sample, media_dir, loaders)
-    raise DataFormatError(f"a multimodal sample needs 'messages' or 'conversations', got keys {sorted(sample)}")
+        messages = sample["messages"]
+    elif "conversations" in sample:
+        messages = _sharegpt_messages(sample)
+    else:
+        raise DataFormatError(f"a multimodal sample needs 'messages' or 'conversations', got keys {sorted(sample)}")
+    out = []
+    for i, m in enumerate(messages):
+        role = _ROLES.get(m.get("role"))
+        if role is None:
+            raise DataFormatError(
+                f"message {i} has role {m.get('role')!r}; expected system, user or assistant (ShareGPT: human, gpt)"
+            )
+        content = m.get("content")
+        parts = [content] if isinstance(content, str) else list(content or [])
+        out.append({"role": role, "content": [_openai_part(p, media_dir, max_image_pixels) for p in parts]})
+    return out
 
 
 def media_of(conversation) -> Dict[str, List[Any]]:

