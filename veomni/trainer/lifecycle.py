@@ -150,7 +150,7 @@ def _on_stop_signal(signum, frame) -> None:
         if time.monotonic() - _state["stop_time"] < REPEAT_WINDOW_S:
             return  # the same request by another route (the scheduler directly, and the launcher forwarding it)
         _say(f"rank {_rank()}: second {name}: exiting now without saving")  # the user means it
-        os._exit(STOP_EXIT_CODES.get(signum, 128 + signum))
+        os._exit(STOP_EXIT_CODES[signum])
     _state["stop_signal"], _state["stop_time"] = signum, time.monotonic()
     if _state["training_done"]:
         if _rank() == 0:
@@ -333,13 +333,19 @@ def run_worker(main: Callable[[], object], user_errors: Callable[[], Sequence[ty
         beat_stop.set()
         if _rank() == 0:
             _say(stop.message())
-        _teardown()
-        _exit(STOP_EXIT_CODES.get(stop.signum, 128 + stop.signum))
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # every rank is at the same point: leave the process group cleanly
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        _exit(STOP_EXIT_CODES[stop.signum])
     except StopBeforeTraining as stop:
         if _rank() == 0:
             where = f"at step {_state['step']}" if _state["step"] else "during set-up"
             _say(f"{signal.Signals(stop.signum).name}: stopped {where}; nothing was saved")
-        _exit(STOP_EXIT_CODES.get(stop.signum, 128 + stop.signum))
+        _exit(STOP_EXIT_CODES[stop.signum])
     except SystemExit as done:
         if done.code not in (0, None):  # sys.exit(message or code) is a failure like any other
             report_error(done)
@@ -350,14 +356,3 @@ def run_worker(main: Callable[[], object], user_errors: Callable[[], Sequence[ty
         report_error(err)
         _exit(ERROR_EXIT_CODE)
     beat_stop.set()
-
-
-def _teardown() -> None:
-    """After a stop every rank is at the same point: leave the process group cleanly."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
