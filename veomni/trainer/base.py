@@ -102,7 +102,8 @@ class BaseTrainer:
         self.run_dir = RunDir(train.checkpoint)
         self.output_dir = self.run_dir.output_dir
         check_paths(args)
-        self.tokenizer = self.training_chat_template = None  # set by the data's transform (TextTrainer)
+        # set by the data's transform (TextTrainer); the template: the jinja conversations train on (HF export)
+        self.tokenizer = self.training_chat_template = None
         self.train_dataset = self.build_dataset()
         # the transform on the first records, the tokenizer against the model's vocabulary: seconds, not minutes
         check_first_records(self.train_dataset, args.data)
@@ -460,12 +461,9 @@ class BaseTrainer:
         self._fire("on_train_end")
         dist.barrier()
         saved = os.path.join(self.checkpointer.root, f"global_step_{self.global_step}")
-        load_path = self.args.train.checkpoint.load_path
-        hint = (
-            "run the same command to resume"
-            if load_path == "auto"
-            else "resume with the same command plus --train.checkpoint.load_path auto"
-        )
+        hint = "run the same command to resume"
+        if self.args.train.checkpoint.load_path != "auto":
+            hint = "resume with the same command plus --train.checkpoint.load_path auto"
         raise lifecycle.TrainingStopped(signal, self.global_step, saved, hint)
 
     def _save_last_step(self) -> None:

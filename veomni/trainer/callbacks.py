@@ -51,8 +51,6 @@ def scalar_items(metrics: Dict[str, Any]) -> Iterator[Tuple[str, float]]:
 
 
 def _clock(seconds: float) -> str:
-    if seconds != seconds:  # NaN: nothing measured yet
-        return "?"
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
@@ -85,20 +83,17 @@ class ProgressCallback(Callback):
             disable=not sys.stderr.isatty(),
         )
 
-    def eta(self, step: int, total: int) -> float:
-        done = step - self.first_step
-        return (time.perf_counter() - self.start) / done * (total - step) if done else float("nan")
-
     def on_step_end(self, trainer, metrics):
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
         step, total = metrics["step"], trainer.total_steps
         if step % self.log_steps == 0 or step == total or step == self.first_step + 1:
             elapsed = time.perf_counter() - self.start
+            eta = elapsed / (step - self.first_step) * (total - step)  # (this run's steps so far: at least one)
             self.bar.write(
                 f"step {step}/{total}: loss {metrics['loss']:.4f} grad_norm {metrics['grad_norm']:.3f} "
                 f"lr {metrics['lr']:.3e}{moe_summary(metrics)} {metrics['tokens_per_sec']:.0f} tok/s | "
-                f"{_clock(elapsed)} elapsed, ETA {_clock(self.eta(step, total))}"
+                f"{_clock(elapsed)} elapsed, ETA {_clock(eta)}"
             )
         if "eval_pairs" in metrics:  # a preference run's held-out pairs (veomni.trainer.dpo_trainer)
             self.bar.write(
@@ -339,23 +334,17 @@ class SampleGenerationCallback(Callback):
             return
         from ..models.generate import reply  # (not at import: the planner's callbacks import this module)
 
-        model = trainer.model
+        model, tokenizer, template = trainer.model, trainer.tokenizer, trainer.training_chat_template
+        synced = dist.is_initialized() and dist.get_world_size() > 1
+        samples = []
         model.eval()
         try:
-            samples = [
-                {
-                    "prompt": prompt,
-                    "response": reply(
-                        model,
-                        trainer.tokenizer,
-                        [{"role": "user", "content": prompt}],
-                        self.max_new_tokens,
-                        chat_template=trainer.training_chat_template,
-                        synced_gpus=dist.is_initialized() and dist.get_world_size() > 1,
-                    ),
-                }
-                for prompt in self.prompts
-            ]
+            for prompt in self.prompts:
+                chat = [{"role": "user", "content": prompt}]
+                response = reply(
+                    model, tokenizer, chat, self.max_new_tokens, chat_template=template, synced_gpus=synced
+                )
+                samples.append({"prompt": prompt, "response": response})
         finally:
             model.train()
         metrics["samples"] = samples

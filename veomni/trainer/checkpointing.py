@@ -145,19 +145,19 @@ class TrainCheckpointer:
         loaded = self.checkpointer.load(path, self.model, self.optimizer)
         meta, extras = loaded["meta"], loaded["extra_states"]
         rank, parallel = dist.get_rank(), self.parallel_state
-        mine = extras[rank] if meta["world_size"] == dist.get_world_size() else extras[0]
+        same_world = meta["world_size"] == dist.get_world_size()
+        mine = extras[rank] if same_world else extras[0]
         self.state.load_state_dict(mine["trainer"])
         self._resume_schedule()
-        if meta["dp_size"] == parallel.dp_size and meta["world_size"] == dist.get_world_size():
+        if same_world and meta["dp_size"] == parallel.dp_size:
             self.loader.load_state_dict(mine["dataloader"])
-            set_rng_state(mine["rng"])
-            return
-        by_dp_rank = {e["dp_rank"]: e["dataloader"] for e in extras}
-        try:
-            shares = [by_dp_rank[r] for r in range(meta["dp_size"])]
-            self.loader.load_state_dict(reshard_loader_state(shares, parallel.dp_rank, parallel.dp_size))
-        except NotImplementedError as err:
-            logger.warning(f"{err}: epoch {self.state.epoch} starts its data again")
+        else:
+            by_dp_rank = {e["dp_rank"]: e["dataloader"] for e in extras}
+            try:
+                shares = [by_dp_rank[r] for r in range(meta["dp_size"])]
+                self.loader.load_state_dict(reshard_loader_state(shares, parallel.dp_rank, parallel.dp_size))
+            except NotImplementedError as err:
+                logger.warning(f"{err}: epoch {self.state.epoch} starts its data again")
         restore_rank_rng(extras, rank, self.args.train.seed, self.state.global_step)
 
     def _resume_schedule(self) -> None:

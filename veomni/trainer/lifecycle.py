@@ -75,15 +75,16 @@ class StopBeforeTraining(BaseException):
 class TrainingStopped(BaseException):
     """Raised on every rank by the trainer after the agreed stop step was saved."""
 
-    def __init__(self, signum: int, step: int, saved: Optional[str], resume_hint: str):
+    def __init__(self, signum: int, step: int, saved: str, resume_hint: str):
         super().__init__(signum)
         # the launcher SIGTERMs the ranks that are still up when the first one exits: that is no news now
         _state["exiting"] = True
         self.signum, self.step, self.saved, self.resume_hint = signum, step, saved, resume_hint
 
     def message(self) -> str:
-        saved = f"saved {self.saved}" if self.saved else "nothing to save"
-        return f"{signal.Signals(self.signum).name}: stopped at step {self.step}; {saved}; {self.resume_hint}"
+        return (
+            f"{signal.Signals(self.signum).name}: stopped at step {self.step}; saved {self.saved}; {self.resume_hint}"
+        )
 
 
 # -------------------------------------------------------------------------------------------- queries

@@ -219,9 +219,8 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
 
 # ---------------------------------------------------------------------------------- first sample of a run
 def first_sample(dataset) -> Optional[Tuple[Dict[str, Any], str]]:
-    """The sample of the first record that gives one (and where it is), from the first source's `peek`."""
-    source = (getattr(dataset, "sources", None) or [dataset])[0]
-    for where, _, outcome in source.peek(8) if hasattr(source, "peek") else []:
+    """The sample of the first record that gives one (and where it is), from the data's `peek`."""
+    for where, _, outcome in dataset.peek(8) if hasattr(dataset, "peek") else []:
         if isinstance(outcome, list) and outcome and "input_ids" in outcome[0]:
             return outcome[0], where
     return None

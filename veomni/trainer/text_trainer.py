@@ -19,14 +19,11 @@ logger = get_logger(__name__)
 
 class TextTrainer(BaseTrainer):
     def build_data_transform(self):
-        """The record -> sample transform of `data` (the one hook: VLMTrainer overrides it); for conversations it
-        also says (rank 0, once) which chat template trains, and warns when it is not the tokenizer's own (the one
-        the exported model carries)."""
+        """The record -> sample transform of `data` (VLMTrainer and DPOTrainer override it)."""
         from ..arguments import ConfigError
 
         data = self.args.data
         self.tokenizer = build_tokenizer(self.args.model.tokenizer_path, self.args.model.trust_remote_code)
-        self.training_chat_template = None  # the jinja a conversation run trains on (for the HF export)
         allowed = ("split", "truncate") if data.data_type == "plaintext" else ("error", "truncate")
         if data.over_length is not None and data.over_length not in allowed:
             raise ConfigError(
