@@ -18,9 +18,17 @@ import re
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
+import torch
+import torch.distributed as dist
+
 from ..data.data_transform import IGNORE_INDEX
+from ..distributed import destroy_parallel_state
+from ..distributed.parallel_state import init_parallel_state_from_config
+from ..ops.loss import count_loss_tokens
+from ..utils.device import get_device
 from ..utils.logging import get_logger
-from .step_count import batch_description, micro_batch_unit
+from .preflight import check_first_records
+from .step_count import batch_description, close_loader, micro_batch_unit
 
 logger = get_logger(__name__)
 
@@ -118,16 +126,6 @@ def _one_process(args) -> None:
 
 def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional[TextIO] = None) -> None:
     """Print n samples as the model sees them, the packing of a micro-batch, tokens per step and steps per epoch."""
-    import torch
-    import torch.distributed as dist
-
-    from ..distributed import destroy_parallel_state
-    from ..distributed.parallel_state import init_parallel_state_from_config
-    from ..ops.loss import count_loss_tokens
-    from ..utils.device import get_device
-    from .preflight import check_first_records
-    from .step_count import close_loader
-
     out = out or sys.stdout
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
@@ -237,8 +235,6 @@ def log_first_sample(trainer, limit: int = 1200) -> None:
         return
     if found is None:
         return
-    import torch
-
     sample, where = found
     ids = torch.as_tensor(sample["input_ids"]).reshape(-1).tolist()
     labels = torch.as_tensor(sample["labels"]).reshape(-1).tolist() if "labels" in sample else ids
