@@ -115,8 +115,7 @@ class DPOTrainer(TextTrainer):
         )  # fmt: skip
         counted = float(self.parallel_state.sp_rank == 0)  # each pair once over its sequence-parallel group
         stats = pair_stats(losses, chosen, rejected, ref_chosen, ref_rejected, dpo.beta) * counted
-        sp_size = self.parallel_state.sp_size if self.sp_group is not None else 1
-        return losses.sum() / sp_size, stats
+        return losses.sum() / self.parallel_state.sp_size, stats
 
     def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
         loss_sum, stats = self.dpo_forward(micro_batch)
