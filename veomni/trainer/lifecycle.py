@@ -21,6 +21,7 @@
   stopped answering and what they were doing.
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -115,10 +116,8 @@ def set_training_done() -> None:
 
 def _say(text: str) -> None:
     """Write to stderr from anywhere, a signal handler included (print() is not reentrant)."""
-    try:
+    with contextlib.suppress(OSError):
         os.write(2, (text.rstrip("\n") + "\n").encode())
-    except OSError:
-        pass
 
 
 # ------------------------------------------------------------------------------------- launcher death
@@ -283,11 +282,8 @@ def _write_error_file(message: str, trace: str, secondary: bool) -> None:
     stamp = int(time.time()) + (1 if secondary else -1)
     info = {"py_callstack": trace or message, "timestamp": stamp, "veomni_secondary": secondary}
     record = {"message": {"message": message, "extraInfo": info}}
-    try:
-        with open(path, "w") as f:
-            json.dump(record, f)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump(record, f)
 
 
 def report_error(err: BaseException) -> None:
@@ -311,10 +307,8 @@ def report_error(err: BaseException) -> None:
 def _exit(code: int) -> None:
     """Leave now: no atexit hooks or destructors that could wait on a dead peer (or abort in gloo teardown)."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:
-            pass
     os._exit(code)
 
 
@@ -337,10 +331,8 @@ def run_worker(main: Callable[[], object], user_errors: Callable[[], Sequence[ty
         import torch.distributed as dist
 
         if dist.is_initialized():  # every rank is at the same point: leave the process group cleanly
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:
-                pass
         _exit(STOP_EXIT_CODES[stop.signum])
     except StopBeforeTraining as stop:
         if _rank() == 0:
