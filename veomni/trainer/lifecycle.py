@@ -83,9 +83,8 @@ class TrainingStopped(BaseException):
         self.signum, self.step, self.saved, self.resume_hint = signum, step, saved, resume_hint
 
     def message(self) -> str:
-        return (
-            f"{signal.Signals(self.signum).name}: stopped at step {self.step}; saved {self.saved}; {self.resume_hint}"
-        )
+        name = signal.Signals(self.signum).name
+        return f"{name}: stopped at step {self.step}; saved {self.saved}; {self.resume_hint}"
 
 
 # -------------------------------------------------------------------------------------------- queries
