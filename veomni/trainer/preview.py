@@ -149,7 +149,7 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
         dist.all_reduce(totals, group=trainer.parallel_state.dp_group)
         if trainer.is_main:
             color = hasattr(out, "isatty") and out.isatty() and not os.environ.get("NO_COLOR")
-            out.write(_report(trainer, steps, n, [int(t) for t in totals.tolist()], color, world))
+            out.write(_report(trainer, steps, n, totals.tolist(), color, world))
             out.flush()
     finally:
         destroy_parallel_state()
