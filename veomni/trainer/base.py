@@ -102,7 +102,8 @@ class BaseTrainer:
         self.run_dir = RunDir(train.checkpoint)
         self.output_dir = self.run_dir.output_dir
         check_paths(args)
-        self.tokenizer = self.training_chat_template = None  # set by the data's transform (TextTrainer)
+        # set by the data's transform (TextTrainer); the template: the jinja conversations train on (HF export)
+        self.tokenizer = self.training_chat_template = None
         self.train_dataset = self.build_dataset()
         # the transform on the first records, the tokenizer against the model's vocabulary: seconds, not minutes
         check_first_records(self.train_dataset, args.data)
@@ -125,7 +126,7 @@ class BaseTrainer:
             self.train_dataloader, self.state,
         )  # fmt: skip
         self.checkpointer.resume(self.is_main)
-        self.evaluator = self.build_evaluator(*self.eval_data) if self.eval_data else None
+        self.evaluator = self.build_evaluator() if self.eval_data else None
         self.callbacks: List[Callback] = self.build_callbacks() + list(callbacks)
 
     # the loop's position, as callbacks and subclasses read it
@@ -192,15 +193,14 @@ class BaseTrainer:
         """Samples -> one packed micro-batch (the DPO trainer packs pairs with its own)."""
         return MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs())
 
-    def build_evaluator(self, dataset, loader, collate) -> Evaluator:
-        """The held-out loss, through this trainer's LM loss (no auxiliary losses)."""
+    def build_evaluator(self) -> Evaluator:
+        """The held-out loss of `eval_data`, through this trainer's LM loss (no auxiliary losses)."""
 
         def stats(micro_batch):  # [loss sum, loss tokens]
             loss = self.lm_loss(self._to_device(micro_batch)).loss_sum.double()
             return torch.stack([loss, loss.new_tensor(count_loss_tokens(micro_batch["labels"]))])
 
-        state, steps = self.parallel_state, self.args.train.eval_steps
-        return Evaluator(dataset, loader, collate, stats, ("loss",), "tokens", self.model, state, self.device, steps)
+        return Evaluator(self, stats, ("loss",), "tokens")
 
     def build_optimizer(self) -> None:
         opt = self.args.train.optimizer
@@ -461,12 +461,9 @@ class BaseTrainer:
         self._fire("on_train_end")
         dist.barrier()
         saved = os.path.join(self.checkpointer.root, f"global_step_{self.global_step}")
-        load_path = self.args.train.checkpoint.load_path
-        hint = (
-            "run the same command to resume"
-            if load_path == "auto"
-            else "resume with the same command plus --train.checkpoint.load_path auto"
-        )
+        hint = "run the same command to resume"
+        if self.args.train.checkpoint.load_path != "auto":
+            hint = "resume with the same command plus --train.checkpoint.load_path auto"
         raise lifecycle.TrainingStopped(signal, self.global_step, saved, hint)
 
     def _save_last_step(self) -> None:

@@ -51,8 +51,6 @@ def scalar_items(metrics: Dict[str, Any]) -> Iterator[Tuple[str, float]]:
 
 
 def _clock(seconds: float) -> str:
-    if seconds != seconds:  # NaN: nothing measured yet
-        return "?"
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
@@ -85,22 +83,17 @@ class ProgressCallback(Callback):
             disable=not sys.stderr.isatty(),
         )
 
-    def eta(self, step: int, total: int) -> float:
-        done = step - self.first_step
-        return (time.perf_counter() - self.start) / done * (total - step) if done else float("nan")
-
     def on_step_end(self, trainer, metrics):
-        if self.bar is None:
-            return
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
         step, total = metrics["step"], trainer.total_steps
         if step % self.log_steps == 0 or step == total or step == self.first_step + 1:
             elapsed = time.perf_counter() - self.start
+            eta = elapsed / (step - self.first_step) * (total - step)  # (this run's steps so far: at least one)
             self.bar.write(
                 f"step {step}/{total}: loss {metrics['loss']:.4f} grad_norm {metrics['grad_norm']:.3f} "
                 f"lr {metrics['lr']:.3e}{moe_summary(metrics)} {metrics['tokens_per_sec']:.0f} tok/s | "
-                f"{_clock(elapsed)} elapsed, ETA {_clock(self.eta(step, total))}"
+                f"{_clock(elapsed)} elapsed, ETA {_clock(eta)}"
             )
         if "eval_pairs" in metrics:  # a preference run's held-out pairs (veomni.trainer.dpo_trainer)
             self.bar.write(
@@ -115,15 +108,16 @@ class ProgressCallback(Callback):
             )
 
     def on_train_end(self, trainer):  # (the run's closing line is SummaryCallback's)
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 class MetricsFileCallback(Callback):
-    """One JSON object per optimizer step, appended (a resumed run continues the same file)."""
+    """One JSON object per optimizer step, appended (a resumed run continues the same file); with `plot`, that
+    path's loss.png drawn from them at the end of training: train and eval loss, the LR (right axis) and the steps
+    where the run was resumed."""
 
-    def __init__(self, path: str):
-        self.path, self.resumed_from = path, None
+    def __init__(self, path: str, plot: Optional[str] = None):
+        self.path, self.plot, self.resumed_from = path, plot, None
         self.history: List[Dict[str, Any]] = []
 
     def on_train_begin(self, trainer):
@@ -143,19 +137,10 @@ class MetricsFileCallback(Callback):
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
 
-
-class LossPlotCallback(Callback):
-    """loss.png beside metrics.jsonl at the end of training: train and eval loss, the LR (right axis) and the steps
-    where the run was resumed."""
-
-    def __init__(self, metrics: MetricsFileCallback, path: str):
-        self.metrics, self.path = metrics, path
-
     def on_train_end(self, trainer):
-        if not self.metrics.history:
-            return
-        draw_loss_plot(self.metrics.history, self.path)
-        logger.info(f"loss curve written to {self.path}")
+        if self.plot and self.history:
+            draw_loss_plot(self.history, self.plot)
+            logger.info(f"loss curve written to {self.plot}")
 
 
 def draw_loss_plot(history: List[Dict[str, Any]], path: str) -> List[str]:
@@ -215,19 +200,17 @@ class WandbCallback(Callback):
         self.run = wandb.init(**self.kwargs)
 
     def on_step_end(self, trainer, metrics):
-        if self.run is not None:
-            flat = {k: v for k, v in metrics.items() if not isinstance(v, list)}
-            flat.update(scalar_items({k: v for k, v in metrics.items() if isinstance(v, list)}))  # one per layer
-            if metrics.get("samples"):  # train.eval_prompts: a table of prompt / response
-                import wandb
+        flat = {k: v for k, v in metrics.items() if not isinstance(v, list)}
+        flat.update(scalar_items({k: v for k, v in metrics.items() if isinstance(v, list)}))  # one per layer
+        if metrics.get("samples"):  # train.eval_prompts: a table of prompt / response
+            import wandb
 
-                rows = [[s["prompt"], s["response"]] for s in metrics["samples"]]
-                flat["samples"] = wandb.Table(columns=["prompt", "response"], data=rows)
-            self.run.log(flat, step=metrics["step"])
+            rows = [[s["prompt"], s["response"]] for s in metrics["samples"]]
+            flat["samples"] = wandb.Table(columns=["prompt", "response"], data=rows)
+        self.run.log(flat, step=metrics["step"])
 
     def on_train_end(self, trainer):
-        if self.run is not None:
-            self.run.finish()
+        self.run.finish()
 
 
 class TensorBoardCallback(Callback):
@@ -242,16 +225,14 @@ class TensorBoardCallback(Callback):
         self.writer = SummaryWriter(self.log_dir)
 
     def on_step_end(self, trainer, metrics):
-        if self.writer is not None:
-            for key, value in scalar_items(metrics):
-                name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
-                self.writer.add_scalar(name, value, metrics["step"])
-            for i, sample in enumerate(metrics.get("samples") or []):  # train.eval_prompts
-                self.writer.add_text(f"samples/{i}", f"**{sample['prompt']}**\n\n{sample['response']}", metrics["step"])
+        for key, value in scalar_items(metrics):
+            name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+            self.writer.add_scalar(name, value, metrics["step"])
+        for i, sample in enumerate(metrics.get("samples") or []):  # train.eval_prompts
+            self.writer.add_text(f"samples/{i}", f"**{sample['prompt']}**\n\n{sample['response']}", metrics["step"])
 
     def on_train_end(self, trainer):
-        if self.writer is not None:
-            self.writer.close()
+        self.writer.close()
 
 
 # ------------------------------------------------------------------------------------------ best eval
@@ -353,23 +334,17 @@ class SampleGenerationCallback(Callback):
             return
         from ..models.generate import reply  # (not at import: the planner's callbacks import this module)
 
-        model = trainer.model
+        model, tokenizer, template = trainer.model, trainer.tokenizer, trainer.training_chat_template
+        synced = dist.is_initialized() and dist.get_world_size() > 1
+        samples = []
         model.eval()
         try:
-            samples = [
-                {
-                    "prompt": prompt,
-                    "response": reply(
-                        model,
-                        trainer.tokenizer,
-                        [{"role": "user", "content": prompt}],
-                        self.max_new_tokens,
-                        chat_template=trainer.training_chat_template,
-                        synced_gpus=dist.is_initialized() and dist.get_world_size() > 1,
-                    ),
-                }
-                for prompt in self.prompts
-            ]
+            for prompt in self.prompts:
+                chat = [{"role": "user", "content": prompt}]
+                response = reply(
+                    model, tokenizer, chat, self.max_new_tokens, chat_template=template, synced_gpus=synced
+                )
+                samples.append({"prompt": prompt, "response": response})
         finally:
             model.train()
         metrics["samples"] = samples
@@ -420,10 +395,10 @@ def standard_callbacks(trainer) -> List[Callback]:
     every_rank = [SampleGenerationCallback(train.eval_prompts, train.eval_max_new_tokens, ckpt.save_steps), best]
     if not trainer.is_main:
         return every_rank
-    metrics, progress = MetricsFileCallback(os.path.join(out, "metrics.jsonl")), ProgressCallback(train.log_steps)
-    sinks = [metrics, progress]
-    if train.loss_plot:
-        sinks.append(LossPlotCallback(metrics, os.path.join(out, "loss.png")))
+    plot = os.path.join(out, "loss.png") if train.loss_plot else None
+    metrics = MetricsFileCallback(os.path.join(out, "metrics.jsonl"), plot)
+    progress = ProgressCallback(train.log_steps)
+    sinks = [progress, metrics]  # (the bar closes before the plot is announced)
     if train.wandb.enable:
         wandb = train.wandb
         sinks.append(WandbCallback(wandb.project, wandb.name, wandb.mode, dataclasses.asdict(args), out))

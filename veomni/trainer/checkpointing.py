@@ -58,12 +58,10 @@ class RunDir:
     (see veomni/checkpoint/run_dir.py). Rank 0 decides and moves a previous run aside; every rank gets the same
     answer (or the same error). Collective."""
 
-    def __init__(self, checkpoint_args):
-        self.output_dir = checkpoint_args.output_dir
+    def __init__(self, ckpt):
+        self.output_dir = ckpt.output_dir
         self._lock = None
-        self.resume_path = self._prepare(checkpoint_args)
 
-    def _prepare(self, ckpt) -> Optional[str]:
         def decide():
             self._lock = lock_run_dir(self.output_dir)  # first: a second run on this folder stops here
             plan = plan_run(self.output_dir, ckpt.load_path, ckpt.overwrite)
@@ -73,10 +71,10 @@ class RunDir:
                 path = remap_into(path, self.output_dir, moved)
             return path, moved, plan.message
 
-        path, moved, message = on_rank0(decide)  # every rank gets the same answer, or rank 0's error
+        # every rank gets the same answer (the checkpoint to resume from, if any), or rank 0's error
+        self.resume_path, moved, message = on_rank0(decide)
         # what happens to the folder (resume, fresh start, previous run moved aside): said once the run goes ahead
         self.message = message + (f"; previous run moved to {moved}" if moved else "")
-        return path
 
     def release(self) -> None:
         """Free the folder now rather than when this process ends (a failed run inside a longer-lived process: the
@@ -147,19 +145,19 @@ class TrainCheckpointer:
         loaded = self.checkpointer.load(path, self.model, self.optimizer)
         meta, extras = loaded["meta"], loaded["extra_states"]
         rank, parallel = dist.get_rank(), self.parallel_state
-        mine = extras[rank] if meta["world_size"] == dist.get_world_size() else extras[0]
+        same_world = meta["world_size"] == dist.get_world_size()
+        mine = extras[rank] if same_world else extras[0]
         self.state.load_state_dict(mine["trainer"])
         self._resume_schedule()
-        if meta["dp_size"] == parallel.dp_size and meta["world_size"] == dist.get_world_size():
+        if same_world and meta["dp_size"] == parallel.dp_size:
             self.loader.load_state_dict(mine["dataloader"])
-            set_rng_state(mine["rng"])
-            return
-        by_dp_rank = {e["dp_rank"]: e["dataloader"] for e in extras}
-        try:
-            shares = [by_dp_rank[r] for r in range(meta["dp_size"])]
-            self.loader.load_state_dict(reshard_loader_state(shares, parallel.dp_rank, parallel.dp_size))
-        except NotImplementedError as err:
-            logger.warning(f"{err}: epoch {self.state.epoch} starts its data again")
+        else:
+            by_dp_rank = {e["dp_rank"]: e["dataloader"] for e in extras}
+            try:
+                shares = [by_dp_rank[r] for r in range(meta["dp_size"])]
+                self.loader.load_state_dict(reshard_loader_state(shares, parallel.dp_rank, parallel.dp_size))
+            except NotImplementedError as err:
+                logger.warning(f"{err}: epoch {self.state.epoch} starts its data again")
         restore_rank_rng(extras, rank, self.args.train.seed, self.state.global_step)
 
     def _resume_schedule(self) -> None:

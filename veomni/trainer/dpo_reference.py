@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
+from ..arguments import ConfigError
 from ..data.preference import PreferenceCollator
 from ..distributed.torch_parallelize import parallelize
 from ..models.lora import lora_layers
@@ -28,6 +29,7 @@ from ..ops.loss import IGNORE_INDEX
 from ..ops.preference_loss import SequenceLogps
 from ..utils.device import get_device_type
 from ..utils.logging import get_logger
+from .base import build_model_from_args
 
 logger = get_logger(__name__)
 
@@ -38,8 +40,6 @@ def build_reference(trainer, chunk_size: int):
         logger.info("dpo.reference=adapters_off: the policy with its LoRA adapters disabled, no second copy")
         return LogpsReference(trainer.sequence_logps, adapters_off=trainer.model)
     if kind == "precomputed" and not hasattr(trainer.train_dataset, "prepare"):
-        from ..arguments import ConfigError
-
         raise ConfigError("dpo.reference=precomputed needs map-style data (data.datasets_type: mapping)")
     model = frozen_copy(trainer)
     held = sum(_local(p).numel() * p.element_size() for p in model.parameters())
@@ -52,8 +52,6 @@ def build_reference(trainer, chunk_size: int):
 
 def frozen_copy(trainer):
     """The initial policy again (no adapters), parallelised like it, its weights copied shard by shard, frozen."""
-    from .base import build_model_from_args
-
     args = trainer.args
     model = build_model_from_args(args, get_device_type(), args.train.init_device)
     model = trainer.prepare_model(model)

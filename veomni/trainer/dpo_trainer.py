@@ -78,7 +78,7 @@ class DPOTrainer(TextTrainer):
     def build_collator(self):
         return PreferenceCollator(super().build_collator())
 
-    def build_evaluator(self, dataset, loader, collate):
+    def build_evaluator(self):
         """The pair statistics' means over the held-out pairs (eval_loss, eval_rewards/accuracies, ..., eval_pairs)."""
 
         def stats(micro_batch):  # [STAT_NAMES sums (once per sequence-parallel group), pairs]
@@ -86,8 +86,7 @@ class DPOTrainer(TextTrainer):
                 sums = self.dpo_forward(self._to_device(micro_batch))[1]
             return torch.cat([sums, sums.new_tensor([micro_batch["loss_units"]])])
 
-        state, steps = self.parallel_state, self.args.train.eval_steps
-        return Evaluator(dataset, loader, collate, stats, STAT_NAMES, "pairs", self.model, state, self.device, steps)
+        return Evaluator(self, stats, STAT_NAMES, "pairs")
 
     def build_model(self) -> None:
         super().build_model()
@@ -116,8 +115,7 @@ class DPOTrainer(TextTrainer):
         )  # fmt: skip
         counted = float(self.parallel_state.sp_rank == 0)  # each pair once over its sequence-parallel group
         stats = pair_stats(losses, chosen, rejected, ref_chosen, ref_rejected, dpo.beta) * counted
-        sp_size = self.parallel_state.sp_size if self.sp_group is not None else 1
-        return losses.sum() / sp_size, stats
+        return losses.sum() / self.parallel_state.sp_size, stats
 
     def forward_loss_sum(self, micro_batch: Dict[str, Any]) -> torch.Tensor:
         loss_sum, stats = self.dpo_forward(micro_batch)

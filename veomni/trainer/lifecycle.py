@@ -21,6 +21,7 @@
   stopped answering and what they were doing.
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -75,15 +76,15 @@ class StopBeforeTraining(BaseException):
 class TrainingStopped(BaseException):
     """Raised on every rank by the trainer after the agreed stop step was saved."""
 
-    def __init__(self, signum: int, step: int, saved: Optional[str], resume_hint: str):
+    def __init__(self, signum: int, step: int, saved: str, resume_hint: str):
         super().__init__(signum)
         # the launcher SIGTERMs the ranks that are still up when the first one exits: that is no news now
         _state["exiting"] = True
         self.signum, self.step, self.saved, self.resume_hint = signum, step, saved, resume_hint
 
     def message(self) -> str:
-        saved = f"saved {self.saved}" if self.saved else "nothing to save"
-        return f"{signal.Signals(self.signum).name}: stopped at step {self.step}; {saved}; {self.resume_hint}"
+        name = signal.Signals(self.signum).name
+        return f"{name}: stopped at step {self.step}; saved {self.saved}; {self.resume_hint}"
 
 
 # -------------------------------------------------------------------------------------------- queries
@@ -114,10 +115,8 @@ def set_training_done() -> None:
 
 def _say(text: str) -> None:
     """Write to stderr from anywhere, a signal handler included (print() is not reentrant)."""
-    try:
+    with contextlib.suppress(OSError):
         os.write(2, (text.rstrip("\n") + "\n").encode())
-    except OSError:
-        pass
 
 
 # ------------------------------------------------------------------------------------- launcher death
@@ -150,7 +149,7 @@ def _on_stop_signal(signum, frame) -> None:
         if time.monotonic() - _state["stop_time"] < REPEAT_WINDOW_S:
             return  # the same request by another route (the scheduler directly, and the launcher forwarding it)
         _say(f"rank {_rank()}: second {name}: exiting now without saving")  # the user means it
-        os._exit(STOP_EXIT_CODES.get(signum, 128 + signum))
+        os._exit(STOP_EXIT_CODES[signum])
     _state["stop_signal"], _state["stop_time"] = signum, time.monotonic()
     if _state["training_done"]:
         if _rank() == 0:
@@ -282,11 +281,8 @@ def _write_error_file(message: str, trace: str, secondary: bool) -> None:
     stamp = int(time.time()) + (1 if secondary else -1)
     info = {"py_callstack": trace or message, "timestamp": stamp, "veomni_secondary": secondary}
     record = {"message": {"message": message, "extraInfo": info}}
-    try:
-        with open(path, "w") as f:
-            json.dump(record, f)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump(record, f)
 
 
 def report_error(err: BaseException) -> None:
@@ -310,10 +306,8 @@ def report_error(err: BaseException) -> None:
 def _exit(code: int) -> None:
     """Leave now: no atexit hooks or destructors that could wait on a dead peer (or abort in gloo teardown)."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:
-            pass
     os._exit(code)
 
 
@@ -333,13 +327,17 @@ def run_worker(main: Callable[[], object], user_errors: Callable[[], Sequence[ty
         beat_stop.set()
         if _rank() == 0:
             _say(stop.message())
-        _teardown()
-        _exit(STOP_EXIT_CODES.get(stop.signum, 128 + stop.signum))
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # every rank is at the same point: leave the process group cleanly
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        _exit(STOP_EXIT_CODES[stop.signum])
     except StopBeforeTraining as stop:
         if _rank() == 0:
             where = f"at step {_state['step']}" if _state["step"] else "during set-up"
             _say(f"{signal.Signals(stop.signum).name}: stopped {where}; nothing was saved")
-        _exit(STOP_EXIT_CODES.get(stop.signum, 128 + stop.signum))
+        _exit(STOP_EXIT_CODES[stop.signum])
     except SystemExit as done:
         if done.code not in (0, None):  # sys.exit(message or code) is a failure like any other
             report_error(done)
@@ -350,14 +348,3 @@ def run_worker(main: Callable[[], object], user_errors: Callable[[], Sequence[ty
         report_error(err)
         _exit(ERROR_EXIT_CODE)
     beat_stop.set()
-
-
-def _teardown() -> None:
-    """After a stop every rank is at the same point: leave the process group cleanly."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass

@@ -87,16 +87,12 @@ def check_first_records(dataset, data_args, n: int = 16) -> None:
 
 
 def _all_failed_message(errors: List[Tuple[str, str, Any]], data_args) -> str:
-    reasons = Counter(_reason(message, where) for message, where, _ in errors)
+    reasons = Counter(message.removeprefix(f"{where}: ") for message, where, _ in errors)
     reason, count = reasons.most_common(1)[0]
     same = "the same way" if count == len(errors) else f"({count} of them the same way)"
     message = f"all of the first {len(errors)} records fail {same}: {reason} (e.g. {errors[0][1]})"
     fix = suggest_fix([record for _, _, record in errors], data_args)
     return f"{message}; {fix}" if fix else message
-
-
-def _reason(message: str, where: str) -> str:
-    return message[len(where) + 2 :] if message.startswith(where + ": ") else message
 
 
 def suggest_fix(records: List[Any], data_args) -> Optional[str]:

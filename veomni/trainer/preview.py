@@ -18,9 +18,17 @@ import re
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
+import torch
+import torch.distributed as dist
+
 from ..data.data_transform import IGNORE_INDEX
+from ..distributed import destroy_parallel_state
+from ..distributed.parallel_state import init_parallel_state_from_config
+from ..ops.loss import count_loss_tokens
+from ..utils.device import get_device
 from ..utils.logging import get_logger
-from .step_count import batch_description, micro_batch_unit
+from .preflight import check_first_records
+from .step_count import batch_description, close_loader, micro_batch_unit
 
 logger = get_logger(__name__)
 
@@ -81,13 +89,6 @@ def _row(micro_batch: Dict[str, Any], key: str) -> List[int]:
     return [IGNORE_INDEX] + row[:-1] if key == "labels" else row
 
 
-def _pair_side(micro_batch: Dict[str, Any], d: int) -> str:
-    """`, pair P chosen|rejected` for document `d` of a preference micro-batch (veomni.data.preference), else ''."""
-    if "sequence_index" not in micro_batch:
-        return ""
-    return f", pair {d // 2 + 1} {'chosen' if d % 2 == 0 else 'rejected'}"
-
-
 # ------------------------------------------------------------------------------------------------- preview
 def _bare_trainer(build_trainer: Callable[[Any], Any], args):
     """The task's trainer object with its `args` only: `build_trainer` is called with BaseTrainer's set-up (model,
@@ -118,16 +119,6 @@ def _one_process(args) -> None:
 
 def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional[TextIO] = None) -> None:
     """Print n samples as the model sees them, the packing of a micro-batch, tokens per step and steps per epoch."""
-    import torch
-    import torch.distributed as dist
-
-    from ..distributed import destroy_parallel_state
-    from ..distributed.parallel_state import init_parallel_state_from_config
-    from ..ops.loss import count_loss_tokens
-    from ..utils.device import get_device
-    from .preflight import check_first_records
-    from .step_count import close_loader
-
     out = out or sys.stdout
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
@@ -158,7 +149,7 @@ def run_preview(args, n: int, build_trainer: Callable[[Any], Any], out: Optional
         dist.all_reduce(totals, group=trainer.parallel_state.dp_group)
         if trainer.is_main:
             color = hasattr(out, "isatty") and out.isatty() and not os.environ.get("NO_COLOR")
-            out.write(_report(trainer, steps, n, [int(t) for t in totals.tolist()], color, world))
+            out.write(_report(trainer, steps, n, totals.tolist(), color, world))
             out.flush()
     finally:
         destroy_parallel_state()
@@ -178,8 +169,10 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
                     break
                 shown += 1
                 loss = sum(loss_flags(labels[start:end]))
+                # a preference micro-batch (veomni.data.preference) packs each pair's chosen, then rejected sequence
+                pair = f", pair {d // 2 + 1} {('chosen', 'rejected')[d % 2]}" if "sequence_index" in mb else ""
                 lines.append(
-                    f"--- sample {shown} (step {s + 1}, micro-batch {m + 1}, document {d + 1}{_pair_side(mb, d)}): "
+                    f"--- sample {shown} (step {s + 1}, micro-batch {m + 1}, document {d + 1}{pair}): "
                     f"{end - start} tokens, {loss} carry loss ---"
                 )
                 lines.append(render_sample(tok, ids[start:end], labels[start:end], color))
@@ -218,29 +211,21 @@ def _report(trainer, steps, n: int, totals: List[int], color: bool, world: int) 
 
 
 # ---------------------------------------------------------------------------------- first sample of a run
-def first_sample(dataset) -> Optional[Tuple[Dict[str, Any], str]]:
-    """The sample of the first record that gives one (and where it is), from the first source's `peek`."""
-    source = (getattr(dataset, "sources", None) or [dataset])[0]
-    for where, _, outcome in source.peek(8) if hasattr(source, "peek") else []:
-        if isinstance(outcome, list) and outcome and "input_ids" in outcome[0]:
-            return outcome[0], where
-    return None
-
-
 def log_first_sample(trainer, limit: int = 1200) -> None:
-    """Log the first sample once, on rank 0, decoded and marked (the whole of it when short, else both ends)."""
-    if not trainer.is_main or trainer.tokenizer is None:
+    """Log the sample of the first record that gives one (the data's `peek`) once, on rank 0, decoded and marked
+    (the whole of it when short, else both ends)."""
+    dataset = trainer.train_dataset
+    if not trainer.is_main or trainer.tokenizer is None or not hasattr(dataset, "peek"):
         return
     try:
-        found = first_sample(trainer.train_dataset)
+        peeked = dataset.peek(8)
     except Exception as err:  # noqa: BLE001 - a courtesy print must never stop a run
         logger.info(f"first sample not shown ({type(err).__name__}: {err})")
         return
-    if found is None:
+    found = [(out[0], where) for where, _, out in peeked if isinstance(out, list) and out and "input_ids" in out[0]]
+    if not found:
         return
-    import torch
-
-    sample, where = found
+    sample, where = found[0]
     ids = torch.as_tensor(sample["input_ids"]).reshape(-1).tolist()
     labels = torch.as_tensor(sample["labels"]).reshape(-1).tolist() if "labels" in sample else ids
     text = _shorten(render_sample(trainer.tokenizer, ids, labels), limit)

@@ -124,11 +124,9 @@ def batch_description(args, dataset, steps_per_epoch: Optional[int]) -> str:
 
 def micro_batch_unit(train, data) -> str:
     """What one micro-batch holds: a token budget under dyn_bsz, else a number of samples."""
-    return (
-        f"up to {train.micro_batch_size * data.max_seq_len:,} tokens"
-        if train.dyn_bsz
-        else f"{train.micro_batch_size} samples"
-    )
+    if train.dyn_bsz:
+        return f"up to {train.micro_batch_size * data.max_seq_len:,} tokens"
+    return f"{train.micro_batch_size} samples"
 
 
 def zero_steps_message(args, dataset) -> str:

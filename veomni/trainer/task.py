@@ -30,9 +30,8 @@ def run_task(build_trainer: Callable[[Any], Any], arguments_class: Optional[type
         from ..arguments import VeOmniArguments, parse_args
 
         preview = take_preview_flag(sys.argv)  # `--preview N`: show the data as trained, build no model, exit 0
-        args = parse_args(
-            arguments_class or VeOmniArguments
-        )  # --help and config mistakes answer before the model is built
+        # --help and config mistakes answer before the model is built
+        args = parse_args(arguments_class or VeOmniArguments)
         if preview is not None:
             from ..trainer.preview import run_preview
 

@@ -6,8 +6,9 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ..arguments import ConfigError
 from ..data import Batching, build_dataset, build_loader
-from ..data.chat_template import build_chat_template
+from ..data.chat_template import build_chat_template, training_template_note
 from ..data.data_report import data_report
 from ..data.data_transform import process_pretrain_example, process_sft_example
 from ..models import build_tokenizer
@@ -19,14 +20,9 @@ logger = get_logger(__name__)
 
 class TextTrainer(BaseTrainer):
     def build_data_transform(self):
-        """The record -> sample transform of `data` (the one hook: VLMTrainer overrides it); for conversations it
-        also says (rank 0, once) which chat template trains, and warns when it is not the tokenizer's own (the one
-        the exported model carries)."""
-        from ..arguments import ConfigError
-
+        """The record -> sample transform of `data` (VLMTrainer and DPOTrainer override it)."""
         data = self.args.data
         self.tokenizer = build_tokenizer(self.args.model.tokenizer_path, self.args.model.trust_remote_code)
-        self.training_chat_template = None  # the jinja a conversation run trains on (for the HF export)
         allowed = ("split", "truncate") if data.data_type == "plaintext" else ("error", "truncate")
         if data.over_length is not None and data.over_length not in allowed:
             raise ConfigError(
@@ -53,8 +49,6 @@ class TextTrainer(BaseTrainer):
     def conversation_template(self, last_turn_only: bool):
         """The chat template conversations train on (its jinja kept for the HF export); says (rank 0, once) which
         one trains, and warns when it is not the tokenizer's own (the one the exported model carries)."""
-        from ..data.chat_template import training_template_note
-
         data, own = self.args.data, getattr(self.tokenizer, "chat_template", None)
         chat_template = build_chat_template(
             data.chat_template, self.tokenizer, last_turn_only=last_turn_only, think_loss=data.think_loss
