@@ -126,7 +126,7 @@ class BaseTrainer:
             self.train_dataloader, self.state,
         )  # fmt: skip
         self.checkpointer.resume(self.is_main)
-        self.evaluator = self.build_evaluator() if self.eval_data else None
+        self.evaluator = self.build_evaluator(*self.eval_data) if self.eval_data else None
         self.callbacks: List[Callback] = self.build_callbacks() + list(callbacks)
 
     # the loop's position, as callbacks and subclasses read it
@@ -193,14 +193,15 @@ class BaseTrainer:
         """Samples -> one packed micro-batch (the DPO trainer packs pairs with its own)."""
         return MainCollator(max_seq_len=self.args.data.max_seq_len, **self.collate_fn_kwargs())
 
-    def build_evaluator(self) -> Evaluator:
-        """The held-out loss of `eval_data`, through this trainer's LM loss (no auxiliary losses)."""
+    def build_evaluator(self, dataset, loader, collate) -> Evaluator:
+        """The held-out loss, through this trainer's LM loss (no auxiliary losses)."""
 
         def stats(micro_batch):  # [loss sum, loss tokens]
             loss = self.lm_loss(self._to_device(micro_batch)).loss_sum.double()
             return torch.stack([loss, loss.new_tensor(count_loss_tokens(micro_batch["labels"]))])
 
-        return Evaluator(self, stats, ("loss",), "tokens")
+        state, steps = self.parallel_state, self.args.train.eval_steps
+        return Evaluator(dataset, loader, collate, stats, ("loss",), "tokens", self.model, state, self.device, steps)
 
     def build_optimizer(self) -> None:
         opt = self.args.train.optimizer

@@ -78,7 +78,7 @@ class DPOTrainer(TextTrainer):
     def build_collator(self):
         return PreferenceCollator(super().build_collator())
 
-    def build_evaluator(self):
+    def build_evaluator(self, dataset, loader, collate):
         """The pair statistics' means over the held-out pairs (eval_loss, eval_rewards/accuracies, ..., eval_pairs)."""
 
         def stats(micro_batch):  # [STAT_NAMES sums (once per sequence-parallel group), pairs]
@@ -86,7 +86,8 @@ class DPOTrainer(TextTrainer):
                 sums = self.dpo_forward(self._to_device(micro_batch))[1]
             return torch.cat([sums, sums.new_tensor([micro_batch["loss_units"]])])
 
-        return Evaluator(self, stats, STAT_NAMES, "pairs")
+        state, steps = self.parallel_state, self.args.train.eval_steps
+        return Evaluator(dataset, loader, collate, stats, STAT_NAMES, "pairs", self.model, state, self.device, steps)
 
     def build_model(self) -> None:
         super().build_model()

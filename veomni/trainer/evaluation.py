@@ -39,16 +39,14 @@ def build_eval_loader(args, transform, collate_fn: Callable):
 
 
 class Evaluator:
-    """Runs the trainer's held-out set (`eval_data`) through `stats(micro_batch)`: a float64 vector on the device,
-    sums over the micro-batch of the statistics `names`, then the count they are averaged over (`unit`: loss tokens,
-    or pairs for a preference loss). `evaluate` reports each as `eval_<name>` (its mean over the held-out set) and
-    the count as `eval_<unit>`."""
+    """Runs the held-out set through `stats(micro_batch)`: a float64 vector on the device, sums over the micro-batch
+    of the statistics `names`, then the count they are averaged over (`unit`: loss tokens, or pairs for a preference
+    loss). `evaluate` reports each as `eval_<name>` (its mean over the held-out set) and the count as `eval_<unit>`."""
 
-    def __init__(self, trainer, stats: Callable, names, unit: str):
-        self.dataset, self.loader, self.collate = trainer.eval_data
+    def __init__(self, dataset, loader, collate, stats: Callable, names, unit, model, parallel_state, device, steps):
+        self.dataset, self.loader, self.collate = dataset, loader, collate
         self.stats, self.names, self.unit = stats, names, unit
-        self.model, self.parallel_state, self.device = trainer.model, trainer.parallel_state, trainer.device
-        self.eval_steps = trainer.args.train.eval_steps
+        self.model, self.parallel_state, self.device, self.eval_steps = model, parallel_state, device, steps
 
     def due(self, global_step: int, total_steps: int) -> bool:
         """Every eval_steps and after the last step, on every rank alike."""
