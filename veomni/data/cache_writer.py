@@ -26,6 +26,16 @@ _INT32 = (-(2**31), 2**31 - 1)
 Unit = Tuple[int, int, int]
 
 
+def part_path(folder: str, part: str, suffix: str) -> str:
+    """File `suffix` of part `part` (the layout: sample_cache.py), as the writer and the reader name it."""
+    return os.path.join(folder, f"part-{part}.{suffix}")
+
+
+def part_files(part: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """A part's files (suffix -> its `bytes` and `crc32` as described): its stored token fields and index arrays."""
+    return {**{f"{name}.bin": how for name, how in part["fields"].items() if "stored" in how}, **part["index"]}
+
+
 class _FieldFile:
     """One token field of a part: appended bytes, written in large blocks, checksummed per chunk as written."""
 
@@ -84,7 +94,7 @@ class PartWriter:
     """One build process's part: appends each record's samples."""
 
     def __init__(self, folder: str, part: str):
-        self.prefix = os.path.join(folder, f"part-{part}")
+        self.folder, self.part = folder, part
         self.records, self.lengths = array("q"), array("i")
         self.fields: Optional[List[str]] = None  # None until the first sample; [] in length mode
         self.kind: Dict[str, Any] = {}  # field -> "alias" (equal to input_ids), ("const", c), or a _FieldFile
@@ -126,11 +136,11 @@ class PartWriter:
         if name != "input_ids" and n and isinstance(value, (list, tuple)) and type(value[0]) is int:
             if _constant(value, n, value[0]):
                 return ("const", value[0])
-        return _FieldFile(f"{self.prefix}.{name}.bin")
+        return _FieldFile(part_path(self.folder, self.part, f"{name}.bin"))
 
     def _stored_from_now(self, name: str, before) -> "_FieldFile":
         """A field that stops being an alias or a constant: its file, holding what it was so far."""
-        field = _FieldFile(f"{self.prefix}.{name}.bin")
+        field = _FieldFile(part_path(self.folder, self.part, f"{name}.bin"))
         if self.tokens and isinstance(before, tuple):
             field.write(np.full(self.tokens, before[1], dtype=np.int32).tobytes())
         elif self.tokens:  # an alias of input_ids so far: a copy of its tokens so far
@@ -148,17 +158,17 @@ class PartWriter:
 
     def close(self, counts: Dict[str, int]) -> Dict[str, Any]:
         """Write the index arrays; returns this part's description."""
-        np.save(f"{self.prefix}.records.npy", np.frombuffer(self.records, dtype=np.int64).reshape(-1, 3))
-        np.save(f"{self.prefix}.lengths.npy", np.frombuffer(self.lengths, dtype=np.int32))
+        np.save(part_path(self.folder, self.part, "records.npy"), np.frombuffer(self.records, np.int64).reshape(-1, 3))
+        np.save(part_path(self.folder, self.part, "lengths.npy"), np.frombuffer(self.lengths, dtype=np.int32))
         fields = {}
         for name in self.fields or []:
             kind = self.kind[name]
             fields[name] = kind.close() if isinstance(kind, _FieldFile) else (
                 {"alias": "input_ids"} if kind == "alias" else {"const": kind[1]}
             )  # fmt: skip
-        index = {suffix: _whole_file_crc(f"{self.prefix}.{suffix}") for suffix in ("records.npy", "lengths.npy")}
+        index = {s: _whole_file_crc(part_path(self.folder, self.part, s)) for s in ("records.npy", "lengths.npy")}
         return {
-            "part": os.path.basename(self.prefix)[len("part-") :],
+            "part": self.part,
             "records": len(self.records) // 3,
             "samples": len(self.lengths),
             "tokens": self.tokens,
