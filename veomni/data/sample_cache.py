@@ -90,22 +90,21 @@ class SampleCache:
         part = int(np.searchsorted(self.sample_bases, i, side="right")) - 1
         j = i - int(self.sample_bases[part])
         start, end = int(self._token_starts[part][j]), int(self._token_starts[part][j + 1])
-        fields = self.manifest["parts"][part]["fields"]
-        out = {name: self._read(part, name, start, end) for name, how in fields.items() if "stored" in how}
-        for name, how in fields.items():
-            if "const" in how:
-                out[name] = np.full(end - start, how["const"], dtype=np.int64)
-            elif "alias" in how:
-                out[name] = out["input_ids"].copy()
-        return {name: out[name] for name in fields}
+        fields = self.manifest["parts"][part]["fields"]  # a field stored, a constant, or an alias of another
+        return {
+            name: np.full(end - start, how["const"], np.int64) if "const" in how else self._read(part, name, start, end)
+            for name, how in fields.items()
+        }
 
     def _read(self, part: int, name: str, start: int, end: int) -> np.ndarray:
-        key = (part, name)
+        """Tokens `start:end` of field `name` (of the field it is an alias of), each chunk checked on its first read."""
+        fields = self.manifest["parts"][part]["fields"]
+        name = fields[name].get("alias", name)
+        key, crcs, per_chunk = (part, name), fields[name]["crc32"], CHUNK_BYTES // 4
         if key not in self._tokens:
             self._tokens[key] = np.memmap(self._path(part, f"{name}.bin"), dtype=np.int32, mode="r")
-            self._checked[key] = np.full(len(self.manifest["parts"][part]["fields"][name]["crc32"]), self.trusted)
+            self._checked[key] = np.full(len(crcs), self.trusted)
         tokens, checked = self._tokens[key], self._checked[key]
-        per_chunk, crcs = CHUNK_BYTES // 4, self.manifest["parts"][part]["fields"][name]["crc32"]
         for chunk in range(start // per_chunk, (end - 1) // per_chunk + 1 if end > start else 0):
             if not checked[chunk] and zlib.crc32(tokens[chunk * per_chunk : (chunk + 1) * per_chunk]) != crcs[chunk]:
                 last = min((chunk + 1) * CHUNK_BYTES, tokens.nbytes)
