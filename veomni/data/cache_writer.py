@@ -113,33 +113,32 @@ class PartWriter:
     def _store(self, sample: Dict[str, Any], ids, n: int) -> bool:
         if self.fields is None:
             self.fields = list(sample)
-            self.kind = {name: self._first_kind(name, sample[name], ids, n) for name in self.fields}
         if list(sample) != self.fields:
             return False
         for name in self.fields:
-            value, kind = sample[name], self.kind[name]
+            value, kind = sample[name], self.kind.get(name)
             if kind == "alias" and (value is ids or _same(value, ids)):
                 continue
             if isinstance(kind, tuple) and _constant(value, n, kind[1]):
                 continue
             if not isinstance(kind, _FieldFile):
-                kind = self.kind[name] = self._stored_from_now(name, kind)
+                kind = self.kind[name] = self._kind_from_now(name, value, ids, n, kind)
+                if not isinstance(kind, _FieldFile):
+                    continue
             data = _int32(value, n)
             if data is None:
                 return False
             kind.write(data)
         return True
 
-    def _first_kind(self, name: str, value, ids, n: int):
-        if name != "input_ids" and (value is ids or _same(value, ids)):
-            return "alias"
-        if name != "input_ids" and n and isinstance(value, (list, tuple)) and type(value[0]) is int:
-            if _constant(value, n, value[0]):
+    def _kind_from_now(self, name: str, value, ids, n: int, before):
+        """A new field, or one that stops being an alias or a constant. While no token is kept, it may be noted as
+        "alias" or ("const", c); else its file, holding what it was so far."""
+        if not self.tokens and name != "input_ids":
+            if value is ids or _same(value, ids):
+                return "alias"
+            if n and isinstance(value, (list, tuple)) and type(value[0]) is int and _constant(value, n, value[0]):
                 return ("const", value[0])
-        return _FieldFile(part_path(self.folder, self.part, f"{name}.bin"))
-
-    def _stored_from_now(self, name: str, before) -> "_FieldFile":
-        """A field that stops being an alias or a constant: its file, holding what it was so far."""
         field = _FieldFile(part_path(self.folder, self.part, f"{name}.bin"))
         if self.tokens and isinstance(before, tuple):
             field.write(np.full(self.tokens, before[1], dtype=np.int32).tobytes())

@@ -136,7 +136,7 @@ class HubStreamRecords:
         stream = self.dataset.shard(num_shards=self.dataset.num_shards, index=shard)
         return stream.skip(start) if start else stream
 
-    def iter_unit(self, unit, position: Optional[int] = None, parse: bool = True):
+    def iter_unit(self, unit, position: Optional[int] = None):
         shard, piece, pieces = unit
         start = position or 0
         for i, record in enumerate(self._shard(shard, start), start):

@@ -247,9 +247,7 @@ def _build(dataset, folder: str, parts: Optional[Dict[str, str]], rank: int, wor
         f"{time.process_time() - cpu:.1f} CPU-s)"
     )
     _all_ok(True, group)  # every rank's description written before rank 0 reads them
-    error = on_rank0(lambda: _publish(tmp, folder, world, parts), group)  # rank 0's failure ends every rank at once
-    if error:
-        raise DataFormatError(error)
+    on_rank0(lambda: _publish(tmp, folder, world, parts), group)  # rank 0's failure ends every rank at once
 
 
 def _start_build(folder: str) -> str:
@@ -260,14 +258,14 @@ def _start_build(folder: str) -> str:
     return tmp
 
 
-def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict[str, str]] = None) -> Optional[str]:
+def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict[str, str]] = None) -> None:
     """Rank 0: the manifest from every rank's part descriptions, then the folder renamed into place (a cache of
     this run's own, `-unshared-`, keeps its lock: it is in use until the run ends)."""
     parts = []
     for rank in range(world):
         path = part_path(tmp, f"{rank:05d}", "json")
         if not os.path.isfile(path):
-            return (
+            raise DataFormatError(
                 f"data cache {tmp}: rank {rank}'s parts are not visible to rank 0; data.cache_dir must be on storage "
                 "every rank sees"
             )
@@ -296,7 +294,7 @@ def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict
     if os.path.exists(folder):
         if _problem(folder) is None:  # another job finished the same cache meanwhile (it may be reading it)
             shutil.rmtree(tmp, ignore_errors=True)
-            return None
+            return
         stale = f"{folder}.stale-{uuid.uuid4().hex[:8]}"  # moved aside first: no half-deleted cache under its name
         try:
             os.replace(folder, stale)
@@ -307,7 +305,6 @@ def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict
         os.replace(tmp, folder)
     except OSError:  # another job published the same cache at this moment: theirs is as good as ours
         shutil.rmtree(tmp, ignore_errors=True)
-    return None
 
 
 # --------------------------------------------------------------------------------------- locks and the sweep
