@@ -165,7 +165,7 @@ class PartWriter:
             fields[name] = kind.close() if isinstance(kind, _FieldFile) else (
                 {"alias": "input_ids"} if kind == "alias" else {"const": kind[1]}
             )  # fmt: skip
-        index = {s: _whole_file_crc(part_path(self.folder, self.part, s)) for s in ("records.npy", "lengths.npy")}
+        index = {s: whole_file_crc(part_path(self.folder, self.part, s)) for s in ("records.npy", "lengths.npy")}
         return {
             "part": self.part,
             "records": len(self.records) // 3,
@@ -191,7 +191,7 @@ def _constant(value, n: int, c: int) -> bool:
     return isinstance(value, (list, tuple)) and len(value) == n and value.count(c) == n
 
 
-def _whole_file_crc(path: str) -> Dict[str, int]:
+def whole_file_crc(path: str) -> Dict[str, int]:
     with open(path, "rb") as f:
         data = f.read()
     return {"bytes": len(data), "crc32": zlib.crc32(data)}

@@ -176,7 +176,7 @@ def _describe(obj: Any, depth: int, seen: set) -> str:
     seen = seen | {id(obj)}
     if _is_tokenizer(obj):
         return _tokenizer(obj)
-    if inspect.isclass(type(obj)) and callable(getattr(type(obj), "get_attributes", None)):  # an HF processor
+    if callable(getattr(type(obj), "get_attributes", None)):  # an HF processor
         parts = {name: getattr(obj, name, None) for name in type(obj).get_attributes()}  # tokenizer, image, audio
         return (
             f"processor:{type(obj).__name__}:{_describe(parts, depth + 1, seen)}:{getattr(obj, 'chat_template', None)}"

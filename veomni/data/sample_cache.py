@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..utils.collectives import host_group, on_every_rank, on_rank0, rank_and_world
 from ..utils.logging import get_logger
-from .cache_writer import CHUNK_BYTES, build_share, part_files, part_path, shares
+from .cache_writer import CHUNK_BYTES, build_share, part_files, part_path, shares, whole_file_crc
 from .data_transform import DataFormatError
 from .fingerprint import Unfingerprintable, data_fingerprint, files_fingerprint, fingerprint
 
@@ -160,10 +160,8 @@ def _problem(folder: str) -> Optional[str]:
             full = part_path(folder, part["part"], suffix)
             if not os.path.isfile(full) or os.path.getsize(full) != how["bytes"]:
                 return f"{os.path.basename(full)} is missing or of the wrong size"
-            if suffix in part["index"]:
-                with open(full, "rb") as f:
-                    if zlib.crc32(f.read()) != how["crc32"]:
-                        return f"{os.path.basename(full)} does not match its checksum (corrupt)"
+            if suffix in part["index"] and whole_file_crc(full) != how:
+                return f"{os.path.basename(full)} does not match its checksum (corrupt)"
     return None
 
 
