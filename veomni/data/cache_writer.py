@@ -8,8 +8,11 @@ On a rank, the build runs in one process per core it has (`VEOMNI_DATA_BUILD_PRO
 transform and its tokenizer need not be pickled; each tokenises its records in batches.
 """
 
+import contextlib
+import ctypes
 import multiprocessing
 import os
+import signal
 import zlib
 from array import array
 from concurrent.futures import ProcessPoolExecutor, wait
@@ -301,13 +304,8 @@ def _build_child(folder: str, part: str, units) -> Dict[str, Any]:
 def _die_with_parent() -> None:
     """A build process outlives no killed parent (Linux's PR_SET_PDEATHSIG): nobody would publish its part, and it
     would keep holding the build folder's lock (inherited through the fork)."""
-    try:
-        import ctypes
-        import signal
-
+    with contextlib.suppress(OSError, AttributeError):  # (no prctl: not Linux)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _restore(name: str, value: Optional[str]) -> None:

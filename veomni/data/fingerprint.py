@@ -13,6 +13,7 @@ evenly spaced blocks of 16 KiB (the first and last included), so an edit that ke
 `rsync -a`) still changes the key unless it falls entirely between the sampled blocks of a large file.
 """
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -182,10 +183,8 @@ def _describe(obj: Any, depth: int, seen: set) -> str:
             f"processor:{type(obj).__name__}:{_describe(parts, depth + 1, seen)}:{getattr(obj, 'chat_template', None)}"
         )
     if hasattr(obj, "to_json_string") and callable(obj.to_json_string):  # configs, image processors, extractors
-        try:
+        with contextlib.suppress(Exception):  # some processors cannot serialise every attribute: then their state
             return f"json:{type(obj).__name__}:{obj.to_json_string()}"
-        except Exception:  # some processors cannot serialise every attribute: fall back to their state
-            pass
     if inspect.isclass(obj):
         return f"class:{obj.__module__}.{obj.__qualname__}"
     state = getattr(obj, "__dict__", None)

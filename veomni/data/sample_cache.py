@@ -21,6 +21,7 @@ of another host older than `VEOMNI_HOST_TIMEOUT_MINUTES`).
 """
 
 import atexit
+import contextlib
 import fcntl
 import functools
 import json
@@ -294,10 +295,8 @@ def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict
             shutil.rmtree(tmp, ignore_errors=True)
             return
         stale = f"{folder}.stale-{uuid.uuid4().hex[:8]}"  # moved aside first: no half-deleted cache under its name
-        try:
+        with contextlib.suppress(OSError):
             os.replace(folder, stale)
-        except OSError:
-            pass
         shutil.rmtree(stale, ignore_errors=True)
     try:
         os.replace(tmp, folder)
