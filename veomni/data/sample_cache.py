@@ -357,4 +357,3 @@ def sweep(cache_dir: str) -> None:
         shutil.rmtree(entry.path, ignore_errors=True)
     if removed:
         logger.info(f"data cache dir {cache_dir}: removed {len(removed)} left by builds that did not finish")
-    return removed
