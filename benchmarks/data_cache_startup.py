@@ -89,7 +89,7 @@ def write_cache(folder: str, data: str, samples: int, tokens_per_sample: int) ->
     np.save(os.path.join(target, "part-00000.lengths.npy"), lengths)
     np.save(os.path.join(target, "part-00000.records.npy"), records)
     index = {
-        s: cache_writer._whole_file_crc(os.path.join(target, f"part-00000.{s}")) for s in ("records.npy", "lengths.npy")
+        s: cache_writer.whole_file_crc(os.path.join(target, f"part-00000.{s}")) for s in ("records.npy", "lengths.npy")
     }
     part = {
         "part": "00000", "records": samples, "samples": samples, "tokens": samples * tokens_per_sample,

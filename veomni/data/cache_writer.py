@@ -8,8 +8,11 @@ On a rank, the build runs in one process per core it has (`VEOMNI_DATA_BUILD_PRO
 transform and its tokenizer need not be pickled; each tokenises its records in batches.
 """
 
+import contextlib
+import ctypes
 import multiprocessing
 import os
+import signal
 import zlib
 from array import array
 from concurrent.futures import ProcessPoolExecutor, wait
@@ -24,6 +27,16 @@ _FLUSH_BYTES = 16 << 20  # a field's tokens go to disk in blocks of this size
 _BATCH = 512  # records per (batched) transform call
 _INT32 = (-(2**31), 2**31 - 1)
 Unit = Tuple[int, int, int]
+
+
+def part_path(folder: str, part: str, suffix: str) -> str:
+    """File `suffix` of part `part` (the layout: sample_cache.py), as the writer and the reader name it."""
+    return os.path.join(folder, f"part-{part}.{suffix}")
+
+
+def part_files(part: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """A part's files (suffix -> its `bytes` and `crc32` as described): its stored token fields and index arrays."""
+    return {**{f"{name}.bin": how for name, how in part["fields"].items() if "stored" in how}, **part["index"]}
 
 
 class _FieldFile:
@@ -84,7 +97,7 @@ class PartWriter:
     """One build process's part: appends each record's samples."""
 
     def __init__(self, folder: str, part: str):
-        self.prefix = os.path.join(folder, f"part-{part}")
+        self.folder, self.part = folder, part
         self.records, self.lengths = array("q"), array("i")
         self.fields: Optional[List[str]] = None  # None until the first sample; [] in length mode
         self.kind: Dict[str, Any] = {}  # field -> "alias" (equal to input_ids), ("const", c), or a _FieldFile
@@ -103,34 +116,33 @@ class PartWriter:
     def _store(self, sample: Dict[str, Any], ids, n: int) -> bool:
         if self.fields is None:
             self.fields = list(sample)
-            self.kind = {name: self._first_kind(name, sample[name], ids, n) for name in self.fields}
         if list(sample) != self.fields:
             return False
         for name in self.fields:
-            value, kind = sample[name], self.kind[name]
+            value, kind = sample[name], self.kind.get(name)
             if kind == "alias" and (value is ids or _same(value, ids)):
                 continue
             if isinstance(kind, tuple) and _constant(value, n, kind[1]):
                 continue
             if not isinstance(kind, _FieldFile):
-                kind = self.kind[name] = self._stored_from_now(name, kind)
+                kind = self.kind[name] = self._kind_from_now(name, value, ids, n, kind)
+                if not isinstance(kind, _FieldFile):
+                    continue
             data = _int32(value, n)
             if data is None:
                 return False
             kind.write(data)
         return True
 
-    def _first_kind(self, name: str, value, ids, n: int):
-        if name != "input_ids" and (value is ids or _same(value, ids)):
-            return "alias"
-        if name != "input_ids" and n and isinstance(value, (list, tuple)) and type(value[0]) is int:
-            if _constant(value, n, value[0]):
+    def _kind_from_now(self, name: str, value, ids, n: int, before):
+        """A new field, or one that stops being an alias or a constant. While no token is kept, it may be noted as
+        "alias" or ("const", c); else its file, holding what it was so far."""
+        if not self.tokens and name != "input_ids":
+            if value is ids or _same(value, ids):
+                return "alias"
+            if n and isinstance(value, (list, tuple)) and type(value[0]) is int and _constant(value, n, value[0]):
                 return ("const", value[0])
-        return _FieldFile(f"{self.prefix}.{name}.bin")
-
-    def _stored_from_now(self, name: str, before) -> "_FieldFile":
-        """A field that stops being an alias or a constant: its file, holding what it was so far."""
-        field = _FieldFile(f"{self.prefix}.{name}.bin")
+        field = _FieldFile(part_path(self.folder, self.part, f"{name}.bin"))
         if self.tokens and isinstance(before, tuple):
             field.write(np.full(self.tokens, before[1], dtype=np.int32).tobytes())
         elif self.tokens:  # an alias of input_ids so far: a copy of its tokens so far
@@ -148,17 +160,17 @@ class PartWriter:
 
     def close(self, counts: Dict[str, int]) -> Dict[str, Any]:
         """Write the index arrays; returns this part's description."""
-        np.save(f"{self.prefix}.records.npy", np.frombuffer(self.records, dtype=np.int64).reshape(-1, 3))
-        np.save(f"{self.prefix}.lengths.npy", np.frombuffer(self.lengths, dtype=np.int32))
+        np.save(part_path(self.folder, self.part, "records.npy"), np.frombuffer(self.records, np.int64).reshape(-1, 3))
+        np.save(part_path(self.folder, self.part, "lengths.npy"), np.frombuffer(self.lengths, dtype=np.int32))
         fields = {}
         for name in self.fields or []:
             kind = self.kind[name]
             fields[name] = kind.close() if isinstance(kind, _FieldFile) else (
                 {"alias": "input_ids"} if kind == "alias" else {"const": kind[1]}
             )  # fmt: skip
-        index = {suffix: _whole_file_crc(f"{self.prefix}.{suffix}") for suffix in ("records.npy", "lengths.npy")}
+        index = {s: whole_file_crc(part_path(self.folder, self.part, s)) for s in ("records.npy", "lengths.npy")}
         return {
-            "part": os.path.basename(self.prefix)[len("part-") :],
+            "part": self.part,
             "records": len(self.records) // 3,
             "samples": len(self.lengths),
             "tokens": self.tokens,
@@ -182,7 +194,7 @@ def _constant(value, n: int, c: int) -> bool:
     return isinstance(value, (list, tuple)) and len(value) == n and value.count(c) == n
 
 
-def _whole_file_crc(path: str) -> Dict[str, int]:
+def whole_file_crc(path: str) -> Dict[str, int]:
     with open(path, "rb") as f:
         data = f.read()
     return {"bytes": len(data), "crc32": zlib.crc32(data)}
@@ -292,13 +304,8 @@ def _build_child(folder: str, part: str, units) -> Dict[str, Any]:
 def _die_with_parent() -> None:
     """A build process outlives no killed parent (Linux's PR_SET_PDEATHSIG): nobody would publish its part, and it
     would keep holding the build folder's lock (inherited through the fork)."""
-    try:
-        import ctypes
-        import signal
-
+    with contextlib.suppress(OSError, AttributeError):  # (no prctl: not Linux)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _restore(name: str, value: Optional[str]) -> None:

@@ -13,6 +13,7 @@ evenly spaced blocks of 16 KiB (the first and last included), so an edit that ke
 `rsync -a`) still changes the key unless it falls entirely between the sampled blocks of a large file.
 """
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -84,12 +85,6 @@ def data_fingerprint(files: List[str], transform: Any, source: Optional[str] = N
     return {**parts, "source": source} if source else parts
 
 
-def cache_key(version: int, files: List[str], parts: Dict[str, Optional[str]], *extra: Any) -> str:
-    """A sample cache's key: its format `version`, the files (path, size, mtime, sampled content), the data
-    fingerprint, veomni/data's source and `extra`."""
-    return fingerprint(version, files_fingerprint(files), sorted(parts.items()), *extra)
-
-
 def find_tokenizer(transform: Any) -> Any:
     """The tokenizer a transform uses: an argument of it, or the `tokenizer` of a chat template or processor."""
     if not isinstance(transform, functools.partial):
@@ -125,15 +120,6 @@ def _module_source(name: str) -> str:
     if not path or not os.path.isfile(path):
         return ""
     return files_fingerprint([path])[0][3]
-
-
-def _class_sources(kind: type) -> str:
-    """The module sources of every class in `kind`'s MRO (a base class edited changes what the object does)."""
-    return ",".join(
-        f"{cls.__module__}.{cls.__qualname__}:{_module_source(cls.__module__)}"
-        for cls in kind.__mro__
-        if cls.__module__ != "builtins"
-    )
 
 
 def _function(fn, depth: int, seen: set) -> str:
@@ -172,9 +158,10 @@ def _describe(obj: Any, depth: int, seen: set) -> str:
         return "dict{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
     if isinstance(obj, np.ndarray):
         return f"nd:{obj.dtype}:{obj.shape}:{hashlib.sha256(np.ascontiguousarray(obj).tobytes()).hexdigest()}"
-    if _is_tensor(obj):  # by value (its bytes: bf16 has no numpy type)
+    torch = sys.modules.get("torch")  # (a tensor exists only once torch is imported)
+    if torch is not None and isinstance(obj, torch.Tensor):  # by value (its bytes: bf16 has no numpy type)
         flat = obj.detach().cpu().contiguous().reshape(-1)
-        raw = flat.view(sys.modules["torch"].uint8).numpy().tobytes() if flat.numel() else b""
+        raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
         return f"tensor:{obj.dtype}:{tuple(obj.shape)}:{hashlib.sha256(raw).hexdigest()}"
     if isinstance(obj, logging.Logger):  # its level cache changes as it is used: the name is what matters
         return f"logger:{obj.name}"
@@ -190,29 +177,26 @@ def _describe(obj: Any, depth: int, seen: set) -> str:
     seen = seen | {id(obj)}
     if _is_tokenizer(obj):
         return _tokenizer(obj)
-    if inspect.isclass(type(obj)) and callable(getattr(type(obj), "get_attributes", None)):  # an HF processor
+    if callable(getattr(type(obj), "get_attributes", None)):  # an HF processor
         parts = {name: getattr(obj, name, None) for name in type(obj).get_attributes()}  # tokenizer, image, audio
         return (
             f"processor:{type(obj).__name__}:{_describe(parts, depth + 1, seen)}:{getattr(obj, 'chat_template', None)}"
         )
     if hasattr(obj, "to_json_string") and callable(obj.to_json_string):  # configs, image processors, extractors
-        try:
+        with contextlib.suppress(Exception):  # some processors cannot serialise every attribute: then their state
             return f"json:{type(obj).__name__}:{obj.to_json_string()}"
-        except Exception:  # some processors cannot serialise every attribute: fall back to their state
-            pass
     if inspect.isclass(obj):
         return f"class:{obj.__module__}.{obj.__qualname__}"
     state = getattr(obj, "__dict__", None)
-    if state is not None:  # the classes' code and the object's state
+    if state is not None:  # the object's state and the module sources of its MRO (an edited base class counts)
         kind = type(obj)
-        code = _class_sources(kind)
+        code = ",".join(
+            f"{cls.__module__}.{cls.__qualname__}:{_module_source(cls.__module__)}"
+            for cls in kind.__mro__
+            if cls.__module__ != "builtins"
+        )
         return f"obj:{kind.__module__}.{kind.__qualname__}:{code}:{_describe(dict(state), depth + 1, seen)}"
     try:
         return f"pickle:{hashlib.sha256(pickle.dumps(obj, protocol=4)).hexdigest()}"
     except Exception as err:
         raise Unfingerprintable(f"cannot fingerprint a {type(obj).__name__}: {err}") from None
-
-
-def _is_tensor(obj: Any) -> bool:
-    torch = sys.modules.get("torch")  # (a tensor exists only once torch is imported)
-    return torch is not None and isinstance(obj, torch.Tensor)

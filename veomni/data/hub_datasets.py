@@ -18,7 +18,6 @@ The data fingerprint records the name, commit, config and split (`source`). `dat
 such a path is used (`pip install veomni[hub]`).
 """
 
-import itertools
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -136,7 +135,7 @@ class HubStreamRecords:
         stream = self.dataset.shard(num_shards=self.dataset.num_shards, index=shard)
         return stream.skip(start) if start else stream
 
-    def iter_unit(self, unit, position: Optional[int] = None, parse: bool = True):
+    def iter_unit(self, unit, position: Optional[int] = None):
         shard, piece, pieces = unit
         start = position or 0
         for i, record in enumerate(self._shard(shard, start), start):
@@ -147,7 +146,7 @@ class HubStreamRecords:
         return sum(1 for _ in self.iter_unit(unit, position))
 
     def first(self, n: int) -> List[Tuple[Any, str]]:
-        return [(r, self.location((0, i))) for i, r in enumerate(itertools.islice(iter(self.dataset), n))]
+        return [(r, self.location((0, i))) for i, r in enumerate(self.dataset.take(n))]
 
     def location(self, key) -> str:
         return f"{self.ref.path()} shard {key[0]} row {key[1]}"
@@ -162,7 +161,7 @@ class HubStreamRecords:
             by_shard.setdefault(shard, set()).add(row)
         for shard, rows in by_shard.items():
             first = min(rows)
-            for i, record in enumerate(itertools.islice(self._shard(shard, first), max(rows) - first + 1), first):
+            for i, record in enumerate(self._shard(shard, first).take(max(rows) - first + 1), first):
                 if i in rows:
                     found[(shard, i)] = record
         return found

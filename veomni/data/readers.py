@@ -182,12 +182,8 @@ class RecordFiles:
     def _rows(self, fi: int):
         if fi not in self._tables:
             path = self.files[fi]
-            if path.endswith(".json"):
-                self._tables[fi] = _json_items(path)
-            elif path.endswith(".parquet"):
-                self._tables[fi] = _ParquetRows(path)
-            else:
-                self._tables[fi] = _ArrowRows(path)
+            read = {".json": _json_items, ".parquet": _ParquetRows, ".arrow": _ArrowRows}[os.path.splitext(path)[1]]
+            self._tables[fi] = read(path)
         return self._tables[fi]
 
     # ---------------------------------------------------------------------------------------- random access

@@ -21,7 +21,9 @@ of another host older than `VEOMNI_HOST_TIMEOUT_MINUTES`).
 """
 
 import atexit
+import contextlib
 import fcntl
+import functools
 import json
 import os
 import re
@@ -30,17 +32,17 @@ import socket
 import time
 import uuid
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..utils.collectives import host_group, on_every_rank, on_rank0
+from ..utils.collectives import host_group, on_every_rank, on_rank0, rank_and_world
 from ..utils.logging import get_logger
-from .cache_writer import CHUNK_BYTES, build_share, shares
+from .cache_writer import CHUNK_BYTES, build_share, part_files, part_path, shares, whole_file_crc
 from .data_transform import DataFormatError
-from .fingerprint import Unfingerprintable, cache_key, data_fingerprint
+from .fingerprint import Unfingerprintable, data_fingerprint, files_fingerprint, fingerprint
 
 logger = get_logger(__name__)
 FORMAT = 2
@@ -58,19 +60,18 @@ class SampleCache:
             self.manifest = json.load(f)
         parts = self.manifest["parts"]
         self.token_mode = self.manifest["token_mode"]
-        records = [np.load(self._path(p, "records.npy")) for p in range(len(parts))]
         lengths = [np.load(self._path(p, "lengths.npy")) for p in range(len(parts))]
-        counts = np.concatenate([r[:, 2] for r in records]) if records else np.zeros(0, np.int64)
-        self.record_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.keys = np.concatenate([r[:, :2] for r in records]) if records else np.zeros((0, 2), np.int64)
-        self.lengths = np.concatenate(lengths).astype(np.int32) if lengths else np.zeros(0, np.int32)
+        records = np.concatenate([np.load(self._path(p, "records.npy")) for p in range(len(parts))])  # (1+ parts)
+        self.record_offsets = np.concatenate([[0], np.cumsum(records[:, 2])]).astype(np.int64)
+        self.keys = records[:, :2]
+        self.lengths = np.concatenate(lengths)
         self.sample_bases = np.concatenate([[0], np.cumsum([p["samples"] for p in parts])]).astype(np.int64)
         self._token_starts = [np.concatenate([[0], np.cumsum(x, dtype=np.int64)]) for x in lengths]
         self._tokens: Dict[Tuple[int, str], np.ndarray] = {}
         self._checked: Dict[Tuple[int, str], np.ndarray] = {}  # per token file: which chunks were verified
 
     def _path(self, part: int, name: str) -> str:
-        return os.path.join(self.folder, f"part-{self.manifest['parts'][part]['part']}.{name}")
+        return part_path(self.folder, self.manifest["parts"][part]["part"], name)
 
     def __reduce__(self):
         return SampleCache, (self.folder, self.trusted)
@@ -90,22 +91,21 @@ class SampleCache:
         part = int(np.searchsorted(self.sample_bases, i, side="right")) - 1
         j = i - int(self.sample_bases[part])
         start, end = int(self._token_starts[part][j]), int(self._token_starts[part][j + 1])
-        fields = self.manifest["parts"][part]["fields"]
-        out = {name: self._read(part, name, start, end) for name, how in fields.items() if "stored" in how}
-        for name, how in fields.items():
-            if "const" in how:
-                out[name] = np.full(end - start, how["const"], dtype=np.int64)
-            elif "alias" in how:
-                out[name] = out["input_ids"].copy()
-        return {name: out[name] for name in fields}
+        fields = self.manifest["parts"][part]["fields"]  # a field stored, a constant, or an alias of another
+        return {
+            name: np.full(end - start, how["const"], np.int64) if "const" in how else self._read(part, name, start, end)
+            for name, how in fields.items()
+        }
 
     def _read(self, part: int, name: str, start: int, end: int) -> np.ndarray:
-        key = (part, name)
+        """Tokens `start:end` of field `name` (of the field it is an alias of), each chunk checked on its first read."""
+        fields = self.manifest["parts"][part]["fields"]
+        name = fields[name].get("alias", name)
+        key, crcs, per_chunk = (part, name), fields[name]["crc32"], CHUNK_BYTES // 4
         if key not in self._tokens:
             self._tokens[key] = np.memmap(self._path(part, f"{name}.bin"), dtype=np.int32, mode="r")
-            self._checked[key] = np.full(len(self.manifest["parts"][part]["fields"][name]["crc32"]), self.trusted)
+            self._checked[key] = np.full(len(crcs), self.trusted)
         tokens, checked = self._tokens[key], self._checked[key]
-        per_chunk, crcs = CHUNK_BYTES // 4, self.manifest["parts"][part]["fields"][name]["crc32"]
         for chunk in range(start // per_chunk, (end - 1) // per_chunk + 1 if end > start else 0):
             if not checked[chunk] and zlib.crc32(tokens[chunk * per_chunk : (chunk + 1) * per_chunk]) != crcs[chunk]:
                 last = min((chunk + 1) * CHUNK_BYTES, tokens.nbytes)
@@ -128,7 +128,7 @@ class SampleCache:
 
     def describe(self) -> str:
         m = self.manifest
-        size = sum(f.get("bytes", 0) for p in m["parts"] for f in [*p["fields"].values(), *p["index"].values()]) / 2**20
+        size = sum(how["bytes"] for p in m["parts"] for how in part_files(p).values()) / 2**20
         kind = "tokens" if self.token_mode else "sample lengths (transformed on access)"
         return (
             f"{self.folder}: {m['records']:,} records, {m['samples']:,} samples, {m['tokens']:,} tokens; "
@@ -157,15 +157,12 @@ def _problem(folder: str) -> Optional[str]:
     if manifest.get("format") != FORMAT:
         return f"format {manifest.get('format')} (this version writes {FORMAT})"
     for part in parts:
-        files = {f"{name}.bin": how for name, how in part["fields"].items() if "stored" in how}
-        for suffix, how in {**files, **part["index"]}.items():
-            full = os.path.join(folder, f"part-{part['part']}.{suffix}")
+        for suffix, how in part_files(part).items():
+            full = part_path(folder, part["part"], suffix)
             if not os.path.isfile(full) or os.path.getsize(full) != how["bytes"]:
                 return f"{os.path.basename(full)} is missing or of the wrong size"
-            if suffix in part["index"]:
-                with open(full, "rb") as f:
-                    if zlib.crc32(f.read()) != how["crc32"]:
-                        return f"{os.path.basename(full)} does not match its checksum (corrupt)"
+            if suffix in part["index"] and whole_file_crc(full) != how:
+                return f"{os.path.basename(full)} does not match its checksum (corrupt)"
     return None
 
 
@@ -179,7 +176,7 @@ def open_or_build(dataset, cache_dir: Optional[str], name: str = "data") -> Samp
     long build (`VEOMNI_HOST_TIMEOUT_MINUTES`); a rank that fails its share fails every rank at once."""
     cache_dir = cache_dir or os.environ.get("VEOMNI_DATA_CACHE", os.path.expanduser("~/.cache/veomni/data"))
     with host_group() as group:
-        rank, world = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
+        rank, world = rank_and_world()
         folder, parts = on_rank0(lambda: _key(dataset, cache_dir, name), group)
         problem = _problem(folder)
         build = not _all_ok(problem is None, group)
@@ -217,7 +214,7 @@ def _key(dataset, cache_dir: str, name: str) -> Tuple[str, Optional[Dict[str, st
         if not dataset.files:
             raise Unfingerprintable(f"a {type(dataset.reader.dataset).__name__} in memory")
         parts = data_fingerprint(dataset.files, dataset.transform, getattr(dataset, "source", None))
-        key = cache_key(FORMAT, dataset.files, parts, dataset.skip_bad_samples)
+        key = fingerprint(FORMAT, files_fingerprint(dataset.files), sorted(parts.items()), dataset.skip_bad_samples)
         return os.path.join(cache_dir, f"{name}-{key}"), parts
     except Unfingerprintable as err:
         if dataset.files:
@@ -229,13 +226,10 @@ def _key(dataset, cache_dir: str, name: str) -> Tuple[str, Optional[Dict[str, st
 
 def _build(dataset, folder: str, parts: Optional[Dict[str, str]], rank: int, world: int, group) -> None:
     tmp = on_rank0(lambda: _start_build(folder), group)
-    units = dataset.reader.units()
+    mine = shares(dataset.reader.units(), world)[rank]
     start, cpu = time.perf_counter(), time.process_time()
-
-    def my_share() -> List[Dict[str, Any]]:
-        return build_share(dataset, tmp, rank, shares(units, world)[rank], show=rank == 0)
-
     try:
+        my_share = functools.partial(build_share, dataset, tmp, rank, mine, show=rank == 0)
         metas = on_every_rank(my_share, "building its share of the data cache", group, DataFormatError)
     except BaseException:  # a bad record on some rank (or a stop): the half-built cache only takes space
         if rank == 0:  # (once every rank has stopped writing to it)
@@ -244,7 +238,7 @@ def _build(dataset, folder: str, parts: Optional[Dict[str, str]], rank: int, wor
         raise
     seconds = time.perf_counter() - start
     tokens = sum(m["tokens"] for m in metas)
-    with open(os.path.join(tmp, f"part-{rank:05d}.json"), "w") as f:
+    with open(part_path(tmp, f"{rank:05d}", "json"), "w") as f:
         json.dump(metas, f)
     logger.info(
         f"data cache share of rank {rank}: {sum(m['records'] for m in metas):,} records, {tokens:,} tokens in "
@@ -252,9 +246,7 @@ def _build(dataset, folder: str, parts: Optional[Dict[str, str]], rank: int, wor
         f"{time.process_time() - cpu:.1f} CPU-s)"
     )
     _all_ok(True, group)  # every rank's description written before rank 0 reads them
-    error = on_rank0(lambda: _publish(tmp, folder, world, parts), group)  # rank 0's failure ends every rank at once
-    if error:
-        raise DataFormatError(error)
+    on_rank0(lambda: _publish(tmp, folder, world, parts), group)  # rank 0's failure ends every rank at once
 
 
 def _start_build(folder: str) -> str:
@@ -265,14 +257,14 @@ def _start_build(folder: str) -> str:
     return tmp
 
 
-def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict[str, str]] = None) -> Optional[str]:
+def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict[str, str]] = None) -> None:
     """Rank 0: the manifest from every rank's part descriptions, then the folder renamed into place (a cache of
     this run's own, `-unshared-`, keeps its lock: it is in use until the run ends)."""
     parts = []
     for rank in range(world):
-        path = os.path.join(tmp, f"part-{rank:05d}.json")
+        path = part_path(tmp, f"{rank:05d}", "json")
         if not os.path.isfile(path):
-            return (
+            raise DataFormatError(
                 f"data cache {tmp}: rank {rank}'s parts are not visible to rank 0; data.cache_dir must be on storage "
                 "every rank sees"
             )
@@ -301,18 +293,15 @@ def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict
     if os.path.exists(folder):
         if _problem(folder) is None:  # another job finished the same cache meanwhile (it may be reading it)
             shutil.rmtree(tmp, ignore_errors=True)
-            return None
+            return
         stale = f"{folder}.stale-{uuid.uuid4().hex[:8]}"  # moved aside first: no half-deleted cache under its name
-        try:
+        with contextlib.suppress(OSError):
             os.replace(folder, stale)
-        except OSError:
-            pass
         shutil.rmtree(stale, ignore_errors=True)
     try:
         os.replace(tmp, folder)
     except OSError:  # another job published the same cache at this moment: theirs is as good as ours
         shutil.rmtree(tmp, ignore_errors=True)
-    return None
 
 
 # --------------------------------------------------------------------------------------- locks and the sweep
@@ -360,14 +349,11 @@ def _in_use(folder: str) -> bool:
         os.close(fd)
 
 
-def sweep(cache_dir: str) -> List[str]:
+def sweep(cache_dir: str) -> None:
     """Remove the build folders (`.building-*`), half-deleted caches (`.stale-*`) and run-own caches
-    (`-unshared-*`) of `cache_dir` that no live process holds; returns what was removed."""
-    removed = []
-    for entry in os.scandir(cache_dir):
-        if entry.is_dir() and _SWEPT.search(entry.name) and not _in_use(entry.path):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.name)
+    (`-unshared-*`) of `cache_dir` that no live process holds."""
+    removed = [e for e in os.scandir(cache_dir) if e.is_dir() and _SWEPT.search(e.name) and not _in_use(e.path)]
+    for entry in removed:
+        shutil.rmtree(entry.path, ignore_errors=True)
     if removed:
         logger.info(f"data cache dir {cache_dir}: removed {len(removed)} left by builds that did not finish")
-    return removed
