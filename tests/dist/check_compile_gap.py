@@ -9,7 +9,8 @@ counter that records the step after the warm-up step. Per loop and step it write
     backward graph inside a profiler range, so an op inside one is told apart), by name;
   * ops_by_cause: the same ops by the innermost region they ran in: FSDP2's ranges (`fsdp`), `optimizer_step`,
     `zero_grad`, the parts both loops share (`forward` with the loss, `backward`, `clip_grad_norm`), the trainer's
-    own (`step_totals`, `to_device`), and `step_rest` (the loop's code around them);
+    own (`step_totals`, `to_device`), `compiled_runtime` (aot_autograd's own work around a compiled graph, e.g. a
+    detach per tensor the forward saves for backward) and `step_rest` (the loop's code around them);
   * dtensor_dispatches: ops dispatched on DTensors (each pays DTensor's sharding propagation on the host), by region;
   * fsdp_ranges: FSDP2's hook work by kind; hooks: module forward / backward hooks fired (the model's and global);
   * optimizer_ms: host time of `optimizer.step` (a figure, not asserted: this box is shared).
@@ -64,7 +65,10 @@ def marking_backend():
 
 
 def cause_of(ancestors):
-    """The innermost named region an op ran in: FSDP2's own ranges, the optimizer's, or a `veomni::` marker."""
+    """The innermost named region an op ran in: aot_autograd's runtime, FSDP2's own ranges, the optimizer's, or a
+    `veomni::` marker."""
+    if ancestors and ancestors[0].startswith("CompiledFunction"):  # the compiled function's own op (also backward)
+        return "compiled_runtime"
     for name in ancestors:
         if name.startswith("FSDP::"):
             return "fsdp"
