@@ -40,8 +40,11 @@ class Registry:
 
     def get(self, name: str):
         if name not in self._items:
-            raise KeyError(f"unknown {self.kind} '{name}'; registered: {sorted(self._items)}")
+            raise KeyError(f"unknown {self.kind} '{name}'; registered: {self.names()}")
         return self._items[name]
+
+    def names(self):
+        return sorted(self._items)
 
     def __contains__(self, name: str) -> bool:
         return name in self._items

@@ -62,8 +62,8 @@ def multimodal_template_name(requested: str, family_template: str) -> str:
     if requested not in MULTIMODAL_CHAT_TEMPLATE_REGISTRY:
         raise ValueError(
             f"data.chat_template={requested if len(requested) <= 60 else requested[:57] + '...'!r}: VLMTrainer needs "
-            f"a multimodal chat template (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen2_5_omni, or one registered in "
-            f"MULTIMODAL_CHAT_TEMPLATE_REGISTRY) or auto (this model's own: {family_template})"
+            f"a multimodal chat template (one of MULTIMODAL_CHAT_TEMPLATE_REGISTRY's: "
+            f"{', '.join(MULTIMODAL_CHAT_TEMPLATE_REGISTRY.names())}) or auto (this model's own: {family_template})"
         )
     return requested
 
