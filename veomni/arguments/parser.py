@@ -14,9 +14,11 @@ from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
 import yaml
 
+from ..utils.logging import get_logger
 from .validation import ConfigError, check_optional_packages, enable_wandb_on_use, validate_args
 
 T = TypeVar("T")
+logger = get_logger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ type helpers
@@ -28,8 +30,10 @@ def _field_types(cls) -> Dict[str, Any]:
     return typing.get_type_hints(cls, localns=dict(vars(arguments_types)))
 
 
-def _user_fields(cls) -> List[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.init]
+def _user_fields(cls) -> List[Tuple[dataclasses.Field, Any]]:
+    """The keys of a group (derived `init=False` fields are not keys), each with its resolved type."""
+    types = _field_types(cls)
+    return [(f, types[f.name]) for f in dataclasses.fields(cls) if f.init]
 
 
 def _describe(tp) -> str:
@@ -90,27 +94,18 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
         raise bad()
-    if tp is int:
+    if tp in (int, float):
         number = value
         if isinstance(value, str):
             try:
-                number = float(value) if any(c in value for c in ".eE") else int(value, 0)
+                number = float(value) if tp is float or any(c in value for c in ".eE") else int(value, 0)
             except ValueError:
                 raise bad() from None
-        if isinstance(number, float) and number.is_integer():  # 1e3, 2.0
+        if tp is int and isinstance(number, float) and number.is_integer():  # 1e3, 2.0
             number = int(number)
-        if isinstance(number, int) and not isinstance(number, bool):
-            return number
-        raise bad()
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad() from None
-        raise bad()
+        if isinstance(number, bool) or not isinstance(number, int if tp is int else (int, float)):
+            raise bad()
+        return tp(number)
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -120,13 +115,11 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
 
 # --------------------------------------------------------------------------------------------- building
 def _all_keys(cls, prefix: str = "") -> List[str]:
-    types = _field_types(cls)
     keys = []
-    for f in _user_fields(cls):
-        path = f"{prefix}{f.name}"
-        keys.append(path)
-        if dataclasses.is_dataclass(types[f.name]):
-            keys.extend(_all_keys(types[f.name], path + "."))
+    for f, tp in _user_fields(cls):
+        keys.append(prefix + f.name)
+        if dataclasses.is_dataclass(tp):
+            keys.extend(_all_keys(tp, f"{prefix}{f.name}."))
     return keys
 
 
@@ -140,13 +133,12 @@ def _unknown_key(key: str, where: str, valid: List[str]) -> ConfigError:
 
 
 def _build(cls, values: Dict[str, Any], origins: Dict[str, str], valid: List[str], prefix: str = ""):
-    types = _field_types(cls)
-    names = {f.name for f in _user_fields(cls)}
+    types = {f.name: tp for f, tp in _user_fields(cls)}
     kwargs = {}
     for key, value in values.items():
         path = f"{prefix}{key}"
         where = origins.get(path, path)
-        if key not in names:
+        if key not in types:
             raise _unknown_key(path, where, valid)
         tp = types[key]
         if dataclasses.is_dataclass(tp):
@@ -232,16 +224,15 @@ def _default_of(f: dataclasses.Field) -> Any:
 
 
 def _help_lines(cls, prefix: str, only: str, width: int) -> List[str]:
-    types = _field_types(cls)
     leaves, groups = [], []
-    for f in _user_fields(cls):
+    for f, tp in _user_fields(cls):
         path = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(types[f.name]):
-            groups.append((path, types[f.name]))
+        if dataclasses.is_dataclass(tp):
+            groups.append((path, tp))
         elif not only or path == only or path.startswith(only + "."):
             default = _default_of(f)
             shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else repr(default)
-            head = f"  --{path}  ({_describe(types[f.name])}; default: {shown})"
+            head = f"  --{path}  ({_describe(tp)}; default: {shown})"
             doc = f.metadata.get("help", "")
             body = textwrap.wrap(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6) if doc else []
             leaves.extend([head, *body])
@@ -325,9 +316,7 @@ def _model_path_wins(tree: Dict[str, Any], origins: Dict[str, str]) -> None:
     for key in ("config_path", "tokenizer_path"):
         dotted = f"model.{key}"
         if model.get(key) and origins.get(dotted) != "command line":
-            from ..utils.logging import get_logger
-
-            get_logger(__name__).info(
+            logger.info(
                 f"{dotted}={model[key]} ({origins.get(dotted)}) is replaced by --model.model_path="
                 f"{model['model_path']}: the command line wins over the YAML (pass --{dotted} to keep another)"
             )

@@ -192,6 +192,7 @@ def enable_wandb_on_use(args, origins: Dict[str, str]) -> None:
     if wandb is _MISSING or not named or "train.wandb.enable" in origins or wandb.enable:
         return
     wandb.enable = True
+    origins["train.wandb.enable"] = "turned on by train.wandb.project/name"  # for check_optional_packages
     where = ", ".join(f"{k} ({origins[k]})" for k in named)
     logger.info(
         f"wandb logging on: {where} set (train.wandb.mode={wandb.mode}); --train.wandb.enable false turns it off"
@@ -213,7 +214,4 @@ def check_optional_packages(args, origins: Dict[str, str]) -> None:
 
     for key, (module, install) in OPTIONAL_PACKAGES.items():
         if _get(args, key) is True and importlib.util.find_spec(module) is None:
-            where = origins.get(
-                key, "turned on by train.wandb.project/name" if key == "train.wandb.enable" else "default"
-            )
-            raise ConfigError(f"{where}: key '{key}': needs the {module} package: {install}")
+            raise ConfigError(f"{origins.get(key, 'default')}: key '{key}': needs the {module} package: {install}")
