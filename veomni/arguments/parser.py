@@ -73,8 +73,6 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
         if isinstance(value, str):
             text = value.strip()
             value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v != ""]
-        if isinstance(value, tuple):
-            value = list(value)
         if not isinstance(value, list):
             raise bad()
         item = targs[0] if targs else Any
@@ -191,22 +189,17 @@ def _load_yaml(path: str) -> Tuple[Dict[str, Any], Dict[str, str]]:
 
 
 def _parse_cli(tokens: List[str]) -> List[Tuple[str, Any]]:
-    overrides, i = [], 0
-    while i < len(tokens):
-        token = tokens[i]
-        if not token.startswith("--"):
+    """`--key v`, `--key v1 v2` (a list), `--key` (true) and `--key=v` (takes no further values)."""
+    overrides = []  # (key, values, closed by `=`)
+    for token in tokens:
+        if token.startswith("--"):
+            key, eq, inline = token[2:].partition("=")
+            overrides.append((key, [inline] if eq else [], bool(eq)))
+        elif overrides and not overrides[-1][2]:
+            overrides[-1][1].append(token)
+        else:
             raise ConfigError(f"command line: expected --group.key, got {token!r}")
-        key, eq, inline = token[2:].partition("=")
-        i += 1
-        if eq:
-            overrides.append((key, inline))
-            continue
-        values = []
-        while i < len(tokens) and not tokens[i].startswith("--"):
-            values.append(tokens[i])
-            i += 1
-        overrides.append((key, "true" if not values else values[0] if len(values) == 1 else values))
-    return overrides
+    return [(key, "true" if not values else values[0] if len(values) == 1 else values) for key, values, _ in overrides]
 
 
 # ------------------------------------------------------------------------------------------------- help
@@ -301,9 +294,8 @@ def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
     validate_args(args, origins)  # ranges of numeric keys, before anything is built
     enable_wandb_on_use(args, origins)
     check_optional_packages(args, origins)  # a missing logger said now, not after the model is built
-    train = getattr(args, "train", None)
-    if train is not None and hasattr(train, "resolve"):
-        train.resolve(int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    if hasattr(getattr(args, "train", None), "resolve"):
+        args.train.resolve(int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
     return args
 
 
