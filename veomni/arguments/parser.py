@@ -42,7 +42,7 @@ def _describe(tp) -> str:
         return "one of " + ", ".join(repr(a) for a in targs)
     if origin is typing.Union:
         return " or ".join(_describe(a) for a in targs if a is not type(None)) + " or null"
-    if origin in (list, List):
+    if origin is list:
         return f"a list of {_describe(targs[0]) if targs else 'values'}"
     return getattr(tp, "__name__", str(tp))
 
@@ -69,7 +69,7 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
             if value == choice or (isinstance(value, str) and str(choice) == value):
                 return choice
         raise bad()
-    if origin in (list, List):
+    if origin is list:
         if isinstance(value, str):
             text = value.strip()
             value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v != ""]
@@ -77,7 +77,7 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
             raise bad()
         item = targs[0] if targs else Any
         return [_coerce(v, item, where, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin in (dict, Dict):  # on the command line a YAML/JSON flow mapping: '{media_dir: /data, video_fps: 1}'
+    if origin is dict:  # on the command line a YAML/JSON flow mapping: '{media_dir: /data, video_fps: 1}'
         if isinstance(value, str):
             try:
                 value = yaml.safe_load(value)
@@ -208,36 +208,28 @@ def _group_doc(cls) -> str:
     return "" if doc.startswith(cls.__name__ + "(") else doc.split("\n\n")[0].replace("\n", " ")  # dataclass's own
 
 
-def _default_of(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return "(required)"
-
-
-def _help_lines(cls, prefix: str, only: str, width: int) -> List[str]:
+def _help_lines(cls, prefix: str, only: str) -> List[str]:
     leaves, groups = [], []
     for f, tp in _user_fields(cls):
         path = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(tp):
             groups.append((path, tp))
         elif not only or path == only or path.startswith(only + "."):
-            default = _default_of(f)
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            default = "(required)" if default is dataclasses.MISSING else default
             shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else repr(default)
             head = f"  --{path}  ({_describe(tp)}; default: {shown})"
             doc = f.metadata.get("help", "")
-            body = textwrap.wrap(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6) if doc else []
+            body = textwrap.wrap(doc, 100, initial_indent=" " * 6, subsequent_indent=" " * 6) if doc else []
             leaves.extend([head, *body])
     lines = []
     if leaves:
-        title = prefix.rstrip(".")
         doc = _group_doc(cls)
-        lines += ["", f"{title}:" + (f"  {doc}" if doc else ""), *leaves]
+        lines += ["", prefix.rstrip(".") + ":" + (f"  {doc}" if doc else ""), *leaves]
     for path, sub in groups:
         inside = only == path or only.startswith(path + ".")  # the request is this group or below it
         if not only or inside or path.startswith(only + "."):
-            lines += _help_lines(sub, path + ".", only if inside else "", width)
+            lines += _help_lines(sub, path + ".", only if inside else "")
     return lines
 
 
@@ -254,7 +246,7 @@ def format_help(root_class, only: str = "", prog: str = "TASK.py") -> str:
         "Values: command line over CONFIG.yaml over the defaults below. Lists: `--key a b c` or `--key a,b,c`;",
         "booleans: true/false; null/none for an optional value. `--help train.optimizer` shows one group.",
     ]
-    return "\n".join(header + _help_lines(root_class, "", only, 100)) + "\n"
+    return "\n".join(header + _help_lines(root_class, "", only)) + "\n"
 
 
 def _help_request(argv: List[str]) -> Optional[str]:
