@@ -5,7 +5,7 @@ parse time) and by `veomni.distributed.ParallelDims.from_config` (the meshes).
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,14 @@ def resolve_parallel_sizes(acc, world_size: Optional[int]) -> ParallelSizes:
             "parallel sizes do not multiply to the world size: dp_size * ulysses_size * tp_size * pp_size * "
             f"cp_size = {dp_size} * {ulysses} * {tp} * 1 * 1 = {product}, but world_size = {world_size}"
         )
-    extras = _extra_dims(
-        world_size, acc.extra_parallel_names, acc.extra_parallel_sizes, acc.extra_parallel_placement_innermost
-    )
+    names, sizes = list(acc.extra_parallel_names), list(acc.extra_parallel_sizes)
+    if len(names) != len(sizes):
+        raise ValueError(f"extra_parallel_names {names} and extra_parallel_sizes {sizes} differ in length")
+    for name, size in zip(names, sizes):
+        if size < 1 or world_size % size:
+            raise ValueError(f"extra parallel '{name}' size {size} does not divide world_size {world_size}")
+    innermost = list(acc.extra_parallel_placement_innermost) + [True] * len(names)  # unset: innermost
+    extras = tuple(ExtraDim(*dim) for dim in zip(names, sizes, innermost))
     return ParallelSizes(world_size, dp_replicate, dp_shard, ulysses, tp, extras)
 
 
@@ -70,17 +75,3 @@ def _split_dp(dp_size: int, dp_replicate_size: int, dp_shard_size: int) -> Tuple
             f"{dp_replicate_size * dp_shard_size}, but dp_size = {dp_size}"
         )
     return dp_replicate_size, dp_shard_size
-
-
-def _extra_dims(
-    world_size: int, names: Sequence[str], sizes: Sequence[int], innermost: Sequence[bool]
-) -> Tuple[ExtraDim, ...]:
-    names, sizes, innermost = list(names or []), list(sizes or []), list(innermost or [])
-    if len(names) != len(sizes):
-        raise ValueError(f"extra_parallel_names {names} and extra_parallel_sizes {sizes} differ in length")
-    extras = []
-    for i, (name, size) in enumerate(zip(names, sizes)):
-        if size < 1 or world_size % size:
-            raise ValueError(f"extra parallel '{name}' size {size} does not divide world_size {world_size}")
-        extras.append(ExtraDim(name, size, innermost[i] if i < len(innermost) else True))
-    return tuple(extras)

@@ -14,9 +14,11 @@ from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
 import yaml
 
+from ..utils.logging import get_logger
 from .validation import ConfigError, check_optional_packages, enable_wandb_on_use, validate_args
 
 T = TypeVar("T")
+logger = get_logger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ type helpers
@@ -28,8 +30,10 @@ def _field_types(cls) -> Dict[str, Any]:
     return typing.get_type_hints(cls, localns=dict(vars(arguments_types)))
 
 
-def _user_fields(cls) -> List[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.init]
+def _user_fields(cls) -> List[Tuple[dataclasses.Field, Any]]:
+    """The keys of a group (derived `init=False` fields are not keys), each with its resolved type."""
+    types = _field_types(cls)
+    return [(f, types[f.name]) for f in dataclasses.fields(cls) if f.init]
 
 
 def _describe(tp) -> str:
@@ -38,7 +42,7 @@ def _describe(tp) -> str:
         return "one of " + ", ".join(repr(a) for a in targs)
     if origin is typing.Union:
         return " or ".join(_describe(a) for a in targs if a is not type(None)) + " or null"
-    if origin in (list, List):
+    if origin is list:
         return f"a list of {_describe(targs[0]) if targs else 'values'}"
     return getattr(tp, "__name__", str(tp))
 
@@ -65,17 +69,15 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
             if value == choice or (isinstance(value, str) and str(choice) == value):
                 return choice
         raise bad()
-    if origin in (list, List):
+    if origin is list:
         if isinstance(value, str):
             text = value.strip()
             value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v != ""]
-        if isinstance(value, tuple):
-            value = list(value)
         if not isinstance(value, list):
             raise bad()
         item = targs[0] if targs else Any
         return [_coerce(v, item, where, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin in (dict, Dict):  # on the command line a YAML/JSON flow mapping: '{media_dir: /data, video_fps: 1}'
+    if origin is dict:  # on the command line a YAML/JSON flow mapping: '{media_dir: /data, video_fps: 1}'
         if isinstance(value, str):
             try:
                 value = yaml.safe_load(value)
@@ -90,27 +92,18 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
         raise bad()
-    if tp is int:
+    if tp in (int, float):
         number = value
         if isinstance(value, str):
             try:
-                number = float(value) if any(c in value for c in ".eE") else int(value, 0)
+                number = float(value) if tp is float or any(c in value for c in ".eE") else int(value, 0)
             except ValueError:
                 raise bad() from None
-        if isinstance(number, float) and number.is_integer():  # 1e3, 2.0
+        if tp is int and isinstance(number, float) and number.is_integer():  # 1e3, 2.0
             number = int(number)
-        if isinstance(number, int) and not isinstance(number, bool):
-            return number
-        raise bad()
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad() from None
-        raise bad()
+        if isinstance(number, bool) or not isinstance(number, int if tp is int else (int, float)):
+            raise bad()
+        return tp(number)
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -120,13 +113,11 @@ def _coerce(value: Any, tp, where: str, key: str) -> Any:
 
 # --------------------------------------------------------------------------------------------- building
 def _all_keys(cls, prefix: str = "") -> List[str]:
-    types = _field_types(cls)
     keys = []
-    for f in _user_fields(cls):
-        path = f"{prefix}{f.name}"
-        keys.append(path)
-        if dataclasses.is_dataclass(types[f.name]):
-            keys.extend(_all_keys(types[f.name], path + "."))
+    for f, tp in _user_fields(cls):
+        keys.append(prefix + f.name)
+        if dataclasses.is_dataclass(tp):
+            keys.extend(_all_keys(tp, f"{prefix}{f.name}."))
     return keys
 
 
@@ -140,13 +131,12 @@ def _unknown_key(key: str, where: str, valid: List[str]) -> ConfigError:
 
 
 def _build(cls, values: Dict[str, Any], origins: Dict[str, str], valid: List[str], prefix: str = ""):
-    types = _field_types(cls)
-    names = {f.name for f in _user_fields(cls)}
+    types = {f.name: tp for f, tp in _user_fields(cls)}
     kwargs = {}
     for key, value in values.items():
         path = f"{prefix}{key}"
         where = origins.get(path, path)
-        if key not in names:
+        if key not in types:
             raise _unknown_key(path, where, valid)
         tp = types[key]
         if dataclasses.is_dataclass(tp):
@@ -199,22 +189,17 @@ def _load_yaml(path: str) -> Tuple[Dict[str, Any], Dict[str, str]]:
 
 
 def _parse_cli(tokens: List[str]) -> List[Tuple[str, Any]]:
-    overrides, i = [], 0
-    while i < len(tokens):
-        token = tokens[i]
-        if not token.startswith("--"):
+    """`--key v`, `--key v1 v2` (a list), `--key` (true) and `--key=v` (takes no further values)."""
+    overrides = []  # (key, values, closed by `=`)
+    for token in tokens:
+        if token.startswith("--"):
+            key, eq, inline = token[2:].partition("=")
+            overrides.append((key, [inline] if eq else [], bool(eq)))
+        elif overrides and not overrides[-1][2]:
+            overrides[-1][1].append(token)
+        else:
             raise ConfigError(f"command line: expected --group.key, got {token!r}")
-        key, eq, inline = token[2:].partition("=")
-        i += 1
-        if eq:
-            overrides.append((key, inline))
-            continue
-        values = []
-        while i < len(tokens) and not tokens[i].startswith("--"):
-            values.append(tokens[i])
-            i += 1
-        overrides.append((key, "true" if not values else values[0] if len(values) == 1 else values))
-    return overrides
+    return [(key, "true" if not values else values[0] if len(values) == 1 else values) for key, values, _ in overrides]
 
 
 # ------------------------------------------------------------------------------------------------- help
@@ -223,37 +208,28 @@ def _group_doc(cls) -> str:
     return "" if doc.startswith(cls.__name__ + "(") else doc.split("\n\n")[0].replace("\n", " ")  # dataclass's own
 
 
-def _default_of(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return "(required)"
-
-
-def _help_lines(cls, prefix: str, only: str, width: int) -> List[str]:
-    types = _field_types(cls)
+def _help_lines(cls, prefix: str, only: str) -> List[str]:
     leaves, groups = [], []
-    for f in _user_fields(cls):
+    for f, tp in _user_fields(cls):
         path = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(types[f.name]):
-            groups.append((path, types[f.name]))
+        if dataclasses.is_dataclass(tp):
+            groups.append((path, tp))
         elif not only or path == only or path.startswith(only + "."):
-            default = _default_of(f)
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            default = "(required)" if default is dataclasses.MISSING else default
             shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else repr(default)
-            head = f"  --{path}  ({_describe(types[f.name])}; default: {shown})"
+            head = f"  --{path}  ({_describe(tp)}; default: {shown})"
             doc = f.metadata.get("help", "")
-            body = textwrap.wrap(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6) if doc else []
+            body = textwrap.wrap(doc, 100, initial_indent=" " * 6, subsequent_indent=" " * 6) if doc else []
             leaves.extend([head, *body])
     lines = []
     if leaves:
-        title = prefix.rstrip(".")
         doc = _group_doc(cls)
-        lines += ["", f"{title}:" + (f"  {doc}" if doc else ""), *leaves]
+        lines += ["", prefix.rstrip(".") + ":" + (f"  {doc}" if doc else ""), *leaves]
     for path, sub in groups:
         inside = only == path or only.startswith(path + ".")  # the request is this group or below it
         if not only or inside or path.startswith(only + "."):
-            lines += _help_lines(sub, path + ".", only if inside else "", width)
+            lines += _help_lines(sub, path + ".", only if inside else "")
     return lines
 
 
@@ -270,7 +246,7 @@ def format_help(root_class, only: str = "", prog: str = "TASK.py") -> str:
         "Values: command line over CONFIG.yaml over the defaults below. Lists: `--key a b c` or `--key a,b,c`;",
         "booleans: true/false; null/none for an optional value. `--help train.optimizer` shows one group.",
     ]
-    return "\n".join(header + _help_lines(root_class, "", only, 100)) + "\n"
+    return "\n".join(header + _help_lines(root_class, "", only)) + "\n"
 
 
 def _help_request(argv: List[str]) -> Optional[str]:
@@ -310,9 +286,8 @@ def parse_args(root_class: Type[T], argv: Optional[List[str]] = None) -> T:
     validate_args(args, origins)  # ranges of numeric keys, before anything is built
     enable_wandb_on_use(args, origins)
     check_optional_packages(args, origins)  # a missing logger said now, not after the model is built
-    train = getattr(args, "train", None)
-    if train is not None and hasattr(train, "resolve"):
-        train.resolve(int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    if hasattr(getattr(args, "train", None), "resolve"):
+        args.train.resolve(int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
     return args
 
 
@@ -325,9 +300,7 @@ def _model_path_wins(tree: Dict[str, Any], origins: Dict[str, str]) -> None:
     for key in ("config_path", "tokenizer_path"):
         dotted = f"model.{key}"
         if model.get(key) and origins.get(dotted) != "command line":
-            from ..utils.logging import get_logger
-
-            get_logger(__name__).info(
+            logger.info(
                 f"{dotted}={model[key]} ({origins.get(dotted)}) is replaced by --model.model_path="
                 f"{model['model_path']}: the command line wins over the YAML (pass --{dotted} to keep another)"
             )

@@ -6,6 +6,7 @@ below; `tests/test_config_validation.py` fails when a numeric key has none, so a
 Errors are `ConfigError`s naming the key and where the value came from (file:line, or the command line).
 """
 
+import importlib.util
 import math
 import re
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -118,16 +119,14 @@ RULES: Dict[str, Rule] = {
 }
 
 
+_MISSING = object()  # a key the configuration class does not have (a custom root without some group)
+
+
 def _get(args, path: str):
     node = args
     for part in path.split("."):
-        if not hasattr(node, part):
-            return _MISSING
-        node = getattr(node, part)
+        node = getattr(node, part, _MISSING)  # stays _MISSING below a missing group
     return node
-
-
-_MISSING = object()
 
 
 def validate_args(args, origins: Dict[str, str]) -> None:
@@ -192,6 +191,7 @@ def enable_wandb_on_use(args, origins: Dict[str, str]) -> None:
     if wandb is _MISSING or not named or "train.wandb.enable" in origins or wandb.enable:
         return
     wandb.enable = True
+    origins["train.wandb.enable"] = "turned on by train.wandb.project/name"  # for check_optional_packages
     where = ", ".join(f"{k} ({origins[k]})" for k in named)
     logger.info(
         f"wandb logging on: {where} set (train.wandb.mode={wandb.mode}); --train.wandb.enable false turns it off"
@@ -209,11 +209,6 @@ OPTIONAL_PACKAGES = {
 def check_optional_packages(args, origins: Dict[str, str]) -> None:
     """A feature switched on whose package is not installed: one ConfigError naming the key, where it was set and
     the install line, at parse time (the loggers were found missing only after the model was built)."""
-    import importlib.util
-
     for key, (module, install) in OPTIONAL_PACKAGES.items():
         if _get(args, key) is True and importlib.util.find_spec(module) is None:
-            where = origins.get(
-                key, "turned on by train.wandb.project/name" if key == "train.wandb.enable" else "default"
-            )
-            raise ConfigError(f"{where}: key '{key}': needs the {module} package: {install}")
+            raise ConfigError(f"{origins.get(key, 'default')}: key '{key}': needs the {module} package: {install}")
