@@ -25,14 +25,8 @@ from .multimodal import (
 
 logger = get_logger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16")}
+_DTYPES.update(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)
 
 
 def to_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:

@@ -415,15 +415,12 @@ class ModelWeights:
                 )
 
         with self.files, ThreadPoolExecutor(READ_AHEAD) as pool:
-            pending = collections.deque()
-            for group in itertools.islice(groups, READ_AHEAD):
-                pending.append((group, pool.submit(self._read, group, local_index, unread)))
+            reads = ((group, pool.submit(self._read, group, local_index, unread)) for group in groups)
+            pending = collections.deque(itertools.islice(reads, READ_AHEAD))
             while pending:
                 group, future = pending.popleft()
                 sources, index = future.result()
-                following = next(groups, None)
-                if following is not None:
-                    pending.append((following, pool.submit(self._read, following, local_index, unread)))
+                pending.extend(itertools.islice(reads, 1))  # the next group's read starts
                 if group.is_rename:
                     tie_check(group.target, sources[group.keys[0]])
                     if group.target not in self.tie_checks:

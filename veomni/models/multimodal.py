@@ -25,46 +25,26 @@ import torch
 from torch import nn
 
 from ..compat.transformers import bind_instance_method, set_config_experts_implementation
-from .position_ids import build_position_id_func
+from .position_ids import ROPE_INDEX_CLASSES, build_position_id_func, thinker_config
 
-# model_type -> the encoder kinds its forward can consume, in the order the adapter runs them
-_ENCODER_INPUTS = {
-    "image": ("pixel_values", "image_grid_thw"),
-    "video": ("pixel_values_videos", "video_grid_thw"),
-    "audio": ("input_features", "feature_attention_mask"),
+# encoder kind -> (its two forward inputs, HF's getter of its features, its tower), in the order the adapter runs them
+_ENCODERS = {
+    "image": (("pixel_values", "image_grid_thw"), "get_image_features", "vit"),
+    "video": (("pixel_values_videos", "video_grid_thw"), "get_video_features", "vit"),
+    "audio": (("input_features", "feature_attention_mask"), "get_audio_features", "audio_tower"),
 }
-_GETTERS = {"image": "get_image_features", "video": "get_video_features", "audio": "get_audio_features"}
-MULTIMODAL_MODEL_TYPES = (
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen2_5_omni_thinker",
-    "qwen3_omni_moe_thinker",
-)
-# full Omni configs (thinker + talker + vocoder): training uses the thinker only
-_THINKER_OF = {"qwen2_5_omni": "thinker_config", "qwen3_omni_moe": "thinker_config"}
 # the language model's packing kwargs: meaningful to the decoder only, never to an encoder
 _LM_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _ENCODER_SUBCONFIGS = ("vision_config", "audio_config")
 
 
-def thinker_config(config):
-    """A full Omni config trains its thinker: return that sub-config (other configs unchanged)."""
-    sub = _THINKER_OF.get(getattr(config, "model_type", ""))
-    return getattr(config, sub) if sub else config
-
-
 def is_multimodal(config) -> bool:
-    return getattr(thinker_config(config), "model_type", "") in MULTIMODAL_MODEL_TYPES
+    return getattr(thinker_config(config), "model_type", "") in ROPE_INDEX_CLASSES
 
 
 # a head named by `config.architectures` that is not a language-model head: verl's critic rewrites its config to
 # `<Family>ForTokenClassification` (num_labels=1, one value per token); a reward model is a sequence classifier
-_HEAD_AUTO_CLASSES = {
-    "ForTokenClassification": "AutoModelForTokenClassification",
-    "ForSequenceClassification": "AutoModelForSequenceClassification",
-}
+_HEADS = ("ForTokenClassification", "ForSequenceClassification")
 
 
 def model_class_for(config):
@@ -74,9 +54,9 @@ def model_class_for(config):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     architecture = (getattr(config, "architectures", None) or [""])[0]
-    for suffix, auto_class in _HEAD_AUTO_CLASSES.items():
-        if architecture.endswith(suffix):
-            return getattr(transformers, auto_class)
+    for head in _HEADS:
+        if architecture.endswith(head):
+            return getattr(transformers, "AutoModel" + head)
     return AutoModelForImageTextToText if is_multimodal(config) else AutoModelForCausalLM
 
 
@@ -120,7 +100,7 @@ def _dummy_audio_inputs(audio_config, device, dtype) -> Tuple[torch.Tensor, torc
 def _encoder_call(inner: nn.Module, kind: str, getter: Callable, batch: Dict[str, Any]):
     """Run one encoder on the batch's inputs of `kind`, or on a dummy input when the batch has none.
     Returns (outputs, is_dummy)."""
-    first, second = _ENCODER_INPUTS[kind]
+    (first, second), _, _ = _ENCODERS[kind]
     if batch.get(first) is not None:
         lengths = (batch.get("audio_feature_lengths"),) if kind == "audio" else ()
         return getter(batch[first], batch.get(second), *lengths, return_dict=True), False
@@ -154,7 +134,7 @@ def _zero_of(outputs) -> Optional[torch.Tensor]:
 # ------------------------------------------------------------------------------------------------ adapter
 def encoder_kinds(model: nn.Module) -> List[str]:
     towers = encoder_modules(model)
-    return (["image", "video"] if "vit" in towers else []) + (["audio"] if "audio_tower" in towers else [])
+    return [kind for kind, (_, _, tower) in _ENCODERS.items() if tower in towers]
 
 
 def encoder_modules(model: nn.Module) -> Dict[str, nn.Module]:
@@ -167,13 +147,12 @@ def encoder_modules(model: nn.Module) -> Dict[str, nn.Module]:
 def freeze_encoders(model: nn.Module, freeze_vit: bool = False, freeze_audio_tower: bool = False) -> List[str]:
     """requires_grad=False on the vision tower and/or the audio tower (model.freeze_vit / freeze_audio_tower).
     The towers still run (under no_grad) and still take part in FSDP's collectives. Returns what was frozen."""
-    frozen = []
-    for name, module in encoder_modules(model).items():
-        if (name == "vit" and freeze_vit) or (name == "audio_tower" and freeze_audio_tower):
-            module.requires_grad_(False)
-            frozen.append(name)
-    if freeze_vit and "vit" not in frozen or freeze_audio_tower and "audio_tower" not in frozen:
-        raise ValueError(f"{type(model).__name__} has no such tower to freeze (towers: {list(encoder_modules(model))})")
+    towers = encoder_modules(model)
+    frozen = [name for name, freeze in (("vit", freeze_vit), ("audio_tower", freeze_audio_tower)) if freeze]
+    if not set(frozen) <= set(towers):
+        raise ValueError(f"{type(model).__name__} has no such tower to freeze (towers: {list(towers)})")
+    for name in frozen:
+        towers[name].requires_grad_(False)
     return frozen
 
 
@@ -206,7 +185,7 @@ def adapt_multimodal_model(model: nn.Module) -> nn.Module:
         return model
     adapter = _ADAPTERS[model] = MultimodalAdapter(model)
     for kind in adapter.kinds:
-        bind_instance_method(model.model, _GETTERS[kind], adapter.getter(kind))
+        bind_instance_method(model.model, _ENCODERS[kind][1], adapter.getter(kind))
     model.get_input_embeddings().register_forward_hook(adapter.add_pending_zero)
     model.register_forward_pre_hook(adapter.before_forward, with_kwargs=True)
     model.register_forward_hook(adapter.after_forward)
@@ -224,7 +203,7 @@ class MultimodalAdapter:
     def __init__(self, model: nn.Module):
         self.model, self.inner = model, model.model
         self.kinds = encoder_kinds(model)
-        self.originals = {kind: getattr(self.inner, _GETTERS[kind]) for kind in self.kinds}
+        self.originals = {kind: getattr(self.inner, _ENCODERS[kind][1]) for kind in self.kinds}
         self.precomputed: Dict[str, Any] = {}
         self.pending_zero: List[torch.Tensor] = []
         self.shard_visual_outputs: Optional[Callable[[Any, Dict[str, Any], Optional[torch.Tensor]], None]] = None
@@ -253,7 +232,7 @@ class MultimodalAdapter:
         zero, ran = None, {}
         towers = encoder_modules(self.model)
         for kind in self.kinds:
-            tower = towers["audio_tower" if kind == "audio" else "vit"]
+            tower = towers[_ENCODERS[kind][2]]
             frozen = not any(p.requires_grad for p in tower.parameters())
             with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
                 outputs, dummy = _encoder_call(self.inner, kind, self.originals[kind], kwargs)
