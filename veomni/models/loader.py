@@ -24,7 +24,7 @@ from ..compat.torch import parameter_slots
 from ..compat.transformers import keys_to_ignore_on_load_unexpected
 from ..utils.hub import first_line
 from ..utils.logging import get_logger
-from .hf_conversion import OMNI_NON_THINKER_PREFIXES, TensorGroup, convert_group, plan_load, plan_save
+from .hf_conversion import TensorGroup, convert_group, plan_load, plan_save
 from .placement import copy_into, tied_sources
 
 logger = get_logger(__name__)
@@ -249,9 +249,8 @@ def init_empty_weights():
     def register_parameter(module, name, param):
         original(module, name, param)
         if param is not None and not param.is_meta:  # a meta param re-registered (weight tying) stays the same object
-            kwargs = {"requires_grad": param.requires_grad}
             slots = parameter_slots(module)
-            slots[name] = nn.Parameter(slots[name].to("meta"), **kwargs)
+            slots[name] = nn.Parameter(slots[name].to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = register_parameter
     try:
@@ -310,9 +309,7 @@ class ModelWeights:
         self.expected = {name: (tuple(t.shape), t.is_floating_point()) for name, t in state.items()}
         sources = tied_sources(model)
         tied = set(sources)
-        model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
-        skip = OMNI_NON_THINKER_PREFIXES if model_type.endswith("_thinker") else ()
-        plan = plan_load(model, self.files.keys(), state.keys(), skip_prefixes=skip)
+        plan = plan_load(model, self.files.keys(), state.keys())
         ignore = ignored_unexpected(model)
         if ignore is not None:
             plan.unexpected = [(k, n) for k, n in plan.unexpected if not (ignore.search(k) or ignore.search(n))]
@@ -352,7 +349,7 @@ class ModelWeights:
                 )
             if group.is_rename:
                 (key,) = group.keys
-                self._check(group.target, self.files.shape[key], self.files.is_float[key], f"{self.files.file_of[key]}")
+                self._check(group.target, self.files.shape[key], self.files.is_float[key], self.files.file_of[key])
 
     def _missing_message(self, missing: List[str]) -> str:
         name = missing[0]
