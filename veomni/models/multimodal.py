@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..compat.transformers import bind_instance_method, set_config_experts_implementation
+from ..compat.transformers import bind_instance_method
 from .position_ids import ROPE_INDEX_CLASSES, build_position_id_func, thinker_config
 
 # encoder kind -> (its two forward inputs, HF's getter of its features, its tower), in the order the adapter runs them
@@ -35,7 +35,6 @@ _ENCODERS = {
 }
 # the language model's packing kwargs: meaningful to the decoder only, never to an encoder
 _LM_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-_ENCODER_SUBCONFIGS = ("vision_config", "audio_config")
 
 
 def is_multimodal(config) -> bool:
@@ -68,33 +67,25 @@ def attn_implementation_for(config, language_model_attn: Optional[str]):
         return language_model_attn
     encoder_attn = language_model_attn if language_model_attn.startswith("flash_attention") else "sdpa"
     mapping = {"": language_model_attn, "text_config": language_model_attn}
-    for name in _ENCODER_SUBCONFIGS:
+    for name in ("vision_config", "audio_config"):
         if getattr(config, name, None) is not None:
             mapping[name] = encoder_attn
     return mapping
 
 
-def set_experts_implementation(config, implementation: Optional[str]) -> None:
-    """The MoE experts read `_experts_implementation` from their own (text) sub-config."""
-    for cfg in (config, getattr(config, "text_config", None)):
-        if cfg is not None:
-            set_config_experts_implementation(cfg, implementation)
-
-
 # --------------------------------------------------------------------------------------------- dummy inputs
-def _dummy_visual_inputs(vision_config, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One image of merge x merge patches: the smallest input the vision tower (and its merger) accepts."""
-    m = vision_config.spatial_merge_size
-    dim = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+def _dummy_inputs(kind: str, config, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The smallest input an encoder accepts: one clip of one attention window of mel frames, all valid; one image
+    of merge x merge patches for the vision tower (and its merger)."""
+    if kind == "audio":
+        frames = 2 * getattr(config.audio_config, "n_window", 50)
+        features = torch.zeros(1, config.audio_config.num_mel_bins, frames, dtype=dtype, device=device)
+        return features, torch.ones(1, frames, dtype=torch.long, device=device)
+    vision = config.vision_config
+    m = vision.spatial_merge_size
+    dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
     return torch.zeros(m * m, dim, dtype=dtype, device=device), grid
-
-
-def _dummy_audio_inputs(audio_config, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One clip of one attention window of mel frames, all valid."""
-    frames = 2 * getattr(audio_config, "n_window", 50)
-    features = torch.zeros(1, audio_config.num_mel_bins, frames, dtype=dtype, device=device)
-    return features, torch.ones(1, frames, dtype=torch.long, device=device)
 
 
 def _encoder_call(inner: nn.Module, kind: str, getter: Callable, batch: Dict[str, Any]):
@@ -105,11 +96,7 @@ def _encoder_call(inner: nn.Module, kind: str, getter: Callable, batch: Dict[str
         lengths = (batch.get("audio_feature_lengths"),) if kind == "audio" else ()
         return getter(batch[first], batch.get(second), *lengths, return_dict=True), False
     param = next(inner.parameters())
-    if kind == "audio":
-        dummy = _dummy_audio_inputs(inner.config.audio_config, param.device, param.dtype)
-    else:
-        dummy = _dummy_visual_inputs(inner.config.vision_config, param.device, param.dtype)
-    return getter(*dummy, return_dict=True), True
+    return getter(*_dummy_inputs(kind, inner.config, param.device, param.dtype), return_dict=True), True
 
 
 def _tensors(value) -> List[torch.Tensor]:
@@ -154,13 +141,6 @@ def freeze_encoders(model: nn.Module, freeze_vit: bool = False, freeze_audio_tow
     for name in frozen:
         towers[name].requires_grad_(False)
     return frozen
-
-
-def _fix_position_ids(kwargs: Dict[str, Any]) -> None:
-    position_ids = kwargs.get("position_ids")
-    # (1, 3|4, L) from MainCollator's packing of per-sample (3|4, L) ids -> HF's (3|4, 1, L)
-    if torch.is_tensor(position_ids) and position_ids.dim() == 3 and position_ids.shape[:2] in ((1, 3), (1, 4)):
-        kwargs["position_ids"] = position_ids.transpose(0, 1)
 
 
 # model -> its adapter; weak, so an entry goes with its model (nothing planted on the model instance)
@@ -226,7 +206,10 @@ class MultimodalAdapter:
         return output
 
     def before_forward(self, module, args, kwargs):
-        _fix_position_ids(kwargs)
+        position_ids = kwargs.get("position_ids")
+        # (1, 3|4, L) from MainCollator's packing of per-sample (3|4, L) ids -> HF's (3|4, 1, L)
+        if torch.is_tensor(position_ids) and position_ids.dim() == 3 and position_ids.shape[:2] in ((1, 3), (1, 4)):
+            kwargs["position_ids"] = position_ids.transpose(0, 1)
         self.precomputed.clear()
         self.pending_zero.clear()
         zero, ran = None, {}
