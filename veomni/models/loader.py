@@ -218,15 +218,12 @@ class CheckpointFiles:
             if self._pickled[0] == path:
                 self._pickled = (None, {})
 
-    def close(self) -> None:
-        self._handles.clear()
-        self._pickled = (None, {})
-
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, *exc):  # the files are closed
+        self._handles.clear()
+        self._pickled = (None, {})
 
 
 def _unreadable(path: str, err: BaseException, key: Optional[str] = None) -> str:
@@ -393,7 +390,7 @@ class ModelWeights:
         `READ_AHEAD` threads read the next groups while this one is converted and placed (reading is page faults
         and copies out of the mapped files, which release the GIL); at most that many groups wait in memory."""
         order = {path: i for i, path in enumerate(self.files.files)}
-        groups = iter(sorted(self.groups, key=lambda g: order[self.files.file_of[g.keys[0]]]))
+        groups = sorted(self.groups, key=lambda g: order[self.files.file_of[g.keys[0]]])
         unread = collections.Counter(self.files.file_of[key] for group in self.groups for key in group.keys)
         held: Dict[str, torch.Tensor] = {}  # one side of a tied pair until the other arrives
 
