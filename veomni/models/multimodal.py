@@ -19,7 +19,7 @@ The adapter (`adapt_multimodal_model`) changes no modeling code; hooks around th
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -27,11 +27,18 @@ from torch import nn
 from ..compat.transformers import bind_instance_method
 from .position_ids import ROPE_INDEX_CLASSES, build_position_id_func, thinker_config
 
-# encoder kind -> (its two forward inputs, HF's getter of its features, its tower), in the order the adapter runs them
+
+class _Encoder(NamedTuple):
+    inputs: Tuple[str, str]  # the forward's inputs of this kind
+    getter: str  # HF's method giving its features
+    tower: str  # the tower that runs it (`encoder_modules`)
+
+
+# encoder kind -> what runs it, in the order the adapter runs them
 _ENCODERS = {
-    "image": (("pixel_values", "image_grid_thw"), "get_image_features", "vit"),
-    "video": (("pixel_values_videos", "video_grid_thw"), "get_video_features", "vit"),
-    "audio": (("input_features", "feature_attention_mask"), "get_audio_features", "audio_tower"),
+    "image": _Encoder(("pixel_values", "image_grid_thw"), "get_image_features", "vit"),
+    "video": _Encoder(("pixel_values_videos", "video_grid_thw"), "get_video_features", "vit"),
+    "audio": _Encoder(("input_features", "feature_attention_mask"), "get_audio_features", "audio_tower"),
 }
 # the language model's packing kwargs: meaningful to the decoder only, never to an encoder
 _LM_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -75,8 +82,8 @@ def attn_implementation_for(config, language_model_attn: Optional[str]):
 
 # --------------------------------------------------------------------------------------------- dummy inputs
 def _dummy_inputs(kind: str, config, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The smallest input an encoder accepts: one clip of one attention window of mel frames, all valid; one image
-    of merge x merge patches for the vision tower (and its merger)."""
+    """The smallest input an encoder of `kind` accepts: for the vision tower (and its merger) one image of
+    merge x merge patches; for the audio tower one clip of one attention window of mel frames, all valid."""
     if kind == "audio":
         frames = 2 * getattr(config.audio_config, "n_window", 50)
         features = torch.zeros(1, config.audio_config.num_mel_bins, frames, dtype=dtype, device=device)
@@ -91,7 +98,7 @@ def _dummy_inputs(kind: str, config, device, dtype) -> Tuple[torch.Tensor, torch
 def _encoder_call(inner: nn.Module, kind: str, getter: Callable, batch: Dict[str, Any]):
     """Run one encoder on the batch's inputs of `kind`, or on a dummy input when the batch has none.
     Returns (outputs, is_dummy)."""
-    (first, second), _, _ = _ENCODERS[kind]
+    first, second = _ENCODERS[kind].inputs
     if batch.get(first) is not None:
         lengths = (batch.get("audio_feature_lengths"),) if kind == "audio" else ()
         return getter(batch[first], batch.get(second), *lengths, return_dict=True), False
@@ -121,7 +128,7 @@ def _zero_of(outputs) -> Optional[torch.Tensor]:
 # ------------------------------------------------------------------------------------------------ adapter
 def encoder_kinds(model: nn.Module) -> List[str]:
     towers = encoder_modules(model)
-    return [kind for kind, (_, _, tower) in _ENCODERS.items() if tower in towers]
+    return [kind for kind, encoder in _ENCODERS.items() if encoder.tower in towers]
 
 
 def encoder_modules(model: nn.Module) -> Dict[str, nn.Module]:
@@ -165,7 +172,7 @@ def adapt_multimodal_model(model: nn.Module) -> nn.Module:
         return model
     adapter = _ADAPTERS[model] = MultimodalAdapter(model)
     for kind in adapter.kinds:
-        bind_instance_method(model.model, _ENCODERS[kind][1], adapter.getter(kind))
+        bind_instance_method(model.model, _ENCODERS[kind].getter, adapter.getter(kind))
     model.get_input_embeddings().register_forward_hook(adapter.add_pending_zero)
     model.register_forward_pre_hook(adapter.before_forward, with_kwargs=True)
     model.register_forward_hook(adapter.after_forward)
@@ -183,7 +190,7 @@ class MultimodalAdapter:
     def __init__(self, model: nn.Module):
         self.model, self.inner = model, model.model
         self.kinds = encoder_kinds(model)
-        self.originals = {kind: getattr(self.inner, _ENCODERS[kind][1]) for kind in self.kinds}
+        self.originals = {kind: getattr(self.inner, _ENCODERS[kind].getter) for kind in self.kinds}
         self.precomputed: Dict[str, Any] = {}
         self.pending_zero: List[torch.Tensor] = []
         self.shard_visual_outputs: Optional[Callable[[Any, Dict[str, Any], Optional[torch.Tensor]], None]] = None
@@ -215,7 +222,7 @@ class MultimodalAdapter:
         zero, ran = None, {}
         towers = encoder_modules(self.model)
         for kind in self.kinds:
-            tower = towers[_ENCODERS[kind][2]]
+            tower = towers[_ENCODERS[kind].tower]
             frozen = not any(p.requires_grad for p in tower.parameters())
             with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
                 outputs, dummy = _encoder_call(self.inner, kind, self.originals[kind], kwargs)
