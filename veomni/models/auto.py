@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from ..compat.transformers import set_config_experts_implementation
 from ..ops.attention import VARLEN, resolve_attn_implementation
 from ..ops.moe import experts_implementation
 from ..utils.demo_assets import missing_asset_hint
@@ -19,20 +20,13 @@ from .multimodal import (
     attn_implementation_for,
     is_multimodal,
     model_class_for,
-    set_experts_implementation,
     thinker_config,
 )
 
 logger = get_logger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16")}
+_DTYPES.update(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)
 
 
 def to_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
@@ -82,16 +76,6 @@ def build_tokenizer(tokenizer_path: str, trust_remote_code: bool = False, **kwar
         raise FileNotFoundError(f"tokenizer not found: {tokenizer_path}{missing_asset_hint(tokenizer_path or '')}")
     _refuse_custom_code(tokenizer_path, "tokenizer_config.json", trust_remote_code)
     return AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code, **kwargs)
-
-
-def _config_of(config_path, weights_path, trust_remote_code: bool, config_kwargs: Dict[str, Any]) -> PretrainedConfig:
-    """The config to build: a `PretrainedConfig` given as `config_path` (verl's critic passes one it rewrote) is
-    copied, so the caller's object is not changed by what the build sets; else it is read from the folder."""
-    if isinstance(config_path, PretrainedConfig):
-        config = copy.deepcopy(config_path)
-        config.update(config_kwargs)
-        return config
-    return build_config(config_path or weights_path, trust_remote_code=trust_remote_code, **config_kwargs)
 
 
 def _kernels_of(ops_implementation, attn_implementation: Optional[str], moe_implementation: Optional[str]):
@@ -148,13 +132,18 @@ def build_foundation_model(
     config_kwargs = dict(config_kwargs or {})
     trust_remote_code = bool(config_kwargs.pop("trust_remote_code", trust_remote_code))
     attn_implementation, moe_implementation = _kernels_of(ops_implementation, attn_implementation, moe_implementation)
-    config = _config_of(config_path, weights_path, trust_remote_code, config_kwargs)
+    if isinstance(config_path, PretrainedConfig):  # verl's critic passes one it rewrote: copied, never changed
+        config = copy.deepcopy(config_path)
+        config.update(config_kwargs)
+    else:
+        config = build_config(config_path or weights_path, trust_remote_code=trust_remote_code, **config_kwargs)
     config = thinker_config(config)
-    config.use_cache = False  # with a cache, transformers ignores packed position_ids and attends across documents
-    if getattr(config, "text_config", None) is not None:
-        config.text_config.use_cache = False
-    if num_experts_of(config):
-        set_experts_implementation(config, experts_implementation(moe_implementation))
+    is_moe = bool(num_experts_of(config))
+    for sub in (config, getattr(config, "text_config", None)):  # the (text) sub-config is what the decoder reads
+        if sub is not None:
+            sub.use_cache = False  # with a cache, transformers ignores packed position_ids and attends across documents
+            if is_moe:
+                set_config_experts_implementation(sub, experts_implementation(moe_implementation))
     dtype = to_dtype(torch_dtype)
     auto_class = model_class_for(config)
     # veomni_varlen (default): packed documents attend only within themselves, with no (S x S) mask

@@ -20,9 +20,8 @@ def reply(
     )
     device = next(model.parameters()).device
     ids = {k: v.to(device) for k, v in ids.items()}
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    if kwargs["pad_token_id"] is None:
-        kwargs["pad_token_id"] = tokenizer.eos_token_id
+    pad_token_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
     with torch.no_grad():
         out = model.generate(**ids, **{**kwargs, **generate_kwargs})
     return visible_reply(tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))

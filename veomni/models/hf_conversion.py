@@ -74,22 +74,17 @@ class LoadPlan:
     skipped: List[str]  # keys of other parts of a full checkpoint (an Omni model's talker when training its thinker)
 
 
-def _plain_class(module: nn.Module) -> type:
-    """The model's own class: FSDP2 swaps in a subclass named `FSDP<cls>` that transformers' tables don't know."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
-
-
 def conversion_rules(model: nn.Module, loading: bool) -> List[WeightTransform]:
     """transformers' rules for `model`'s class: those `from_pretrained` applies (`loading`), or those whose reverse
     `save_pretrained` applies to a model it did not load (no legacy renames, no prefix changes)."""
     from torch.distributed.fsdp import FSDPModule
 
     reference = model
-    if any(isinstance(m, FSDPModule) for m in model.modules()):  # the tables look models up by class name
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        # the tables look models up by class name, and FSDP2 swaps in a subclass `FSDP<cls>` they don't know
+        plain_class = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
         with torch.device("meta"):
-            reference = _plain_class(model)(copy.deepcopy(model.config))
+            reference = plain_class(copy.deepcopy(model.config))
     rules = list(get_model_conversion_mapping(reference, add_legacy=loading) or [])
     if loading:
         return rules + [copy.deepcopy(STACKED_EXPERTS)]
@@ -108,12 +103,14 @@ def _rename(key: str, renamings: Sequence[WeightTransform]) -> str:
     return key
 
 
-def _convert_key(key: str, converters: Sequence[WeightTransform]) -> Tuple[str, Optional[str], Optional[int]]:
-    """At most one converter applies to a key (transformers' rule): (new name, its source pattern, its index)."""
-    for index, rule in enumerate(converters):
+def _convert_key(
+    key: str, converters: Sequence[WeightTransform]
+) -> Tuple[str, Optional[str], Optional[WeightTransform]]:
+    """At most one converter applies to a key (transformers' rule): (new name, its source pattern, the rule)."""
+    for rule in converters:
         renamed, pattern = rule.rename_source_key(key)
         if pattern is not None:
-            return renamed, pattern, index
+            return renamed, pattern, rule
     return key, None, None
 
 
@@ -128,33 +125,30 @@ def _fix_base_prefix(name: str, prefix: str, model_keys: Set[str]) -> str:
     return name
 
 
-def plan_load(
-    model: nn.Module,
-    checkpoint_keys: Iterable[str],
-    model_keys: Iterable[str],
-    skip_prefixes: Sequence[str] = (),
-) -> LoadPlan:
-    """Which model tensor each checkpoint key feeds, as `from_pretrained` decides it."""
+def plan_load(model: nn.Module, checkpoint_keys: Iterable[str], model_keys: Iterable[str]) -> LoadPlan:
+    """Which model tensor each checkpoint key feeds, as `from_pretrained` decides it (an Omni thinker skips the
+    speech-output parts of a full Omni checkpoint)."""
     model_keys = set(model_keys)
     renamings, converters = _split(conversion_rules(model, loading=True))
     prefix = getattr(model, "base_model_prefix", "") or ""
+    model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
+    skip_prefixes = OMNI_NON_THINKER_PREFIXES if model_type.endswith("_thinker") else ()
     groups: Dict[str, TensorGroup] = {}
     unexpected, skipped = [], []
     for key in sorted(checkpoint_keys, key=dot_natural_key):  # sorted: experts stack in numeric order
-        name, pattern, index = _convert_key(_rename(key, renamings), converters)
+        name, pattern, rule = _convert_key(_rename(key, renamings), converters)
         name = _fix_base_prefix(name, prefix, model_keys)
         if name not in model_keys and key in model_keys:  # already in the model's own layout
-            name, pattern, index = key, None, None
+            name, pattern, rule = key, None, None
         if name not in model_keys:
-            if key.startswith(tuple(skip_prefixes)):
+            if key.startswith(skip_prefixes):
                 skipped.append(key)
             else:
                 unexpected.append((key, name))
             continue
         group = groups.get(name)
         if group is None:
-            transform = copy.deepcopy(converters[index]) if index is not None else None
-            group = groups[name] = TensorGroup(name, transform)
+            group = groups[name] = TensorGroup(name, copy.deepcopy(rule))
         elif group.is_rename or pattern is None:
             raise ValueError(f"checkpoint keys {group.keys[0]!r} and {key!r} both map to the model's {name!r}")
         group.sources.setdefault(pattern or key, []).append(key)
@@ -167,14 +161,13 @@ def plan_save(model: nn.Module, model_keys: Iterable[str]) -> List[TensorGroup]:
     renamings, converters = _split([rule.reverse_transform() for rule in rules])
     groups: Dict[str, TensorGroup] = {}
     for key in sorted(model_keys, key=dot_natural_key):
-        name, pattern, index = _convert_key(key, converters)
-        if index is None:
+        name, pattern, rule = _convert_key(key, converters)
+        if rule is None:
             name, pattern = _rename(key, renamings), key
         group = groups.get(name)
         if group is None:
-            transform = copy.deepcopy(converters[index]) if index is not None else None
-            rename_output = (lambda produced: _rename(produced, renamings)) if transform is not None else None
-            group = groups[name] = TensorGroup(name, transform, rename_output=rename_output)
+            rename_output = (lambda produced: _rename(produced, renamings)) if rule is not None else None
+            group = groups[name] = TensorGroup(name, copy.deepcopy(rule), rename_output=rename_output)
         group.sources.setdefault(pattern, []).append(key)
     return list(groups.values())
 

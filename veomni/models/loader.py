@@ -24,7 +24,7 @@ from ..compat.torch import parameter_slots
 from ..compat.transformers import keys_to_ignore_on_load_unexpected
 from ..utils.hub import first_line
 from ..utils.logging import get_logger
-from .hf_conversion import OMNI_NON_THINKER_PREFIXES, TensorGroup, convert_group, plan_load, plan_save
+from .hf_conversion import TensorGroup, convert_group, plan_load, plan_save
 from .placement import copy_into, tied_sources
 
 logger = get_logger(__name__)
@@ -218,15 +218,12 @@ class CheckpointFiles:
             if self._pickled[0] == path:
                 self._pickled = (None, {})
 
-    def close(self) -> None:
-        self._handles.clear()
-        self._pickled = (None, {})
-
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, *exc):  # the files are closed
+        self._handles.clear()
+        self._pickled = (None, {})
 
 
 def _unreadable(path: str, err: BaseException, key: Optional[str] = None) -> str:
@@ -249,9 +246,8 @@ def init_empty_weights():
     def register_parameter(module, name, param):
         original(module, name, param)
         if param is not None and not param.is_meta:  # a meta param re-registered (weight tying) stays the same object
-            kwargs = {"requires_grad": param.requires_grad}
             slots = parameter_slots(module)
-            slots[name] = nn.Parameter(slots[name].to("meta"), **kwargs)
+            slots[name] = nn.Parameter(slots[name].to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = register_parameter
     try:
@@ -310,9 +306,7 @@ class ModelWeights:
         self.expected = {name: (tuple(t.shape), t.is_floating_point()) for name, t in state.items()}
         sources = tied_sources(model)
         tied = set(sources)
-        model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
-        skip = OMNI_NON_THINKER_PREFIXES if model_type.endswith("_thinker") else ()
-        plan = plan_load(model, self.files.keys(), state.keys(), skip_prefixes=skip)
+        plan = plan_load(model, self.files.keys(), state.keys())
         ignore = ignored_unexpected(model)
         if ignore is not None:
             plan.unexpected = [(k, n) for k, n in plan.unexpected if not (ignore.search(k) or ignore.search(n))]
@@ -352,7 +346,7 @@ class ModelWeights:
                 )
             if group.is_rename:
                 (key,) = group.keys
-                self._check(group.target, self.files.shape[key], self.files.is_float[key], f"{self.files.file_of[key]}")
+                self._check(group.target, self.files.shape[key], self.files.is_float[key], self.files.file_of[key])
 
     def _missing_message(self, missing: List[str]) -> str:
         name = missing[0]
@@ -396,7 +390,7 @@ class ModelWeights:
         `READ_AHEAD` threads read the next groups while this one is converted and placed (reading is page faults
         and copies out of the mapped files, which release the GIL); at most that many groups wait in memory."""
         order = {path: i for i, path in enumerate(self.files.files)}
-        groups = iter(sorted(self.groups, key=lambda g: order[self.files.file_of[g.keys[0]]]))
+        groups = sorted(self.groups, key=lambda g: order[self.files.file_of[g.keys[0]]])
         unread = collections.Counter(self.files.file_of[key] for group in self.groups for key in group.keys)
         held: Dict[str, torch.Tensor] = {}  # one side of a tied pair until the other arrives
 
@@ -415,15 +409,12 @@ class ModelWeights:
                 )
 
         with self.files, ThreadPoolExecutor(READ_AHEAD) as pool:
-            pending = collections.deque()
-            for group in itertools.islice(groups, READ_AHEAD):
-                pending.append((group, pool.submit(self._read, group, local_index, unread)))
+            reads = ((group, pool.submit(self._read, group, local_index, unread)) for group in groups)
+            pending = collections.deque(itertools.islice(reads, READ_AHEAD))
             while pending:
                 group, future = pending.popleft()
                 sources, index = future.result()
-                following = next(groups, None)
-                if following is not None:
-                    pending.append((following, pool.submit(self._read, following, local_index, unread)))
+                pending.extend(itertools.islice(reads, 1))  # the next group's read starts
                 if group.is_rename:
                     tie_check(group.target, sources[group.keys[0]])
                     if group.target not in self.tie_checks:

@@ -42,24 +42,19 @@ def lora_config(args, base_model_path: Optional[str] = None):
     hub_name = hub_name_of(base_model_path)
     if hub_name is None and os.path.isdir(base_model_path or ""):
         base_model_path = os.path.abspath(base_model_path)
+    # our list form to PEFT's: names (suffix match), `all-linear`, or one `re:` pattern (full match)
+    targets = list(args.target_modules)
+    if len(targets) == 1 and (targets[0] == "all-linear" or targets[0].startswith(REGEX_PREFIX)):
+        targets = targets[0].removeprefix(REGEX_PREFIX)
     return LoraConfig(
         r=args.r,
         lora_alpha=args.alpha,
         lora_dropout=args.dropout,
-        target_modules=peft_target_modules(args.target_modules),
+        target_modules=targets,
         bias="none",
         task_type="CAUSAL_LM",  # PeftModel.from_pretrained then builds PeftModelForCausalLM around the base model
         base_model_name_or_path=hub_name or base_model_path,
     )
-
-
-def peft_target_modules(names: List[str]):
-    """Our list form to PEFT's: names (suffix match), `all-linear`, or one `re:` pattern (full match)."""
-    if len(names) == 1 and names[0].startswith(REGEX_PREFIX):
-        return names[0][len(REGEX_PREFIX) :]
-    if names == ["all-linear"]:
-        return "all-linear"
-    return list(names)
 
 
 def is_lora_model(model: nn.Module) -> bool:

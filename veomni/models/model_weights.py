@@ -24,17 +24,6 @@ from .auto import to_dtype
 logger = get_logger(__name__)
 
 
-def _full_cpu(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """The whole tensor on the host in `dtype` (a DTensor is gathered: a collective), never sharing storage with
-    another entry (views of one stacked tensor, as moe_split makes them, cannot be written side by side)."""
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
-    tensor = tensor.detach()
-    if dtype is not None and tensor.is_floating_point():
-        tensor = tensor.to(dtype)
-    return tensor.to("cpu", copy=True).contiguous()
-
-
 @torch.no_grad()
 def save_model_weights(
     output_dir: Union[str, "os.PathLike"],
@@ -56,10 +45,12 @@ def save_model_weights(
     dtype = None if save_dtype is None else to_dtype(save_dtype)
     writes = global_rank is None or global_rank == 0
     tensors = {}
-    for name, tensor in state_dict.items():  # every rank gathers every DTensor, in the same order
-        full = _full_cpu(tensor, dtype)
-        if writes:
-            tensors[name] = full
+    for name, tensor in state_dict.items():  # every rank gathers every DTensor (a collective), in the same order
+        full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+        if dtype is not None and full.is_floating_point():
+            full = full.to(dtype)
+        if writes:  # a copy: views of one stacked tensor (as moe_split makes them) cannot be written side by side
+            tensors[name] = full.to("cpu", copy=True).contiguous()
     if not writes:
         return
     output_dir = os.fspath(output_dir)

@@ -19,52 +19,38 @@ The adapter (`adapt_multimodal_model`) changes no modeling code; hooks around th
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..compat.transformers import bind_instance_method, set_config_experts_implementation
-from .position_ids import build_position_id_func
+from ..compat.transformers import bind_instance_method
+from .position_ids import ROPE_INDEX_CLASSES, build_position_id_func, thinker_config
 
-# model_type -> the encoder kinds its forward can consume, in the order the adapter runs them
-_ENCODER_INPUTS = {
-    "image": ("pixel_values", "image_grid_thw"),
-    "video": ("pixel_values_videos", "video_grid_thw"),
-    "audio": ("input_features", "feature_attention_mask"),
+
+class _Encoder(NamedTuple):
+    inputs: Tuple[str, str]  # the forward's inputs of this kind
+    getter: str  # HF's method giving its features
+    tower: str  # the tower that runs it (`encoder_modules`)
+
+
+# encoder kind -> what runs it, in the order the adapter runs them
+_ENCODERS = {
+    "image": _Encoder(("pixel_values", "image_grid_thw"), "get_image_features", "vit"),
+    "video": _Encoder(("pixel_values_videos", "video_grid_thw"), "get_video_features", "vit"),
+    "audio": _Encoder(("input_features", "feature_attention_mask"), "get_audio_features", "audio_tower"),
 }
-_GETTERS = {"image": "get_image_features", "video": "get_video_features", "audio": "get_audio_features"}
-MULTIMODAL_MODEL_TYPES = (
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen2_5_omni_thinker",
-    "qwen3_omni_moe_thinker",
-)
-# full Omni configs (thinker + talker + vocoder): training uses the thinker only
-_THINKER_OF = {"qwen2_5_omni": "thinker_config", "qwen3_omni_moe": "thinker_config"}
 # the language model's packing kwargs: meaningful to the decoder only, never to an encoder
 _LM_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-_ENCODER_SUBCONFIGS = ("vision_config", "audio_config")
-
-
-def thinker_config(config):
-    """A full Omni config trains its thinker: return that sub-config (other configs unchanged)."""
-    sub = _THINKER_OF.get(getattr(config, "model_type", ""))
-    return getattr(config, sub) if sub else config
 
 
 def is_multimodal(config) -> bool:
-    return getattr(thinker_config(config), "model_type", "") in MULTIMODAL_MODEL_TYPES
+    return getattr(thinker_config(config), "model_type", "") in ROPE_INDEX_CLASSES
 
 
 # a head named by `config.architectures` that is not a language-model head: verl's critic rewrites its config to
 # `<Family>ForTokenClassification` (num_labels=1, one value per token); a reward model is a sequence classifier
-_HEAD_AUTO_CLASSES = {
-    "ForTokenClassification": "AutoModelForTokenClassification",
-    "ForSequenceClassification": "AutoModelForSequenceClassification",
-}
+_HEADS = ("ForTokenClassification", "ForSequenceClassification")
 
 
 def model_class_for(config):
@@ -74,9 +60,9 @@ def model_class_for(config):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     architecture = (getattr(config, "architectures", None) or [""])[0]
-    for suffix, auto_class in _HEAD_AUTO_CLASSES.items():
-        if architecture.endswith(suffix):
-            return getattr(transformers, auto_class)
+    for head in _HEADS:
+        if architecture.endswith(head):
+            return getattr(transformers, "AutoModel" + head)
     return AutoModelForImageTextToText if is_multimodal(config) else AutoModelForCausalLM
 
 
@@ -88,48 +74,36 @@ def attn_implementation_for(config, language_model_attn: Optional[str]):
         return language_model_attn
     encoder_attn = language_model_attn if language_model_attn.startswith("flash_attention") else "sdpa"
     mapping = {"": language_model_attn, "text_config": language_model_attn}
-    for name in _ENCODER_SUBCONFIGS:
+    for name in ("vision_config", "audio_config"):
         if getattr(config, name, None) is not None:
             mapping[name] = encoder_attn
     return mapping
 
 
-def set_experts_implementation(config, implementation: Optional[str]) -> None:
-    """The MoE experts read `_experts_implementation` from their own (text) sub-config."""
-    for cfg in (config, getattr(config, "text_config", None)):
-        if cfg is not None:
-            set_config_experts_implementation(cfg, implementation)
-
-
 # --------------------------------------------------------------------------------------------- dummy inputs
-def _dummy_visual_inputs(vision_config, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One image of merge x merge patches: the smallest input the vision tower (and its merger) accepts."""
-    m = vision_config.spatial_merge_size
-    dim = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+def _dummy_inputs(kind: str, config, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The smallest input an encoder of `kind` accepts: for the vision tower (and its merger) one image of
+    merge x merge patches; for the audio tower one clip of one attention window of mel frames, all valid."""
+    if kind == "audio":
+        frames = 2 * getattr(config.audio_config, "n_window", 50)
+        features = torch.zeros(1, config.audio_config.num_mel_bins, frames, dtype=dtype, device=device)
+        return features, torch.ones(1, frames, dtype=torch.long, device=device)
+    vision = config.vision_config
+    m = vision.spatial_merge_size
+    dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
     return torch.zeros(m * m, dim, dtype=dtype, device=device), grid
-
-
-def _dummy_audio_inputs(audio_config, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One clip of one attention window of mel frames, all valid."""
-    frames = 2 * getattr(audio_config, "n_window", 50)
-    features = torch.zeros(1, audio_config.num_mel_bins, frames, dtype=dtype, device=device)
-    return features, torch.ones(1, frames, dtype=torch.long, device=device)
 
 
 def _encoder_call(inner: nn.Module, kind: str, getter: Callable, batch: Dict[str, Any]):
     """Run one encoder on the batch's inputs of `kind`, or on a dummy input when the batch has none.
     Returns (outputs, is_dummy)."""
-    first, second = _ENCODER_INPUTS[kind]
+    first, second = _ENCODERS[kind].inputs
     if batch.get(first) is not None:
         lengths = (batch.get("audio_feature_lengths"),) if kind == "audio" else ()
         return getter(batch[first], batch.get(second), *lengths, return_dict=True), False
     param = next(inner.parameters())
-    if kind == "audio":
-        dummy = _dummy_audio_inputs(inner.config.audio_config, param.device, param.dtype)
-    else:
-        dummy = _dummy_visual_inputs(inner.config.vision_config, param.device, param.dtype)
-    return getter(*dummy, return_dict=True), True
+    return getter(*_dummy_inputs(kind, inner.config, param.device, param.dtype), return_dict=True), True
 
 
 def _tensors(value) -> List[torch.Tensor]:
@@ -154,7 +128,7 @@ def _zero_of(outputs) -> Optional[torch.Tensor]:
 # ------------------------------------------------------------------------------------------------ adapter
 def encoder_kinds(model: nn.Module) -> List[str]:
     towers = encoder_modules(model)
-    return (["image", "video"] if "vit" in towers else []) + (["audio"] if "audio_tower" in towers else [])
+    return [kind for kind, encoder in _ENCODERS.items() if encoder.tower in towers]
 
 
 def encoder_modules(model: nn.Module) -> Dict[str, nn.Module]:
@@ -167,21 +141,13 @@ def encoder_modules(model: nn.Module) -> Dict[str, nn.Module]:
 def freeze_encoders(model: nn.Module, freeze_vit: bool = False, freeze_audio_tower: bool = False) -> List[str]:
     """requires_grad=False on the vision tower and/or the audio tower (model.freeze_vit / freeze_audio_tower).
     The towers still run (under no_grad) and still take part in FSDP's collectives. Returns what was frozen."""
-    frozen = []
-    for name, module in encoder_modules(model).items():
-        if (name == "vit" and freeze_vit) or (name == "audio_tower" and freeze_audio_tower):
-            module.requires_grad_(False)
-            frozen.append(name)
-    if freeze_vit and "vit" not in frozen or freeze_audio_tower and "audio_tower" not in frozen:
-        raise ValueError(f"{type(model).__name__} has no such tower to freeze (towers: {list(encoder_modules(model))})")
+    towers = encoder_modules(model)
+    frozen = [name for name, freeze in (("vit", freeze_vit), ("audio_tower", freeze_audio_tower)) if freeze]
+    if not set(frozen) <= set(towers):
+        raise ValueError(f"{type(model).__name__} has no such tower to freeze (towers: {list(towers)})")
+    for name in frozen:
+        towers[name].requires_grad_(False)
     return frozen
-
-
-def _fix_position_ids(kwargs: Dict[str, Any]) -> None:
-    position_ids = kwargs.get("position_ids")
-    # (1, 3|4, L) from MainCollator's packing of per-sample (3|4, L) ids -> HF's (3|4, 1, L)
-    if torch.is_tensor(position_ids) and position_ids.dim() == 3 and position_ids.shape[:2] in ((1, 3), (1, 4)):
-        kwargs["position_ids"] = position_ids.transpose(0, 1)
 
 
 # model -> its adapter; weak, so an entry goes with its model (nothing planted on the model instance)
@@ -206,7 +172,7 @@ def adapt_multimodal_model(model: nn.Module) -> nn.Module:
         return model
     adapter = _ADAPTERS[model] = MultimodalAdapter(model)
     for kind in adapter.kinds:
-        bind_instance_method(model.model, _GETTERS[kind], adapter.getter(kind))
+        bind_instance_method(model.model, _ENCODERS[kind].getter, adapter.getter(kind))
     model.get_input_embeddings().register_forward_hook(adapter.add_pending_zero)
     model.register_forward_pre_hook(adapter.before_forward, with_kwargs=True)
     model.register_forward_hook(adapter.after_forward)
@@ -224,7 +190,7 @@ class MultimodalAdapter:
     def __init__(self, model: nn.Module):
         self.model, self.inner = model, model.model
         self.kinds = encoder_kinds(model)
-        self.originals = {kind: getattr(self.inner, _GETTERS[kind]) for kind in self.kinds}
+        self.originals = {kind: getattr(self.inner, _ENCODERS[kind].getter) for kind in self.kinds}
         self.precomputed: Dict[str, Any] = {}
         self.pending_zero: List[torch.Tensor] = []
         self.shard_visual_outputs: Optional[Callable[[Any, Dict[str, Any], Optional[torch.Tensor]], None]] = None
@@ -247,13 +213,16 @@ class MultimodalAdapter:
         return output
 
     def before_forward(self, module, args, kwargs):
-        _fix_position_ids(kwargs)
+        position_ids = kwargs.get("position_ids")
+        # (1, 3|4, L) from MainCollator's packing of per-sample (3|4, L) ids -> HF's (3|4, 1, L)
+        if torch.is_tensor(position_ids) and position_ids.dim() == 3 and position_ids.shape[:2] in ((1, 3), (1, 4)):
+            kwargs["position_ids"] = position_ids.transpose(0, 1)
         self.precomputed.clear()
         self.pending_zero.clear()
         zero, ran = None, {}
         towers = encoder_modules(self.model)
         for kind in self.kinds:
-            tower = towers["audio_tower" if kind == "audio" else "vit"]
+            tower = towers[_ENCODERS[kind].tower]
             frozen = not any(p.requires_grad for p in tower.parameters())
             with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
                 outputs, dummy = _encoder_call(self.inner, kind, self.originals[kind], kwargs)

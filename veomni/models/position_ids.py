@@ -12,51 +12,47 @@ helper methods of its class; `_RopeIndex` supplies `config` and resolves every o
 bound to itself -- an adapter, not a copy of the HF code.
 """
 
-import importlib
 import types
 from typing import Optional
 
 import torch
+import transformers
 
-# model_type -> (module, class whose get_rope_index is used, calling convention)
-_ROPE_INDEX_CLASSES = {
-    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLModel", "token_types"),
-    "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel", "token_types"),
-    "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLModel", "token_types"),
-    "qwen3_vl_moe": ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeModel", "token_types"),
-    "qwen2_5_omni_thinker": (
-        "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni",
-        "Qwen2_5OmniThinkerForConditionalGeneration",
-        "omni",
-    ),
-    "qwen3_omni_moe_thinker": (
-        "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe",
-        "Qwen3OmniMoeThinkerForConditionalGeneration",
-        "omni",
-    ),
+# model_type -> the transformers class whose get_rope_index is used (a `*_thinker` one takes the Omni arguments);
+# veomni.models.multimodal adapts exactly these families
+ROPE_INDEX_CLASSES = {
+    "qwen2_vl": "Qwen2VLModel",
+    "qwen2_5_vl": "Qwen2_5_VLModel",
+    "qwen3_vl": "Qwen3VLModel",
+    "qwen3_vl_moe": "Qwen3VLMoeModel",
+    "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
+    "qwen3_omni_moe_thinker": "Qwen3OmniMoeThinkerForConditionalGeneration",
 }
+# full Omni configs (thinker + talker + vocoder): training uses the thinker only
+_THINKER_OF = {"qwen2_5_omni": "thinker_config", "qwen3_omni_moe": "thinker_config"}
 
 
-def _thinker_config(config):
-    """Omni checkpoints nest the language model's config as `thinker_config`; the thinker owns the M-RoPE."""
-    return getattr(config, "thinker_config", None) or config
+def thinker_config(config):
+    """A full Omni config trains its thinker (which owns the M-RoPE): return that sub-config (other configs
+    unchanged)."""
+    sub = _THINKER_OF.get(getattr(config, "model_type", ""))
+    return getattr(config, sub) if sub else config
 
 
 class _RopeIndex:
     """Picklable `(input_ids, grids...) -> (3, L)` position ids through the model class's `get_rope_index`."""
 
     def __init__(self, config):
-        config = _thinker_config(config)
-        if config.model_type not in _ROPE_INDEX_CLASSES:
+        config = thinker_config(config)
+        if config.model_type not in ROPE_INDEX_CLASSES:
             raise ValueError(
-                f"no M-RoPE position ids for model type {config.model_type!r}; known: {sorted(_ROPE_INDEX_CLASSES)}"
+                f"no M-RoPE position ids for model type {config.model_type!r}; known: {sorted(ROPE_INDEX_CLASSES)}"
             )
         self.config = config
         self.spatial_merge_size = config.vision_config.spatial_merge_size
 
     def _hf_class(self):
-        module, name, _ = _ROPE_INDEX_CLASSES[self.config.model_type]
-        return getattr(importlib.import_module(module), name)
+        return getattr(transformers, ROPE_INDEX_CLASSES[self.config.model_type])
 
     def __getattr__(self, name):  # the HF class's helpers (get_vision_position_ids, ...), bound to this object
         if name.startswith("__") or name in ("config", "spatial_merge_size"):
@@ -82,7 +78,7 @@ class _RopeIndex:
     ) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
         get_rope_index = types.MethodType(self._hf_class().get_rope_index, self)
-        if _ROPE_INDEX_CLASSES[self.config.model_type][2] == "token_types":
+        if not self.config.model_type.endswith("_thinker"):
             kwargs = {"image_grid_thw": image_grid_thw, "video_grid_thw": video_grid_thw}
             if second_per_grid_ts is not None:
                 kwargs["second_per_grid_ts"] = torch.as_tensor(second_per_grid_ts, dtype=torch.float)
