@@ -24,7 +24,7 @@ import shutil
 import time
 import uuid
 import zlib
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -236,7 +236,7 @@ class Checkpointer:
     def __init__(self, output_dir: str, save_total_limit: int = 0, async_save: bool = False):
         self.root = os.path.join(output_dir, "checkpoints")
         self.save_total_limit, self.async_save = save_total_limit, async_save
-        self._pending = None  # (future, tmp, final, meta) of an async save not yet published
+        self._pending = None  # (future, tmp, final, meta, CRCs written) of an async save not yet published
         self._async_group = None
         self._storage_checked = False  # every rank sees rank 0's files (checked collectively at the first save)
         self.storage_patience_s = 10.0  # how long a network filesystem may take to show rank 0's probe file
@@ -258,7 +258,6 @@ class Checkpointer:
         self.wait()
         final = os.path.join(self.root, f"global_step_{step}")
         tmp = final + ".tmp"
-        rank = dist.get_rank()
 
         def prepare():
             shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save
@@ -273,10 +272,8 @@ class Checkpointer:
                 self._storage_checked = True
             os.makedirs(os.path.join(tmp, "extra_state"), exist_ok=True)  # never rely on another rank's mkdir
             base = lora_base(model)
-            state = {"model": self._model_state(model, base is not None)}
-            for name, opt in named_optimizers(optimizer).items():
-                state[f"optim.{name}"] = get_optimizer_state_dict(model, opt)["state"]
-            extra_file = os.path.join("extra_state", f"rank_{rank}.pt")
+            state, _ = _state(model, optimizer, adapters_only=base is not None)
+            extra_file = os.path.join("extra_state", f"rank_{dist.get_rank()}.pt")
             written = {extra_file: _save_small(extra_state, os.path.join(tmp, extra_file))}  # CRC-32s as written
             meta = dict(meta, step=step, world_size=dist.get_world_size(), checksums=CHECKSUMS)
             if base is not None:
@@ -293,11 +290,6 @@ class Checkpointer:
                 dcp.save(state, checkpoint_id=folder, storage_writer=writer)
                 self._publish(tmp, final, meta, written)
         return final
-
-    @staticmethod
-    def _model_state(model, adapters_only: bool) -> Dict[str, Any]:
-        state = get_model_state_dict(model)
-        return trained_state(state) if adapters_only else state
 
     def wait(self) -> None:
         """Finish and publish an async save still in flight."""
@@ -371,11 +363,7 @@ class Checkpointer:
         """Restore model and optimizer in place (any world size); return meta and every rank's extra state."""
         meta = _read_meta(path)
         self._check_base(path, meta, model)
-        state = {"model": self._model_state(model, BASE in meta)}
-        param_groups = {}
-        for name, opt in named_optimizers(optimizer).items():
-            full = get_optimizer_state_dict(model, opt)  # also materialises empty Adam state to load into
-            state[f"optim.{name}"], param_groups[name] = full["state"], full["param_groups"]
+        state, param_groups = _state(model, optimizer, adapters_only=BASE in meta)
         reader = SafeFileSystemReader(os.path.join(path, "model_optimizer"))
         _check_shards(path, reader)
         try:
@@ -402,6 +390,18 @@ class Checkpointer:
         extra = ExtraStates(path, meta["world_size"])  # read on demand: a same-size resume reads one file per rank
         logger.info(f"resumed from {path} (saved at step {meta['step']} by {meta['world_size']} ranks)")
         return {"meta": meta, "extra_states": extra}
+
+
+def _state(model, optimizer, adapters_only: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """What DCP saves and loads: the model's tensors (a LoRA run's adapters only) and each optimizer's state (also
+    materialising an empty Adam state to load into); and each optimizer's param_groups, kept out of DCP."""
+    model_state = get_model_state_dict(model)
+    state = {"model": trained_state(model_state) if adapters_only else model_state}
+    param_groups = {}
+    for name, opt in named_optimizers(optimizer).items():
+        full = get_optimizer_state_dict(model, opt)
+        state[f"optim.{name}"], param_groups[name] = full["state"], full["param_groups"]
+    return state, param_groups
 
 
 def _save_small(obj: Any, file: str) -> int:
