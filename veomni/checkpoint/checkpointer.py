@@ -475,8 +475,12 @@ class ExtraStates:
             raise IndexError(rank)  # also what ends a `for` over it
         if rank not in self._cache:
             file = os.path.join(self.checkpoint, "extra_state", f"rank_{rank}.pt")
-            try:
-                self._cache[rank] = load_tensor_file(file)
-            except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
-                raise _damaged(self.checkpoint, f"{file}: {first_line(err)}") from err
+            self._cache[rank] = _load_extra(file, self.checkpoint)
         return self._cache[rank]
+
+
+def _load_extra(file: str, checkpoint: str) -> Dict[str, Any]:
+    try:
+        return load_tensor_file(file)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise _damaged(checkpoint, f"{file}: {first_line(err)}") from err
