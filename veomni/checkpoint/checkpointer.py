@@ -13,6 +13,7 @@ leaves the previous checkpoint as the newest complete one. A folder being replac
 `global_step_N` names first and deleted after: a crash midway never leaves a half-deleted `global_step_N`.
 """
 
+import contextlib
 import errno
 import io
 import json
@@ -23,7 +24,7 @@ import shutil
 import time
 import uuid
 import zlib
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from ..optim.multi_optimizer import named_optimizers
 from ..utils.collectives import on_rank0
 from ..utils.hub import first_line
 from ..utils.logging import get_logger
-from .integrity import CHECKSUMS, ChecksumsError, checksumming_writer, damaged_files, misfit, write_checksums
+from .integrity import CHECKSUMS, ChecksumsError, checksumming_writer, misfit, verify_checksums, write_checksums
 from .lora_state import BASE, BaseRecords, lora_base, trained_state
 from .safe_reader import SafeFileSystemReader, load_tensor_file
 
@@ -98,15 +99,16 @@ def check_shared_storage(folder: str, patience_s: float = 10.0) -> None:
         os.makedirs(folder, exist_ok=True)
         _write_atomic(probe, token[0])
     dist.barrier()
-    deadline, seen = time.monotonic() + patience_s, False
-    while not seen:
+
+    def sees_token() -> bool:
         try:
             with open(probe) as f:
-                seen = f.read() == token[0]
+                return f.read() == token[0]
         except OSError:
-            pass
-        if seen or time.monotonic() > deadline:
-            break
+            return False
+
+    deadline = time.monotonic() + patience_s
+    while not (seen := sees_token()) and time.monotonic() <= deadline:
         time.sleep(0.2)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (seen, os.uname().nodename))
@@ -139,13 +141,17 @@ def _previous_good(path: str) -> str:
     )
 
 
+def _damaged(path: str, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} is damaged: {what}; {_previous_good(path)}")
+
+
 def _check_shards(path: str, reader) -> None:
     """Every file the DCP metadata points to exists and is long enough (a crash or a full disk truncates)."""
     try:
         metadata = reader.read_metadata()
     except (OSError, EOFError, ValueError, pickle.UnpicklingError) as err:  # the allow-list's refusals included
         file = os.path.join(path, "model_optimizer", ".metadata")
-        raise CheckpointError(f"checkpoint {path} is damaged: {file}: {err}; {_previous_good(path)}") from err
+        raise _damaged(path, f"{file}: {err}") from err
     needed: Dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -154,7 +160,19 @@ def _check_shards(path: str, reader) -> None:
         have = os.path.getsize(file) if os.path.isfile(file) else None
         if have is None or have < size:
             state = "is missing" if have is None else f"is truncated ({have} of {size} bytes)"
-            raise CheckpointError(f"checkpoint {path} is damaged: {file} {state}; {_previous_good(path)}")
+            raise _damaged(path, f"{file} {state}")
+
+
+@contextlib.contextmanager
+def _failing_save(tmp: str) -> Iterator[None]:
+    """A failed save (disk full, permissions, a torn write) raises CheckpointError naming the cause; its
+    half-written folder, which only takes space, is deleted."""
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as err:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_failure(err, tmp) from err
 
 
 def _save_failure(err: BaseException, folder: str) -> CheckpointError:
@@ -218,7 +236,7 @@ class Checkpointer:
     def __init__(self, output_dir: str, save_total_limit: int = 0, async_save: bool = False):
         self.root = os.path.join(output_dir, "checkpoints")
         self.save_total_limit, self.async_save = save_total_limit, async_save
-        self._pending = None  # (future, tmp, final, meta) of an async save not yet published
+        self._pending = None  # (future, tmp, final, meta, CRCs written) of an async save not yet published
         self._async_group = None
         self._storage_checked = False  # every rank sees rank 0's files (checked collectively at the first save)
         self.storage_patience_s = 10.0  # how long a network filesystem may take to show rank 0's probe file
@@ -240,15 +258,6 @@ class Checkpointer:
         self.wait()
         final = os.path.join(self.root, f"global_step_{step}")
         tmp = final + ".tmp"
-        try:
-            return self._save(step, model, optimizer, extra_state, meta, attach, final, tmp)
-        except (OSError, RuntimeError, CheckpointException) as err:  # disk full, permissions, a torn write
-            if dist.get_rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # the half-written save only takes space
-            raise _save_failure(err, tmp) from err
-
-    def _save(self, step, model, optimizer, extra_state, meta, attach, final: str, tmp: str) -> str:
-        rank = dist.get_rank()
 
         def prepare():
             shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save
@@ -256,36 +265,31 @@ class Checkpointer:
             if attach is not None:
                 attach(tmp)
 
-        on_rank0(prepare)  # a failure there ends every rank at once, not in a barrier
-        if not self._storage_checked:
-            check_shared_storage(tmp, self.storage_patience_s)
-            self._storage_checked = True
-        os.makedirs(os.path.join(tmp, "extra_state"), exist_ok=True)  # never rely on another rank's mkdir
-        base = lora_base(model)
-        state = {"model": self._model_state(model, base is not None)}
-        for name, opt in named_optimizers(optimizer).items():
-            state[f"optim.{name}"] = get_optimizer_state_dict(model, opt)["state"]
-        extra_file = os.path.join("extra_state", f"rank_{rank}.pt")
-        written = {extra_file: _save_small(extra_state, os.path.join(tmp, extra_file))}  # CRC-32s as written
-        meta = dict(meta, step=step, world_size=dist.get_world_size(), checksums=CHECKSUMS)
-        if base is not None:
-            meta[BASE] = self._base_records(base)
-        folder = os.path.join(tmp, "model_optimizer")
-        writer = checksumming_writer(folder, tmp, written)
-        if self.async_save:
-            if self._async_group is None:  # DCP's async save must not share the training collectives
-                self._async_group = dist.new_group(backend="gloo")
-            future = dcp.async_save(state, checkpoint_id=folder, storage_writer=writer, process_group=self._async_group)
-            self._pending = (future, tmp, final, meta, written)
-        else:
-            dcp.save(state, checkpoint_id=folder, storage_writer=writer)
-            self._publish(tmp, final, meta, written)
+        with _failing_save(tmp):
+            on_rank0(prepare)  # a failure there ends every rank at once, not in a barrier
+            if not self._storage_checked:
+                check_shared_storage(tmp, self.storage_patience_s)
+                self._storage_checked = True
+            os.makedirs(os.path.join(tmp, "extra_state"), exist_ok=True)  # never rely on another rank's mkdir
+            base = lora_base(model)
+            state, _ = _state(model, optimizer, adapters_only=base is not None)
+            extra_file = os.path.join("extra_state", f"rank_{dist.get_rank()}.pt")
+            written = {extra_file: _save_small(extra_state, os.path.join(tmp, extra_file))}  # CRC-32s as written
+            meta = dict(meta, step=step, world_size=dist.get_world_size(), checksums=CHECKSUMS)
+            if base is not None:
+                meta[BASE] = self._base_records(base)
+            folder = os.path.join(tmp, "model_optimizer")
+            writer = checksumming_writer(folder, tmp, written)
+            if self.async_save:
+                if self._async_group is None:  # DCP's async save must not share the training collectives
+                    self._async_group = dist.new_group(backend="gloo")
+                group = self._async_group
+                future = dcp.async_save(state, checkpoint_id=folder, storage_writer=writer, process_group=group)
+                self._pending = (future, tmp, final, meta, written)
+            else:
+                dcp.save(state, checkpoint_id=folder, storage_writer=writer)
+                self._publish(tmp, final, meta, written)
         return final
-
-    @staticmethod
-    def _model_state(model, adapters_only: bool) -> Dict[str, Any]:
-        state = get_model_state_dict(model)
-        return trained_state(state) if adapters_only else state
 
     def wait(self) -> None:
         """Finish and publish an async save still in flight."""
@@ -293,12 +297,8 @@ class Checkpointer:
             return
         future, tmp, final, meta, written = self._pending
         self._pending = None
-        try:
+        with _failing_save(tmp):
             future.result()
-        except (OSError, RuntimeError, CheckpointException) as err:
-            if dist.get_rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise _save_failure(err, tmp) from err
         self._publish(tmp, final, meta, written)
 
     def _publish(self, tmp: str, final: str, meta: Dict[str, Any], written: Dict[str, int]) -> None:
@@ -363,23 +363,13 @@ class Checkpointer:
         """Restore model and optimizer in place (any world size); return meta and every rank's extra state."""
         meta = _read_meta(path)
         self._check_base(path, meta, model)
-        state = {"model": self._model_state(model, BASE in meta)}
-        param_groups = {}
-        for name, opt in named_optimizers(optimizer).items():
-            full = get_optimizer_state_dict(model, opt)  # also materialises empty Adam state to load into
-            state[f"optim.{name}"], param_groups[name] = full["state"], full["param_groups"]
+        state, param_groups = _state(model, optimizer, adapters_only=BASE in meta)
         reader = SafeFileSystemReader(os.path.join(path, "model_optimizer"))
         _check_shards(path, reader)
         try:
-            damaged = damaged_files(path, required=bool(meta.get("checksums")))  # collective, before any load
+            verify_checksums(path, required=bool(meta.get("checksums")))  # collective, before any load
         except ChecksumsError as err:
-            raise CheckpointError(f"checkpoint {path} is damaged: {err}; {_previous_good(path)}") from err
-        if damaged:
-            more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
-            raise CheckpointError(
-                f"checkpoint {path} is damaged: {os.path.join(path, damaged[0])} does not match its checksum{more}; "
-                f"{_previous_good(path)}"
-            )
+            raise _damaged(path, str(err)) from err
         reason = misfit(state, reader.read_metadata().state_dict_metadata)
         if reason:
             raise CheckpointError(
@@ -400,6 +390,18 @@ class Checkpointer:
         extra = ExtraStates(path, meta["world_size"])  # read on demand: a same-size resume reads one file per rank
         logger.info(f"resumed from {path} (saved at step {meta['step']} by {meta['world_size']} ranks)")
         return {"meta": meta, "extra_states": extra}
+
+
+def _state(model, optimizer, adapters_only: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """What DCP saves and loads: the model's tensors (a LoRA run's adapters only) and each optimizer's state (also
+    materialising an empty Adam state to load into); and each optimizer's param_groups, kept out of DCP."""
+    model_state = get_model_state_dict(model)
+    state = {"model": trained_state(model_state) if adapters_only else model_state}
+    param_groups = {}
+    for name, opt in named_optimizers(optimizer).items():
+        full = get_optimizer_state_dict(model, opt)
+        state[f"optim.{name}"], param_groups[name] = full["state"], full["param_groups"]
+    return state, param_groups
 
 
 def _save_small(obj: Any, file: str) -> int:
@@ -455,7 +457,7 @@ def _read_meta(path: str) -> Dict[str, Any]:
             raise ValueError("no step or world_size in it")
         return meta
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {path} is damaged: {file}: {err}; {_previous_good(path)}") from err
+        raise _damaged(path, f"{file}: {err}") from err
 
 
 class ExtraStates:
@@ -470,20 +472,15 @@ class ExtraStates:
 
     def __getitem__(self, rank: int) -> Dict[str, Any]:
         if not 0 <= rank < self.world_size:
-            raise IndexError(rank)
+            raise IndexError(rank)  # also what ends a `for` over it
         if rank not in self._cache:
             file = os.path.join(self.checkpoint, "extra_state", f"rank_{rank}.pt")
             self._cache[rank] = _load_extra(file, self.checkpoint)
         return self._cache[rank]
-
-    def __iter__(self):
-        return (self[r] for r in range(self.world_size))
 
 
 def _load_extra(file: str, checkpoint: str) -> Dict[str, Any]:
     try:
         return load_tensor_file(file)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} is damaged: {file}: {first_line(err)}; {_previous_good(checkpoint)}"
-        ) from err
+        raise _damaged(checkpoint, f"{file}: {first_line(err)}") from err

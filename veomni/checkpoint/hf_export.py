@@ -71,10 +71,7 @@ def copy_tokenizer(tokenizer_dir: Optional[str], out_dir: str) -> None:
 
 def architecture_of(model) -> str:
     names = getattr(model.config, "architectures", None)
-    if names:
-        return names[0]
-    name = type(model).__name__
-    return name[4:] if name.startswith("FSDP") else name
+    return names[0] if names else type(model).__name__.removeprefix("FSDP")
 
 
 # ------------------------------------------------------------------------------------------------ the plan

@@ -30,7 +30,8 @@ CHECKSUMS = "checksums.json"
 
 
 class ChecksumsError(ValueError):
-    """`checksums.json` missing from a checkpoint written with it, or unreadable: the message names the file."""
+    """`checksums.json` missing from a checkpoint written with it or unreadable, or a file that does not match it:
+    the message names the file."""
 
 
 class _ChecksummedStream:
@@ -151,24 +152,18 @@ def _expected(folder: str, required: bool) -> Optional[Dict[str, int]]:
     return expected
 
 
-def damaged_files(folder: str, required: bool = False) -> Optional[List[str]]:
-    """Collective: the files whose checksum does not match (every rank gets the same list); None when the
-    checkpoint has no checksums (written by an earlier version). `required` (its meta.json says it has them): a
-    missing or malformed `checksums.json` raises ChecksumsError naming it."""
-    rank, world = rank_and_world()
+def verify_checksums(folder: str, required: bool = False) -> None:
+    """Collective: raise ChecksumsError (the same on every rank) naming the first file whose checksum does not
+    match; a checkpoint without checksums (written by an earlier version) is not verified. `required` (its meta.json
+    says it has them): a missing or malformed `checksums.json` raises too."""
     expected = _expected(folder, required)
     if expected is None:
-        return None
-
-    def mine() -> List[str]:
-        names = sorted(expected)[rank::world]
-        return [
-            n
-            for n in names
-            if not os.path.isfile(os.path.join(folder, n)) or file_crc32(os.path.join(folder, n)) != expected[n]
-        ]
-
-    return sorted(b for part in _shared(mine, f"verifying {folder}") for b in part)
+        return
+    crcs = shared_crcs(folder, [name for name in sorted(expected) if os.path.isfile(os.path.join(folder, name))])
+    damaged = [name for name in sorted(expected) if crcs.get(name) != expected[name]]  # a missing file too
+    if damaged:
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        raise ChecksumsError(f"{os.path.join(folder, damaged[0])} does not match its checksum{more}")
 
 
 def _flat(state: Dict[str, Any], prefix: str = "") -> Dict[str, Tuple[int, ...]]:

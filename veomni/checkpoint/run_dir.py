@@ -65,16 +65,12 @@ class RunPlan:
 
 def previous_run(output_dir: str) -> List[str]:
     """The run artifacts present in output_dir (empty files and an empty checkpoints folder do not count)."""
-    found = []
-    for name in RUN_ARTIFACTS:
-        path = os.path.join(output_dir, name)
-        if name == "veomni_config.yaml":  # written before anything runs: alone it is no run worth keeping
-            continue
-        if os.path.isdir(path) and os.listdir(path):
-            found.append(name)
-        elif os.path.isfile(path) and os.path.getsize(path) > 0:
-            found.append(name)
-    return found
+
+    def present(path: str) -> bool:
+        return bool(os.listdir(path)) if os.path.isdir(path) else os.path.isfile(path) and os.path.getsize(path) > 0
+
+    # veomni_config.yaml is written before anything runs: alone it is no run worth keeping
+    return [n for n in RUN_ARTIFACTS if n != "veomni_config.yaml" and present(os.path.join(output_dir, n))]
 
 
 def is_inside(path: str, folder: str) -> bool:
@@ -89,13 +85,14 @@ def plan_run(output_dir: str, load_path: Optional[str], overwrite: bool = False)
         resolve_checkpoint(load_path, output_dir)  # a wrong path fails first, naming the path
     found = previous_run(output_dir)
     steps = list_checkpoints(os.path.join(output_dir, "checkpoints"))
+    what = f"checkpoints up to step {steps[-1]}" if steps else ", ".join(found)
     aside = "the old run is moved to <output_dir>.old-<time>, nothing is deleted"
     if overwrite:
+        start = load_path if explicit else None
         if not found:
-            return RunPlan(load_path if explicit else None, False, "train.checkpoint.overwrite: nothing to move")
-        what = f"checkpoints up to step {steps[-1]}" if steps else ", ".join(found)
+            return RunPlan(start, False, "train.checkpoint.overwrite: nothing to move")
         return RunPlan(
-            load_path if explicit else None,
+            start,
             True,
             f"train.checkpoint.overwrite: starting over; the previous run in {output_dir} ({what}) is moved aside",
         )
@@ -124,7 +121,6 @@ def plan_run(output_dir: str, load_path: Optional[str], overwrite: bool = False)
             )
         return RunPlan(None, False, f"no checkpoint in {output_dir}: starting fresh")
     if found:  # load_path null: the user asked for no resume, but did not ask to replace the run
-        what = f"checkpoints up to step {steps[-1]}" if steps else ", ".join(found)
         raise RunDirError(
             f"train.checkpoint.output_dir={output_dir} already holds a run ({what}) and "
             f"train.checkpoint.load_path is null; resume it with --train.checkpoint.load_path auto (the default), "

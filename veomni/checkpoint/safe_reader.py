@@ -63,16 +63,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_metadata(data: bytes, source: str):
-    """Unpickle DCP metadata bytes with the allow-list; errors name `source` (the file)."""
-    try:
-        return _MetadataUnpickler(io.BytesIO(data), source).load()
-    except UnsafeCheckpointError:
-        raise
-    except Exception as err:  # truncated or garbage bytes: say which file
-        raise pickle.UnpicklingError(f"{source}: unreadable checkpoint metadata ({type(err).__name__}: {err})") from err
-
-
 def load_tensor_file(path: str):
     """`torch.load` of our own non-DCP state files (scheduler, data loader, RNG) with `weights_only=True`: tensors
     and plain containers only, so a tampered file cannot run code. The error names the file."""
@@ -98,7 +88,15 @@ class SafeFileSystemReader(FileSystemReader):
             finish_dcp_metadata(self, self._metadata)  # this load's id
             return self._metadata
         with open_dcp_metadata(self, kwargs.get("rank")) as (f, path):
-            metadata = load_metadata(f.read(), path)
+            data = f.read()
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
+        except UnsafeCheckpointError:
+            raise
+        except Exception as err:  # truncated or garbage bytes: say which file
+            raise pickle.UnpicklingError(
+                f"{path}: unreadable checkpoint metadata ({type(err).__name__}: {err})"
+            ) from err
         if not hasattr(metadata, "state_dict_metadata"):
             raise pickle.UnpicklingError(f"{path}: not DCP metadata (got {type(metadata).__name__})")
         finish_dcp_metadata(self, metadata)

@@ -40,10 +40,6 @@ class Slot:
     shape: Tuple[int, ...]
     dtype: torch.dtype
 
-    @property
-    def row_bytes(self) -> int:
-        return nbytes(self.shape[1:], self.dtype)
-
 
 def shard_names(count: int) -> List[str]:
     """`model.safetensors`, or `model-0000i-of-0000N.safetensors` as transformers names shards."""
@@ -115,17 +111,13 @@ class Layout:
         if tensor.numel() == 0:
             return
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        view, position = memoryview(data), slot.offset + first_row * slot.row_bytes
-        fd = self._fd(folder, slot.file)
-        while len(view):
-            written = os.pwrite(fd, view[:_MAX_WRITE], position)
-            view, position = view[written:], position + written
-
-    def _fd(self, folder: str, file: str) -> int:
-        path = os.path.join(folder, file)
+        view, position = memoryview(data), slot.offset + first_row * nbytes(slot.shape[1:], slot.dtype)
+        path = os.path.join(folder, slot.file)
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_WRONLY)
-        return self._fds[path]
+        while len(view):
+            written = os.pwrite(self._fds[path], view[:_MAX_WRITE], position)
+            view, position = view[written:], position + written
 
     def close(self, sync: bool = True) -> None:
         """Flush this rank's writes to disk and close its files."""
