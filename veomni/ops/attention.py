@@ -143,7 +143,7 @@ def _torch_varlen_has_gqa() -> bool:
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def _torch_varlen(q, k, v, cu, max_len, scaling, window):  # [T, H, D] layout
+def _torch_varlen(q, k, v, cu, max_len, scaling, dropout, window):  # [T, H, D] layout; dropout is 0 (the caller's)
     from torch.nn.attention.varlen import varlen_attn
 
     options = {"scale": scaling, "window_size": (window - 1 if window else -1, 0)}  # (-1, 0): causal, unbounded left
@@ -153,6 +153,9 @@ def _torch_varlen(q, k, v, cu, max_len, scaling, window):  # [T, H, D] layout
         else:  # no GQA in the kernel: copy each KV head for its query heads
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **options)
+
+
+_VARLEN_KERNELS = {"flash_attn": _flash_attn, "torch_varlen": _torch_varlen}
 
 
 # ------------------------------------------------------------------------------------------ the interface
@@ -186,14 +189,11 @@ def varlen_attention_forward(
         backend = "sdpa_per_document"
     _log_once(f"{VARLEN}: packed documents attend through {backend} ({query.device.type}, {query.dtype})")
     max_len = kwargs.get("max_length_q")
-    if backend in ("flash_attn", "torch_varlen"):
+    if backend in _VARLEN_KERNELS:
         cu32 = cu.to(device=query.device, dtype=torch.int32)
         max_len = int(max_len) if max_len is not None else int((cu32[1:] - cu32[:-1]).max())
         qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, H, D]
-        if backend == "flash_attn":
-            out = _flash_attn(qt, kt, vt, cu32, max_len, scaling, dropout, sliding_window)
-        else:
-            out = _torch_varlen(qt, kt, vt, cu32, max_len, scaling, sliding_window)
+        out = _VARLEN_KERNELS[backend](qt, kt, vt, cu32, max_len, scaling, dropout, sliding_window)
         out = out.reshape(batch, seq, heads, dim)
     else:
         lengths = (cu[1:] - cu[:-1]).tolist()

@@ -46,11 +46,11 @@ def count_loss_tokens(labels: torch.Tensor) -> int:
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum of cross-entropy (fp32) of `logits[..., t, :]` against the shifted `labels[..., t]`, and its token count."""
     flat_labels = labels.reshape(-1).to(logits.device)
+    tokens = (flat_labels != IGNORE_INDEX).sum()
     if isinstance(logits, DTensor):  # a tensor-parallel head's vocab-sharded logits: reduced without gathering
-        return vocab_parallel_token_cross_entropy(logits, flat_labels).sum(), (flat_labels != IGNORE_INDEX).sum()
+        return vocab_parallel_token_cross_entropy(logits, flat_labels).sum(), tokens
     flat_logits = logits.reshape(-1, logits.size(-1)).float()
-    loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, (flat_labels != IGNORE_INDEX).sum()
+    return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum"), tokens
 
 
 # --------------------------------------------------------------------------------------- head-loss backends
@@ -99,15 +99,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 "the fused linear + cross-entropy loss has no second-order gradient (create_graph=True): set "
                 "model.ops_implementation.loss_chunk_size 0 for the plain loss"
             )
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         scale = grad_total.float()
-        return (
-            None if grad_hidden is None else _scaled(grad_hidden, scale),
-            None if grad_weight is None else _scaled(grad_weight, scale),
-            None if grad_bias is None else _scaled(grad_bias, scale),
-            None,
-            None,
-        )
+        grads = (None if grad is None else _scaled(grad, scale) for grad in ctx.saved_tensors)  # hidden, weight, bias
+        return (*grads, None, None)
 
 
 def _scaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -143,10 +137,7 @@ def map_chunks(fn: Callable, hidden: torch.Tensor, targets: torch.Tensor, chunk_
     pieces = []
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(fn, h, t, use_reentrant=False))
-        else:
-            pieces.append(fn(h, t))
+        pieces.append(checkpoint(fn, h, t, use_reentrant=False) if torch.is_grad_enabled() else fn(h, t))
     return pieces
 
 

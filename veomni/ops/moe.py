@@ -112,10 +112,8 @@ def fused_experts_forward(
         dtype = torch.get_autocast_dtype(x.device.type)
         x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
     ep = _EXPERT_PARALLEL.get(self)
-    if ep is None:
-        y = _grouped_mlp(x, counts, gate_up, down, experts_gate(self))
-    else:
-        y = _expert_parallel_mlp(x, counts, gate_up, down, experts_gate(self), ep)
+    args = (x, counts, gate_up, down, experts_gate(self))
+    y = _grouped_mlp(*args) if ep is None else _expert_parallel_mlp(*args, ep)
     y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
     out = torch.zeros_like(hidden_states)
     return out.index_add_(0, token_of, y.to(out.dtype))

@@ -38,11 +38,6 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None and importlib.util.find_spec("triton") is not None
 
 
-def _triton_interpreter() -> bool:
-    """Triton's interpreter runs kernels on CPU tensors (tests only: it is slow, and needs test-side adaptations)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def resolve_kernels(choice: str, device_type: str, tp_size: int = 1, compiled: bool = False) -> str:
     """`liger` or `eager` for the configured `choice` on `device_type`; a choice that cannot run raises, naming
     the key. Tensor parallel keeps eager (liger's kernels take plain tensors, not DTensors). `auto` under
@@ -71,7 +66,8 @@ def _liger_blocker(device_type: str, tp_size: int) -> Optional[str]:
     """Why liger's kernels cannot run here (worded to follow `<key>=liger`), or None."""
     if not liger_available():
         return "needs liger-kernel and triton: pip install veomni[kernels]"
-    if not (device_type == "cuda" or _triton_interpreter()):
+    # Triton's interpreter runs kernels on CPU tensors (tests only: it is slow, and needs test-side adaptations)
+    if not (device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         return f"needs a CUDA GPU (Triton kernels); this run is on {device_type}"
     if tp_size > 1:
         return f"with tensor parallel (tp_size={tp_size}): liger's kernels take no DTensors"

@@ -95,38 +95,26 @@ def _seq_major_copy(t: Tensor) -> Tensor:
     return t.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
 
 
-def _rope_call(forward: bool, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
-    _, rope, _ = _liger()
-    q, k = _seq_major_copy(q), _seq_major_copy(k)
-    if forward:
-        q, k, _, _ = rope.rope_forward(q, k, cos, sin)
-    else:
-        q, k = rope.rope_backward(q, k, cos, sin)
-    return q, k
-
-
-def _rope_fake(q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+def _rope_fake(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
     return tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).transpose(1, 2) for t in (q, k))
 
 
 @torch.library.custom_op("veomni::liger_rope", mutates_args=())
 def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
-    return _rope_call(True, q, k, cos, sin)
+    _, rope, _ = _liger()
+    q, k, _, _ = rope.rope_forward(_seq_major_copy(q), _seq_major_copy(k), cos, sin)
+    return q, k
 
 
 @torch.library.custom_op("veomni::liger_rope_backward", mutates_args=())
 def _rope_backward(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
-    return _rope_call(False, dq, dk, cos, sin)
+    _, rope, _ = _liger()
+    dq, dk = rope.rope_backward(_seq_major_copy(dq), _seq_major_copy(dk), cos, sin)
+    return dq, dk
 
 
-@_rope.register_fake
-def _(q, k, cos, sin):
-    return _rope_fake(q, k)
-
-
-@_rope_backward.register_fake
-def _(dq, dk, cos, sin):
-    return _rope_fake(dq, dk)
+_rope.register_fake(_rope_fake)
+_rope_backward.register_fake(_rope_fake)
 
 
 def _rope_setup(ctx, inputs, output):
