@@ -225,8 +225,7 @@ class CausalLMLoss(nn.Module):
         """`num_loss_tokens`: the loss tokens of `labels` counted on the host, if the caller has them (no sync)."""
         if not self.chunk_size:
             outputs = self.model(**inputs)
-            loss_sum, tokens = lm_loss_sum(outputs.logits, labels)
-            return LossOutput(loss_sum, tokens, outputs)
+            return LossOutput(*lm_loss_sum(outputs.logits, labels), outputs)
         outputs, hidden = forward_to_head_input(self.model, inputs)
         head = self.model.get_output_embeddings()
         loss_sum, tokens = chunked_head_loss_sum(head, hidden, labels, self.chunk_size, self.backend, num_loss_tokens)

@@ -157,8 +157,7 @@ def _expert_parallel_mlp(x, counts, gate_up, down, apply_gate, ep: ExpertParalle
     # 3. received rows are source-major; regroup them expert-major for the grouped matmul
     blocks = list(torch.arange(received.shape[0], device=x.device).split(received_rows))
     perm = torch.cat([blocks[s * local_experts + e] for e in range(local_experts) for s in range(ep.size)])
-    gate_up = _ScaleGrad.apply(gate_up, ep.grad_scale)
-    down = _ScaleGrad.apply(down, ep.grad_scale)
+    gate_up, down = (_ScaleGrad.apply(weight, ep.grad_scale) for weight in (gate_up, down))
     by_expert = recv_counts.view(ep.size, local_experts).sum(0)  # on the device: the grouped matmul's offsets
     host_by_expert = [sum(received_rows[s * local_experts + e] for s in range(ep.size)) for e in range(local_experts)]
     y = _grouped_mlp(received[perm], by_expert, gate_up, down, apply_gate, host_by_expert)
@@ -198,8 +197,7 @@ def load_balancing_loss_sum(
     if position_ids is not None:
         starts = gather_seq(position_ids.reshape(rows, local).to(labels.device), group) == 0
     starts[:, 0] = True
-    document = (starts.reshape(-1).cumsum(0) - 1).view(rows, sp * local)[:, rank * local : (rank + 1) * local]
-    document = document.reshape(-1)
+    document = (starts.reshape(-1).cumsum(0) - 1).view(rows, sp * local)[:, rank * local : (rank + 1) * local].flatten()
     documents = starts.numel()  # at most one per position: a fixed shape (the true count would be a device sync)
     counted = (labels.reshape(-1) != IGNORE_INDEX).float()
     num_experts = router_logits[0].shape[-1]

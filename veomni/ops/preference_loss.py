@@ -100,8 +100,7 @@ class SequenceLogps(nn.Module):
             logps = _head_logps(head, hidden, targets.index_select(0, keep), self.chunk_size)
         owner = index.index_select(0, keep)
         sums = logps.new_zeros(num_sequences).index_add(0, owner, logps)
-        tokens = torch.zeros(num_sequences, dtype=torch.float32, device=logps.device)
-        tokens = tokens.index_add(0, owner, torch.ones_like(logps))
+        tokens = logps.new_zeros(num_sequences).index_add(0, owner, torch.ones_like(logps))  # (logps: fp32)
         return all_reduce_sum(sums, self.group), all_reduce_sum(tokens, self.group).detach(), outputs
 
 

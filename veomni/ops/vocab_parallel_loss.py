@@ -22,14 +22,11 @@ def vocab_shard(logits: DTensor) -> Tuple[torch.Tensor, object, int]:
     others = [p for i, p in enumerate(logits.placements) if i not in dims and not p.is_replicate()]
     if len(dims) != 1 or others:
         raise ValueError(f"vocab-parallel loss needs logits sharded on the vocabulary only, got {logits.placements}")
-    mesh_dim = dims[0]
+    mesh, mesh_dim = logits.device_mesh, dims[0]
     local = logits.to_local()
-    if logits.shape[-1] % logits.device_mesh.size(mesh_dim):
-        raise ValueError(
-            f"vocabulary {logits.shape[-1]} does not split evenly over {logits.device_mesh.size(mesh_dim)}"
-        )
-    start = logits.device_mesh.get_local_rank(mesh_dim) * local.shape[-1]
-    return local, logits.device_mesh.get_group(mesh_dim), start
+    if logits.shape[-1] % mesh.size(mesh_dim):
+        raise ValueError(f"vocabulary {logits.shape[-1]} does not split evenly over {mesh.size(mesh_dim)}")
+    return local, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim) * local.shape[-1]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

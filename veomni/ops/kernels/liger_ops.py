@@ -56,13 +56,11 @@ def _(dy, x, weight, rstd):
 
 def _rms_norm_setup(ctx, inputs, output):
     x, weight, _ = inputs
-    ctx.save_for_backward(x, weight, output[1])
+    ctx.save_for_backward(x, weight, output[1])  # (rstd)
 
 
 def _rms_norm_grad(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_backward(dy, x, weight, rstd)
-    return dx, dw, None
+    return (*_rms_norm_backward(dy, *ctx.saved_tensors), None)  # dx, dw; none for eps
 
 
 _rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
@@ -122,9 +120,7 @@ def _rope_setup(ctx, inputs, output):
 
 
 def _rope_grad(ctx, dq, dk):
-    cos, sin = ctx.saved_tensors
-    dq, dk = _rope_backward(dq, dk, cos, sin)
-    return dq, dk, None, None
+    return (*_rope_backward(dq, dk, *ctx.saved_tensors), None, None)  # (cos and sin take none)
 
 
 _rope.register_autograd(_rope_grad, setup_context=_rope_setup)
@@ -179,8 +175,7 @@ def _swiglu_setup(ctx, inputs, output):
 
 
 def _swiglu_grad(ctx, dc):
-    a, b = ctx.saved_tensors
-    return _swiglu_backward(a, b, dc)
+    return _swiglu_backward(*ctx.saved_tensors, dc)
 
 
 _swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
