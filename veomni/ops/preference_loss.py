@@ -90,8 +90,7 @@ class SequenceLogps(nn.Module):
         keep = _target_positions(targets, num_targets)
         if not self.chunk_size:
             outputs = self.model(**inputs)
-            logits = outputs.logits
-            flat = logits.reshape(-1, logits.shape[-1])
+            flat = outputs.logits.reshape(-1, outputs.logits.shape[-1])
             logps = token_logps(flat.index_select(0, keep.to(flat.device)), targets.index_select(0, keep))
         else:
             outputs, hidden = forward_to_head_input(self.model, inputs)

@@ -20,17 +20,12 @@ from torch import Tensor
 _RMS_CASTING = "llama"  # fp32 normalisation, cast back to the input dtype, then times the weight (transformers')
 
 
-def _liger():
-    from liger_kernel.ops import rms_norm, rope, swiglu
-
-    return rms_norm, rope, swiglu
-
-
 # ------------------------------------------------------------------------------------------------ RMSNorm
 @torch.library.custom_op("veomni::liger_rms_norm", mutates_args=())
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
-    rms_norm, _, _ = _liger()
-    y, _, rstd, _, _, _ = rms_norm.rms_norm_forward(x.contiguous(), weight, eps, 0.0, _RMS_CASTING, None)
+    from liger_kernel.ops.rms_norm import rms_norm_forward
+
+    y, _, rstd, _, _, _ = rms_norm_forward(x.contiguous(), weight, eps, 0.0, _RMS_CASTING, None)
     return y, rstd
 
 
@@ -41,11 +36,12 @@ def _(x, weight, eps):
 
 @torch.library.custom_op("veomni::liger_rms_norm_backward", mutates_args=())
 def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> Tuple[Tensor, Tensor]:
-    rms_norm, _, _ = _liger()
-    block, warps = rms_norm.calculate_settings(x.shape[-1])
+    from liger_kernel.ops.rms_norm import _str_to_casting_mode, calculate_settings, rms_norm_backward
+
+    block, warps = calculate_settings(x.shape[-1])
     x2d = x.contiguous().view(-1, x.shape[-1])
-    mode = rms_norm._str_to_casting_mode[_RMS_CASTING]  # the int the forward returns (liger's name, pinned 0.8.5)
-    dx, dw = rms_norm.rms_norm_backward(dy.contiguous(), x2d, weight, rstd, 0.0, mode, block, warps, False, None)
+    mode = _str_to_casting_mode[_RMS_CASTING]  # the int the forward returns (liger's name, pinned 0.8.5)
+    dx, dw = rms_norm_backward(dy.contiguous(), x2d, weight, rstd, 0.0, mode, block, warps, False, None)
     return dx.view(x.shape), dw
 
 
@@ -99,15 +95,17 @@ def _rope_fake(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, 
 
 @torch.library.custom_op("veomni::liger_rope", mutates_args=())
 def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
-    _, rope, _ = _liger()
-    q, k, _, _ = rope.rope_forward(_seq_major_copy(q), _seq_major_copy(k), cos, sin)
+    from liger_kernel.ops.rope import rope_forward
+
+    q, k, _, _ = rope_forward(_seq_major_copy(q), _seq_major_copy(k), cos, sin)
     return q, k
 
 
 @torch.library.custom_op("veomni::liger_rope_backward", mutates_args=())
 def _rope_backward(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
-    _, rope, _ = _liger()
-    dq, dk = rope.rope_backward(_seq_major_copy(dq), _seq_major_copy(dk), cos, sin)
+    from liger_kernel.ops.rope import rope_backward
+
+    dq, dk = rope_backward(_seq_major_copy(dq), _seq_major_copy(dk), cos, sin)
     return dq, dk
 
 
@@ -148,16 +146,18 @@ def rotary_pos_emb_vision(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tup
 # ------------------------------------------------------------------------------------------------ SwiGLU
 @torch.library.custom_op("veomni::liger_swiglu", mutates_args=())
 def _swiglu(a: Tensor, b: Tensor) -> Tensor:
-    _, _, swiglu = _liger()
-    return swiglu.swiglu_forward(a.contiguous(), b.contiguous())[2]
+    from liger_kernel.ops.swiglu import swiglu_forward
+
+    return swiglu_forward(a.contiguous(), b.contiguous())[2]
 
 
 @torch.library.custom_op("veomni::liger_swiglu_backward", mutates_args=())
 def _swiglu_backward(a: Tensor, b: Tensor, dc: Tensor) -> Tuple[Tensor, Tensor]:
-    _, _, swiglu = _liger()
+    from liger_kernel.ops.swiglu import swiglu_backward
+
     # the kernel writes da and db over its a and b
     a, b = a.clone(memory_format=torch.contiguous_format), b.clone(memory_format=torch.contiguous_format)
-    return swiglu.swiglu_backward(a, b, dc.contiguous())
+    return swiglu_backward(a, b, dc.contiguous())
 
 
 @_swiglu.register_fake
