@@ -188,9 +188,8 @@ def supports_chunked_loss(model: nn.Module) -> bool:
     """Models whose logits are exactly `get_output_embeddings()(hidden)` (no soft-capping or scaling after it)."""
     config = getattr(model, "config", None)
     for cfg in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)()) if c}.values():
-        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-            return False
-        if getattr(cfg, "logits_scaling", 1) not in (None, 1):  # e.g. Granite divides the logits after the head
+        scaled = getattr(cfg, "logits_scaling", 1) not in (None, 1)  # e.g. Granite divides the logits after the head
+        if scaled or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
             return False
     return isinstance(getattr(model, "get_output_embeddings", lambda: None)(), nn.Linear)
 

@@ -19,12 +19,6 @@ from torch.distributed.tensor import DTensor
 from ..loss import IGNORE_INDEX
 
 
-def _chunk_mem_const(tokens: int, hidden: int, vocab: int, chunk_size: int) -> int:
-    """liger's chunk = next_pow2(tokens / ceil(vocab / (C * hidden))); the largest C whose chunk is <= chunk_size
-    (1 at least: liger's smallest)."""
-    return max(1, (vocab * max(chunk_size, 1)) // max(hidden * tokens, 1))
-
-
 def liger_linear_cross_entropy_sum(
     head: nn.Module, flat: torch.Tensor, targets: torch.Tensor, chunk_size: int
 ) -> torch.Tensor:
@@ -44,7 +38,10 @@ def liger_linear_cross_entropy_sum(
         dtype = torch.get_autocast_dtype(device_type)
         weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     flat = flat.to(weight.dtype)
-    mem_const = _chunk_mem_const(flat.shape[0], flat.shape[1], weight.shape[0], chunk_size)
+    # liger's chunk = next_pow2(tokens / ceil(vocab / (C * hidden))): the largest C whose chunk is <= chunk_size
+    # (1 at least: liger's smallest)
+    (tokens, hidden), vocab = flat.shape, weight.shape[0]
+    mem_const = max(1, (vocab * max(chunk_size, 1)) // max(hidden * tokens, 1))
     loss = LigerFusedLinearCrossEntropyFunction.apply(
         flat,
         weight,

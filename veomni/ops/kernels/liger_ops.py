@@ -137,10 +137,9 @@ def rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim
 def rotary_pos_emb_vision(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
     """The vision towers' `apply_rotary_pos_emb_vision`: q/k [patches, heads, dim], cos/sin [patches, dim]; in fp32,
     the result cast back to q's dtype (as transformers computes it)."""
-    dtype = q.dtype
     q32, k32 = (t.float().unsqueeze(0).transpose(1, 2) for t in (q, k))
     q32, k32 = _rope(q32, k32, cos.float(), sin.float())
-    return q32.transpose(1, 2).squeeze(0).to(dtype), k32.transpose(1, 2).squeeze(0).to(k.dtype)
+    return q32.transpose(1, 2).squeeze(0).to(q.dtype), k32.transpose(1, 2).squeeze(0).to(k.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ SwiGLU
