@@ -83,29 +83,23 @@ def parallelize(
 
 def _materializer(model: nn.Module, args) -> Callable[[], None]:
     """What allocates and fills a meta-built model once it is sharded (nothing for a model built on a device).
-    Decided before any step runs, since sharding changes what the parameters look like."""
+    Decided before any step runs, since sharding changes what the parameters look like. Without a checkpoint, rank 0
+    initialises a full-size model (`reference_init`) and broadcasts it."""
     if not (args.train.init_device == "meta" or any(p.is_meta for p in model.parameters())):
         return lambda: None
-    weights_path = args.model.model_path
-    reference_init = _reference_init(model) if weights_path is None else None
+
+    def reference_init() -> nn.Module:
+        config, dtype = model.config, next(model.parameters()).dtype
+        attn = config_attn_implementation(config)
+        return model_class_for(config).from_config(config, attn_implementation=attn, dtype=dtype)
+
     return lambda: materialize_meta_model(
         model,
-        weights_path,
+        args.model.model_path,
         args.train.broadcast_model_weights_from_rank0,
         args.train.accelerator.fsdp_config.max_load_broadcast_size,
         reference_init,
     )
-
-
-def _reference_init(model: nn.Module) -> Callable[[], nn.Module]:
-    """Rank 0's full-size initialisation of a meta model trained from scratch."""
-
-    def build():
-        dtype = next(model.parameters()).dtype
-        attn = config_attn_implementation(model.config)
-        return model_class_for(model.config).from_config(model.config, attn_implementation=attn, dtype=dtype)
-
-    return build
 
 
 # build_parallelize_model's keywords -> the config keys they spell
