@@ -160,9 +160,8 @@ def build_parallelize_model(
     state = get_parallel_state()
     model = parallelize(model, state, args, basic_modules=list(basic_modules or []))
     bind_clip_grad_norm(model)
-    if mixed_precision is not None and resolved_compute_dtype(mixed_precision, get_device_type(), state.mode) == (
-        torch.float32
-    ):
+    compute = resolved_compute_dtype(mixed_precision, get_device_type(), state.mode)
+    if mixed_precision is not None and compute == torch.float32:
         keep_fp32_compute(model, get_device_type())
     return model
 

@@ -41,13 +41,6 @@ def _chunks(read: Callable[[], Iterable[Tuple[str, torch.Tensor]]], max_bytes: i
         yield chunk
 
 
-def _next_chunk(chunks) -> Tuple[Optional[list], Optional[BaseException]]:
-    try:
-        return next(chunks, None), None
-    except Exception as err:  # told to every rank before it is raised here
-        return None, err
-
-
 def _broadcast_chunks(read: Callable[[], Iterable[Tuple[str, torch.Tensor]]], max_bytes: int):
     """Rank 0 alone calls `read()`, inside the stream, so that its failure (a mismatch found up front, out of
     memory) is told to every rank; every rank receives the same stream of full tensors, one chunk per broadcast,
@@ -56,7 +49,12 @@ def _broadcast_chunks(read: Callable[[], Iterable[Tuple[str, torch.Tensor]]], ma
     rank = dist.get_rank()
     chunks = _chunks(read, max_bytes) if rank == 0 else None
     while True:
-        chunk, error = _next_chunk(chunks) if rank == 0 else (None, None)
+        chunk = error = None
+        if rank == 0:
+            try:
+                chunk = next(chunks, None)
+            except Exception as err:  # told to every rank before it is raised here
+                error = err
         if error is not None:
             meta = [(_FAILED, isinstance(error, WeightsMismatchError), str(error))]
         else:
