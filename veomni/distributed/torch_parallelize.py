@@ -143,13 +143,19 @@ def build_parallelize_model(
     key `SEED_KEYWORDS` names); returns the same module object. `basic_modules`: the FSDP (and compiled) units,
     exactly these class names.
 
-    VeOmni's calling convention works too (see `veomni_parallelize_keywords`): `enable_mixed_precision=True/False`
-    (the seed's name) is `mixed_precision=MixedPrecisionConfig(enable=...)`, and keywords VeOmni takes that mean
-    nothing here (`fqn_to_index_mapping`, ...) are accepted with one warning naming them. The returned model has
-    `model.clip_grad_norm_(max_norm)`, which returns the total norm as a tensor over every gradient, experts
-    included; and when `mixed_precision` resolves to float32 compute, an enclosing autocast does not lower it
-    (mixed_precision.py)."""
-    mixed_precision = veomni_parallelize_keywords(mixed_precision, enable_mixed_precision, ignored)
+    VeOmni's calling convention works too: `enable_mixed_precision=True/False` (VeOmni's name before its
+    MixedPrecisionConfig, and the seed's) is `mixed_precision=MixedPrecisionConfig(enable=...)` (fp32 master weights;
+    bf16 compute on CUDA, fp32 on CPU), and keywords VeOmni takes that mean nothing here are accepted with one
+    warning naming them (`fqn_to_index_mapping`, which safetensors shard holds each key: the loader reads the index
+    itself). The returned model has `model.clip_grad_norm_(max_norm)`, which returns the total norm as a tensor over
+    every gradient, experts included; and when `mixed_precision` resolves to float32 compute, an enclosing autocast
+    does not lower it (mixed_precision.py)."""
+    if enable_mixed_precision is not None:
+        if mixed_precision is not None:
+            raise ValueError("build_parallelize_model: pass mixed_precision or enable_mixed_precision, not both")
+        mixed_precision = MixedPrecisionArguments(enable=bool(enable_mixed_precision))
+    if ignored:
+        logger.warning(f"build_parallelize_model ignores {sorted(ignored)}: no effect in this implementation")
     given = locals()
     args = VeOmniArguments()
     for keyword, key in SEED_KEYWORDS.items():
@@ -164,20 +170,3 @@ def build_parallelize_model(
     if mixed_precision is not None and compute == torch.float32:
         keep_fp32_compute(model, get_device_type())
     return model
-
-
-# ------------------------------------------------------------------------------- VeOmni's keywords
-def veomni_parallelize_keywords(mixed_precision: Any, enable_mixed_precision: Optional[bool], ignored: dict) -> Any:
-    """The `mixed_precision` that VeOmni's keywords mean; warns once about keywords that have no effect here.
-
-    `enable_mixed_precision=X` (VeOmni before its MixedPrecisionConfig, and the seed's pull request) is
-    `MixedPrecisionConfig(enable=X)`: fp32 master weights and bf16 compute on CUDA, fp32 on CPU. VeOmni's
-    `fqn_to_index_mapping` (which safetensors shard holds each key) is not needed: the loader reads the index itself.
-    """
-    if enable_mixed_precision is not None:
-        if mixed_precision is not None:
-            raise ValueError("build_parallelize_model: pass mixed_precision or enable_mixed_precision, not both")
-        mixed_precision = MixedPrecisionArguments(enable=bool(enable_mixed_precision))
-    if ignored:
-        logger.warning(f"build_parallelize_model ignores {sorted(ignored)}: no effect in this implementation")
-    return mixed_precision
