@@ -144,10 +144,9 @@ def build_parallelize_model(
     exactly these class names.
 
     VeOmni's calling convention works too: `enable_mixed_precision=True/False` (VeOmni's name before its
-    MixedPrecisionConfig, and the seed's) is `mixed_precision=MixedPrecisionConfig(enable=...)` (fp32 master weights;
-    bf16 compute on CUDA, fp32 on CPU), and keywords VeOmni takes that mean nothing here are accepted with one
-    warning naming them (`fqn_to_index_mapping`, which safetensors shard holds each key: the loader reads the index
-    itself). The returned model has `model.clip_grad_norm_(max_norm)`, which returns the total norm as a tensor over
+    MixedPrecisionConfig, and the seed's) is `mixed_precision=MixedPrecisionConfig(enable=...)`, and keywords VeOmni
+    takes that mean nothing here are accepted with one warning naming them (`fqn_to_index_mapping`: the loader
+    reads the safetensors index itself). The returned model has `model.clip_grad_norm_(max_norm)`, which returns the total norm as a tensor over
     every gradient, experts included; and when `mixed_precision` resolves to float32 compute, an enclosing autocast
     does not lower it (mixed_precision.py)."""
     if enable_mixed_precision is not None:
