@@ -74,10 +74,7 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
     if not (norm_type > 0):
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
     groups = defaultdict(list)
-    for p in parameters:
-        if p.grad is None:
-            continue
-        g = p.grad
+    for g in (p.grad for p in parameters if p.grad is not None):
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else ("local", g.device)
         groups[key].append(g)
     norms = [_group_norm(grads, norm_type) for grads in groups.values()]

@@ -1,8 +1,9 @@
 """The data-parallel steps of `parallelize`: FSDP2 (`apply_fsdp`, with expert modules sharded over their own mesh
 first) or DDP (`apply_ddp`); and which modules become FSDP units."""
 
+from collections import defaultdict
 from functools import partial
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 from torch import nn
@@ -17,11 +18,6 @@ from .parallel_plan import expert_shard_placement
 from .parallel_state import ParallelState
 
 logger = get_logger(__name__)
-
-
-def mixed_precision_policy(mixed_precision: Any, mode: str) -> Optional[MixedPrecisionPolicy]:
-    """Accepts the config group (`.enable`, `.param_dtype`, `.reduce_dtype`), a bool, or None."""
-    return resolve_precision(mixed_precision, get_device_type(), mode).policy
 
 
 def no_split_module_names(model: nn.Module) -> List[str]:
@@ -46,14 +42,6 @@ def basic_module_instances(model: nn.Module, basic_modules: Sequence[str]) -> Li
     return sorted(found, key=lambda m: -depth[id(m)])  # stable: forward order kept within a depth
 
 
-def _prefetch_chains(units: List[nn.Module]) -> List[List[nn.Module]]:
-    """Forward prefetch runs along each stack of same-class units (decoder layers, vision blocks), in model order."""
-    chains: dict = {}
-    for unit in units:
-        chains.setdefault(type(unit).__name__, []).append(unit)
-    return [chain for chain in chains.values() if len(chain) > 1]
-
-
 def _fully_shard_kwargs(state: ParallelState, fsdp) -> Dict[str, Any]:
     """`fully_shard`'s keywords for `train.accelerator.fsdp_config` (an FSDPConfig)."""
     mesh = state.fsdp_mesh
@@ -62,7 +50,7 @@ def _fully_shard_kwargs(state: ParallelState, fsdp) -> Dict[str, Any]:
     # parameter and spares backward a second gather and cast of every unit, the bulk of FSDP's host time there
     if reshard is None:
         reshard = mesh.size() > 1
-    mp_policy = mixed_precision_policy(fsdp.mixed_precision, state.mode) or MixedPrecisionPolicy()
+    mp_policy = resolve_precision(fsdp.mixed_precision, get_device_type(), state.mode).policy or MixedPrecisionPolicy()
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard and fsdp.full_shard, "mp_policy": mp_policy}
     if fsdp.offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=get_device_type() == "cuda")
@@ -104,8 +92,11 @@ def apply_fsdp(
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
-    if fsdp.forward_prefetch:
-        for chain in _prefetch_chains(units):
+    if fsdp.forward_prefetch:  # along each stack of same-class units (decoder layers, vision blocks), in model order
+        chains = defaultdict(list)
+        for unit in units:
+            chains[type(unit).__name__].append(unit)
+        for chain in chains.values():
             for current, following in zip(chain, chain[1:]):
                 current.set_modules_to_forward_prefetch([following])
     logger.info(
@@ -119,7 +110,7 @@ def check_ddp_options(state: ParallelState, fsdp) -> None:
     """What DDP cannot do, refused before anything is built."""
     if fsdp.offload:
         raise ValueError("fsdp_config.offload needs fsdp_mode=fsdp2, not ddp")
-    policy = mixed_precision_policy(fsdp.mixed_precision, state.mode)
+    policy = resolve_precision(fsdp.mixed_precision, get_device_type(), state.mode).policy
     if policy is not None and policy.reduce_dtype not in (None, torch.float32):
         raise ValueError(
             "fsdp_config.mixed_precision.reduce_dtype bfloat16 needs fsdp_mode=fsdp2: DDP all-reduces its fp32 "
@@ -137,7 +128,7 @@ def apply_ddp(model: nn.Module, state: ParallelState, mixed_precision: Any = Non
     under autocast over the fp32 parameters, as FSDP2 computes in bf16 over fp32 masters."""
     model.to(get_device())
     replicate(model, device_mesh=state.flat_meshes["dp_sp"] if state.sp_enabled else state.dp_mesh)
-    policy = mixed_precision_policy(mixed_precision, state.mode)
+    policy = resolve_precision(mixed_precision, get_device_type(), state.mode).policy
     compute = policy.param_dtype if policy is not None else None
     if compute not in (None, torch.float32):
         autocast_module(model, get_device_type(), compute)

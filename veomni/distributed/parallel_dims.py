@@ -79,10 +79,9 @@ class ParallelDims(ParallelSizes):
         extra = {}
         fsdp = self._fsdp_mesh(dense, flat)
         for dim in self.extras:
-            outer = (f"{dim.name}_fsdp", self.world_size // dim.size)
-            inner = (dim.name, dim.size)
-            first, second = (outer, inner) if dim.innermost else (inner, outer)
-            extra[dim.name] = unflatten_mesh(world, 0, (first[1], second[1]), (first[0], second[0]))
+            layout = [(f"{dim.name}_fsdp", self.world_size // dim.size), (dim.name, dim.size)]  # innermost: ep last
+            names, sizes = zip(*(layout if dim.innermost else layout[::-1]))
+            extra[dim.name] = unflatten_mesh(world, 0, sizes, names)
         return ParallelMeshes(world=world, dense=dense, flat=flat, extra=extra, fsdp=fsdp)
 
     def _fsdp_mesh(self, dense: DeviceMesh, flat: Dict[str, DeviceMesh]) -> DeviceMesh:

@@ -82,13 +82,16 @@ class ParallelState:
             return meshes.dense[tuple(names)]
         if names in DENSE_DIMS:
             return meshes.dense[names]
-        found = {**meshes.flat, "fsdp": meshes.fsdp, "world": meshes.world}.get(names)
+        views = {**meshes.flat, "fsdp": meshes.fsdp, "world": meshes.world}
+        if names in views:
+            return views[names]
         for extra in meshes.extra.values():
-            found = extra[names] if found is None and names in (extra.mesh_dim_names or ()) else found
-        if found is None:
-            raise KeyError(f"no mesh named {names!r}; dims: {DENSE_DIMS}, views: {sorted(meshes.flat)}, extra: "
-                           f"{self.extra_parallel_names or 'none'}")  # fmt: skip
-        return found
+            if names in extra.mesh_dim_names:
+                return extra[names]
+        raise KeyError(
+            f"no mesh named {names!r}; dims: {DENSE_DIMS}, views: {sorted(meshes.flat)}, extra: "
+            f"{self.extra_parallel_names or 'none'}"
+        )
 
     # sizes
     world_size = property(lambda self: self.dims.world_size)

@@ -19,12 +19,12 @@ the list of patterns that matched nothing.
 """
 
 import fnmatch
-from typing import Dict, List
+from typing import Dict
 
 import torch.distributed
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -106,21 +106,17 @@ def check_tp_divisibility(config, tp_size: int) -> None:
         )
 
 
-def _module_names(model: nn.Module) -> List[str]:
-    return [name for name, _ in model.named_modules() if name]
-
-
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shard `model` in place over `tp_mesh` by its plan; returns it. Tied parameters stay tied."""
     tp_size = tp_mesh.size()
-    if getattr(model.config, "num_experts", None) or any("experts" in n for n in _module_names(model)):
+    names = [name for name, _ in model.named_modules() if name]
+    if getattr(model.config, "num_experts", None) or any("experts" in n for n in names):
         raise NotImplementedError(
             f"tensor parallel for MoE models ({type(model).__name__}) is not supported: use expert parallel "
             "(train.accelerator.extra_parallel_sizes / extra_parallel_names: [ep]) with tp_size=1"
         )
     check_tp_divisibility(model.config, tp_size)
     plan = get_tp_plan(model)
-    names = _module_names(model)
     missing = [pattern for pattern in plan if not any(fnmatch.fnmatchcase(n, pattern) for n in names)]
     if missing:
         raise ValueError(
@@ -133,9 +129,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     parallelize_module(model, tp_mesh, plan)
     for name, source in tied.items():  # each style made its own DTensor of a tied weight: one for both again
         mine, first = model.get_parameter(name), model.get_parameter(source)
-        if isinstance(first, DTensor) != isinstance(mine, DTensor) or (
-            isinstance(first, DTensor) and first.placements != mine.placements
-        ):
+        if getattr(mine, "placements", None) != getattr(first, "placements", None):  # (None: not a DTensor)
             raise ValueError(
                 f"tied parameter {name} gets placement {getattr(mine, 'placements', 'replicated')} but its twin "
                 f"{source} {getattr(first, 'placements', 'replicated')}"

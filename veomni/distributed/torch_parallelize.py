@@ -83,29 +83,23 @@ def parallelize(
 
 def _materializer(model: nn.Module, args) -> Callable[[], None]:
     """What allocates and fills a meta-built model once it is sharded (nothing for a model built on a device).
-    Decided before any step runs, since sharding changes what the parameters look like."""
+    Decided before any step runs, since sharding changes what the parameters look like. Without a checkpoint, rank 0
+    initialises a full-size model (`reference_init`) and broadcasts it."""
     if not (args.train.init_device == "meta" or any(p.is_meta for p in model.parameters())):
         return lambda: None
-    weights_path = args.model.model_path
-    reference_init = _reference_init(model) if weights_path is None else None
+
+    def reference_init() -> nn.Module:
+        config, dtype = model.config, next(model.parameters()).dtype
+        attn = config_attn_implementation(config)
+        return model_class_for(config).from_config(config, attn_implementation=attn, dtype=dtype)
+
     return lambda: materialize_meta_model(
         model,
-        weights_path,
+        args.model.model_path,
         args.train.broadcast_model_weights_from_rank0,
         args.train.accelerator.fsdp_config.max_load_broadcast_size,
         reference_init,
     )
-
-
-def _reference_init(model: nn.Module) -> Callable[[], nn.Module]:
-    """Rank 0's full-size initialisation of a meta model trained from scratch."""
-
-    def build():
-        dtype = next(model.parameters()).dtype
-        attn = config_attn_implementation(model.config)
-        return model_class_for(model.config).from_config(model.config, attn_implementation=attn, dtype=dtype)
-
-    return build
 
 
 # build_parallelize_model's keywords -> the config keys they spell
@@ -149,13 +143,18 @@ def build_parallelize_model(
     key `SEED_KEYWORDS` names); returns the same module object. `basic_modules`: the FSDP (and compiled) units,
     exactly these class names.
 
-    VeOmni's calling convention works too (see `veomni_parallelize_keywords`): `enable_mixed_precision=True/False`
-    (the seed's name) is `mixed_precision=MixedPrecisionConfig(enable=...)`, and keywords VeOmni takes that mean
-    nothing here (`fqn_to_index_mapping`, ...) are accepted with one warning naming them. The returned model has
-    `model.clip_grad_norm_(max_norm)`, which returns the total norm as a tensor over every gradient, experts
-    included; and when `mixed_precision` resolves to float32 compute, an enclosing autocast does not lower it
-    (mixed_precision.py)."""
-    mixed_precision = veomni_parallelize_keywords(mixed_precision, enable_mixed_precision, ignored)
+    VeOmni's calling convention works too: `enable_mixed_precision=True/False` (VeOmni's name before its
+    MixedPrecisionConfig, and the seed's) is `mixed_precision=MixedPrecisionConfig(enable=...)`, and keywords VeOmni
+    takes that mean nothing here are accepted with one warning naming them (`fqn_to_index_mapping`: the loader
+    reads the safetensors index itself). The returned model has `model.clip_grad_norm_(max_norm)`, which returns the total norm as a tensor over
+    every gradient, experts included; and when `mixed_precision` resolves to float32 compute, an enclosing autocast
+    does not lower it (mixed_precision.py)."""
+    if enable_mixed_precision is not None:
+        if mixed_precision is not None:
+            raise ValueError("build_parallelize_model: pass mixed_precision or enable_mixed_precision, not both")
+        mixed_precision = MixedPrecisionArguments(enable=bool(enable_mixed_precision))
+    if ignored:
+        logger.warning(f"build_parallelize_model ignores {sorted(ignored)}: no effect in this implementation")
     given = locals()
     args = VeOmniArguments()
     for keyword, key in SEED_KEYWORDS.items():
@@ -166,25 +165,7 @@ def build_parallelize_model(
     state = get_parallel_state()
     model = parallelize(model, state, args, basic_modules=list(basic_modules or []))
     bind_clip_grad_norm(model)
-    if mixed_precision is not None and resolved_compute_dtype(mixed_precision, get_device_type(), state.mode) == (
-        torch.float32
-    ):
+    compute = resolved_compute_dtype(mixed_precision, get_device_type(), state.mode)
+    if mixed_precision is not None and compute == torch.float32:
         keep_fp32_compute(model, get_device_type())
     return model
-
-
-# ------------------------------------------------------------------------------- VeOmni's keywords
-def veomni_parallelize_keywords(mixed_precision: Any, enable_mixed_precision: Optional[bool], ignored: dict) -> Any:
-    """The `mixed_precision` that VeOmni's keywords mean; warns once about keywords that have no effect here.
-
-    `enable_mixed_precision=X` (VeOmni before its MixedPrecisionConfig, and the seed's pull request) is
-    `MixedPrecisionConfig(enable=X)`: fp32 master weights and bf16 compute on CUDA, fp32 on CPU. VeOmni's
-    `fqn_to_index_mapping` (which safetensors shard holds each key) is not needed: the loader reads the index itself.
-    """
-    if enable_mixed_precision is not None:
-        if mixed_precision is not None:
-            raise ValueError("build_parallelize_model: pass mixed_precision or enable_mixed_precision, not both")
-        mixed_precision = MixedPrecisionArguments(enable=bool(enable_mixed_precision))
-    if ignored:
-        logger.warning(f"build_parallelize_model ignores {sorted(ignored)}: no effect in this implementation")
-    return mixed_precision

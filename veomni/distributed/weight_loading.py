@@ -14,7 +14,7 @@ layout FSDP2 uses, so no further communication happens after the chunk broadcast
 """
 
 import math
-from typing import Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,9 @@ logger = get_logger(__name__)
 _FAILED = "__veomni_read_failed__"
 
 
-def _chunks(tensors: Iterable[Tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+def _chunks(read: Callable[[], Iterable[Tuple[str, torch.Tensor]]], max_bytes: int) -> Iterator[list]:
     chunk, size = [], 0
-    for name, tensor in tensors:
+    for name, tensor in read():  # called at the first chunk: an error reading or building is one of the stream's
         if chunk and size + tensor.nbytes > max_bytes:
             yield chunk
             chunk, size = [], 0
@@ -41,21 +41,20 @@ def _chunks(tensors: Iterable[Tuple[str, torch.Tensor]], max_bytes: int) -> Iter
         yield chunk
 
 
-def _next_chunk(chunks) -> Tuple[Optional[list], Optional[BaseException]]:
-    try:
-        return next(chunks, None), None
-    except Exception as err:  # told to every rank before it is raised here
-        return None, err
-
-
-def _broadcast_chunks(source: Optional[Iterable[Tuple[str, torch.Tensor]]], max_bytes: int):
-    """Rank 0 reads `source` (other ranks pass None); every rank receives the same stream of full tensors, one
-    chunk per broadcast, as `(name, tensor, False)` for `_copy_into`."""
+def _broadcast_chunks(read: Callable[[], Iterable[Tuple[str, torch.Tensor]]], max_bytes: int):
+    """Rank 0 alone calls `read()`, inside the stream, so that its failure (a mismatch found up front, out of
+    memory) is told to every rank; every rank receives the same stream of full tensors, one chunk per broadcast,
+    as `(name, tensor, False)` for `_copy_into`."""
     device = get_device()
     rank = dist.get_rank()
-    chunks = _chunks(source, max_bytes) if rank == 0 else None
+    chunks = _chunks(read, max_bytes) if rank == 0 else None
     while True:
-        chunk, error = _next_chunk(chunks) if rank == 0 else (None, None)
+        chunk = error = None
+        if rank == 0:
+            try:
+                chunk = next(chunks, None)
+            except Exception as err:  # told to every rank before it is raised here
+                error = err
         if error is not None:
             meta = [(_FAILED, isinstance(error, WeightsMismatchError), str(error))]
         else:
@@ -82,15 +81,11 @@ def _broadcast_chunks(source: Optional[Iterable[Tuple[str, torch.Tensor]]], max_
 def load_checkpoint(model: nn.Module, weights_path: str, broadcast_from_rank0: bool, max_broadcast_bytes: int) -> None:
     """Fill `model` (materialised, possibly sharded) from an HF checkpoint folder, with transformers' key rules."""
     if broadcast_from_rank0 and dist.get_world_size() > 1:
-        source = None
-        if dist.get_rank() == 0:
 
-            def read():  # built inside the stream: a mismatch found up front is broadcast like a read error
-                for name, tensor, _ in ModelWeights(weights_path, model).tensors():
-                    yield name, tensor
+        def read():
+            return ((name, tensor) for name, tensor, _ in ModelWeights(weights_path, model).tensors())
 
-            source = read()
-        copy_into(model, _broadcast_chunks(source, max_broadcast_bytes), weights_path)
+        copy_into(model, _broadcast_chunks(read, max_broadcast_bytes), weights_path)
         return
     state = model.state_dict()
     weights = ModelWeights(weights_path, model)
@@ -124,11 +119,6 @@ def materialize_meta_model(
         load_checkpoint(model, weights_path, broadcast_from_rank0, max_broadcast_bytes)
         name = weights_path
     else:  # always from rank 0, whatever broadcast_from_rank0 says: no other rank builds a full model
-
-        def initialise():  # inside the stream: a failure on rank 0 (out of memory) is raised on every rank
-            yield from reference_init().state_dict().items()
-
         name = "rank-0 initialisation"
-        source = initialise() if dist.get_rank() == 0 else None
-        copy_into(model, _broadcast_chunks(source, max_broadcast_bytes), name)
+        copy_into(model, _broadcast_chunks(lambda: reference_init().state_dict().items(), max_broadcast_bytes), name)
     logger.info(f"materialised meta model from {name}")

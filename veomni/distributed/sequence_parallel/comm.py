@@ -17,39 +17,38 @@ from ...compat.torch import all_to_all_single_autograd
 
 
 class PendingHeads:
-    """An all-to-all in flight: `.wait()` -> [B, H / sp, S * sp, D] (the rank's heads over the full sequence)."""
+    """An all-to-all in flight: `.wait()` -> [B, N / sp, sp * M, D] (for q/k/v: the rank's heads over the full
+    sequence)."""
 
-    def __init__(self, received: torch.Tensor, batch: int, heads: int, seq: int, dim: int, sp: int):
-        self.received, self.shape = received, (batch, heads, seq, dim, sp)
+    def __init__(self, received: torch.Tensor, batch: int, n: int, m: int, dim: int, sp: int):
+        self.received, self.shape = received, (batch, n, m, dim, sp)
 
     def wait(self) -> torch.Tensor:
-        batch, heads, seq, dim, sp = self.shape
-        # received: [source rank (= its sequence shard), B, H/sp, S, D] -> [B, H/sp, sp * S, D]
-        return (
-            self.received.view(sp, batch, heads, seq, dim).permute(1, 2, 0, 3, 4).reshape(batch, heads, sp * seq, dim)
-        )
+        batch, n, m, dim, sp = self.shape
+        # received: [source rank, B, N/sp, M, D] -> the source ranks' blocks side by side on dim 2, in rank order
+        return self.received.view(sp, batch, n, m, dim).permute(1, 2, 0, 3, 4).reshape(batch, n, sp * m, dim)
+
+
+def _launch(x: torch.Tensor, group: dist.ProcessGroup) -> PendingHeads:
+    """The one Ulysses exchange, both directions: [B, N, M, D] -> (pending) [B, N / sp, sp * M, D], where block r of
+    dim 1 goes to rank r."""
+    sp = dist.get_world_size(group)
+    batch, n, m, dim = x.shape
+    send = x.reshape(batch, sp, n // sp, m, dim).transpose(0, 1).contiguous()  # one contiguous chunk per rank
+    return PendingHeads(all_to_all_single_autograd(send, None, None, group), batch, n // sp, m, dim, sp)
 
 
 def launch_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> PendingHeads:
     """[B, H, S, D] sequence shard -> (pending) [B, H / sp, sp * S, D]; H must divide by the group size."""
-    sp = dist.get_world_size(group)
-    batch, heads, seq, dim = x.shape
+    sp, heads = dist.get_world_size(group), x.shape[1]
     if heads % sp:
         raise ValueError(f"{heads} heads do not split over ulysses_size={sp}")
-    # rank r receives head block r: put the head blocks first, one contiguous chunk per destination
-    send = x.reshape(batch, sp, heads // sp, seq, dim).transpose(0, 1).contiguous()
-    received = all_to_all_single_autograd(send, None, None, group)
-    return PendingHeads(received, batch, heads // sp, seq, dim, sp)
+    return _launch(x, group)
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[B, sp * S, H / sp, D] (attention output for this rank's heads) -> [B, S, H, D] for this rank's shard."""
-    sp = dist.get_world_size(group)
-    batch, total, heads, dim = x.shape
-    seq = total // sp
-    send = x.reshape(batch, sp, seq, heads, dim).transpose(0, 1).contiguous()  # one sequence shard per destination
-    received = all_to_all_single_autograd(send, None, None, group)  # [source rank (= its heads), B, S, H/sp, D]
-    return received.view(sp, batch, seq, heads, dim).permute(1, 2, 0, 3, 4).reshape(batch, seq, sp * heads, dim)
+    return _launch(x, group).wait()
 
 
 def kv_replication(kv_heads: int, q_heads: int, sp: int) -> int:
