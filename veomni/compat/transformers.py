@@ -152,15 +152,11 @@ def keys_to_ignore_on_load_unexpected(model) -> List[str]:
     return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
 
 
-def _plain_forward(cls) -> Callable:
-    """The class's forward without its decorators (`deprecate_kwarg`'s wrapper: the model's own layers already
-    call the forward with the current argument names)."""
-    return inspect.unwrap(cls.forward)
-
-
 def forward_calls_global(cls, name: str) -> bool:
-    """Whether `cls.forward` looks up the modeling-file global `name` (e.g. `apply_rotary_pos_emb`) when it runs."""
-    forward = _plain_forward(cls)
+    """Whether `cls.forward` looks up the modeling-file global `name` (e.g. `apply_rotary_pos_emb`) when it runs.
+    The forward is read without its decorators (`deprecate_kwarg`'s wrapper: the model's own layers already call
+    the forward with the current argument names)."""
+    forward = inspect.unwrap(cls.forward)
     return name in forward.__code__.co_names and name in forward.__globals__
 
 
@@ -182,7 +178,7 @@ def bind_forward_with_global(module: nn.Module, name: str, replacement: Callable
             f"{cls.__name__}.forward no longer calls the global `{name}` that veomni binds a fused kernel in place of",
             "run model.ops_implementation.kernels eager or ",
         )
-    forward = _plain_forward(cls)
+    forward = inspect.unwrap(cls.forward)  # as forward_calls_global reads it
     key = (forward, name, replacement)
     if key not in _REBOUND:
         namespace = dict(forward.__globals__)
