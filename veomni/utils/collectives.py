@@ -74,13 +74,13 @@ class HostGroup:
 
 
 @contextlib.contextmanager
-def host_group(timeout_minutes: Optional[float] = None) -> Iterator[Optional[dist.ProcessGroup]]:
+def host_group() -> Iterator[Optional[dist.ProcessGroup]]:
     """A gloo group of every rank for the `with` block (None in a world of one). Collective to create: enter it on
     every rank alike. The timeout (`VEOMNI_HOST_TIMEOUT_MINUTES`, default 12 hours) bounds each wait in it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield None
         return
-    group = HostGroup(timeout_minutes)
+    group = HostGroup()
     try:
         yield group.get()
     finally:
