@@ -44,7 +44,8 @@ class IteratorSlotLoader(StatefulDataLoader):
     "exit" message never reaches them, and each worker costs the full join timeout (5 s) before it is killed.
 
     The current iterator (torch's private `self._iterator`, assigned by `__iter__`, `state_dict` and
-    `load_state_dict`) lives in `self._live[0]`, a box a finalizer can reach without holding the loader. If torchdata renames `_iterator`, the box stays
+    `load_state_dict`) lives in `self._live[0]`, a box a finalizer can reach without holding the loader; each
+    replacement goes through `iterator_replaced(previous, new)`. If torchdata renames `_iterator`, the box stays
     empty while torch keeps its own attribute: workers would again stop only at garbage collection
     (tests/test_data_loader.py's worker-shutdown tests catch it)."""
 
@@ -63,10 +64,13 @@ class IteratorSlotLoader(StatefulDataLoader):
     @_iterator.setter
     def _iterator(self, iterator) -> None:
         previous, self._live[0] = self._live[0], iterator
-        # load_state_dict drops the iterator (None: its position is then gone), so its workers stop. A new iter()
-        # replaces it, but the old one may still be iterated (two iterators, as a DataLoader allows): it keeps its
-        # workers, and frees them when it ends or is collected.
-        if iterator is None and previous is not None:
+        self.iterator_replaced(previous, iterator)
+
+    def iterator_replaced(self, previous, new) -> None:
+        """Called on each assignment of the current iterator. load_state_dict drops it (None: its position is then
+        gone), so its workers stop. A new iter() replaces it, but the old one may still be iterated (two iterators,
+        as a DataLoader allows): it keeps its workers, and frees them when it ends or is collected."""
+        if new is None and previous is not None:
             shutdown_iterator_workers(previous)
 
     def __iter__(self):
