@@ -60,10 +60,8 @@ class HostGroup:
 
     def get(self) -> dist.ProcessGroup:
         if self.group is None:
-            if self.reuse_gloo_world and dist.get_backend() == "gloo":
-                self.group = dist.group.WORLD
-            else:
-                self.group = dist.new_group(backend="gloo", timeout=self.timeout)
+            reuse = self.reuse_gloo_world and dist.get_backend() == "gloo"
+            self.group = dist.group.WORLD if reuse else dist.new_group(backend="gloo", timeout=self.timeout)
         return self.group
 
     def close(self) -> None:
