@@ -259,7 +259,7 @@ def test_kernels_and_module_internals():
 def test_grouped_mm_fallback_is_logged_once(monkeypatch):
     said = []
     monkeypatch.setattr(compat_torch, "_GROUPED_MM", None)
-    monkeypatch.setattr(compat_torch, "_said", set())
+    compat_torch._log_once.cache_clear()
     monkeypatch.setattr(compat_torch.logger, "info", said.append)
     cuda_bf16 = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
     assert not compat_torch.grouped_mm_available(cuda_bf16) and not compat_torch.grouped_mm_available(cuda_bf16)

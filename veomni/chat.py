@@ -12,6 +12,7 @@ a hub name `org/name[@rev]` (veomni.utils.hub). A prompt file holds one prompt a
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -23,13 +24,6 @@ from .models.generate import reply  # noqa: F401  (the chat's turn; also train.e
 
 class ChatError(ValueError):
     """A MODEL that cannot be loaded, said in one line."""
-
-
-def _newest_checkpoint(run_dir: str) -> Optional[str]:
-    from .checkpoint import list_checkpoints
-
-    steps = list_checkpoints(os.path.join(run_dir, "checkpoints"))
-    return os.path.join(run_dir, "checkpoints", f"global_step_{steps[-1]}") if steps else None
 
 
 def model_folder(path: str, scratch: str) -> Tuple[str, str]:
@@ -49,9 +43,11 @@ def model_folder(path: str, scratch: str) -> Tuple[str, str]:
         return out, "checkpoint"
     if os.path.isdir(os.path.join(path, "hf")):
         return model_folder(os.path.join(path, "hf"), scratch)
-    newest = _newest_checkpoint(path) if os.path.isdir(path) else None
-    if newest:
-        return model_folder(newest, scratch)
+    from .checkpoint import list_checkpoints
+
+    steps = list_checkpoints(os.path.join(path, "checkpoints"))
+    if steps:  # a run without an hf/ export: its newest checkpoint
+        return model_folder(os.path.join(path, "checkpoints", f"global_step_{steps[-1]}"), scratch)
     raise ChatError(
         f"{path}: not a run's output_dir (no hf/ export, no checkpoint), an HF folder (config.json), a LoRA adapter "
         f"folder (adapter_config.json) or a DCP checkpoint (model_optimizer/)"
@@ -135,8 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         prompts = [[{"role": "user", "content": args.prompt}]] if args.prompt is not None else []
         prompts += read_prompts(args.prompt_file) if args.prompt_file else []
-        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-        try:
+        with open(args.output, "w", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as out:
             for messages in prompts:
                 answer = reply(model, tokenizer, system + messages, args.max_new_tokens)
                 if args.prompt is not None and not args.prompt_file:
@@ -144,9 +139,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 else:
                     record = {"prompt": messages[-1]["content"], "response": answer}
                     print(json.dumps(record, ensure_ascii=False), file=out, flush=True)
-        finally:
-            if out is not sys.stdout:
-                out.close()
     return 0
 
 

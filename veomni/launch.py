@@ -25,25 +25,19 @@ DEFAULT_STOP_GRACE_S = 900  # how long stopped workers may take to finish their 
 FAILURE_GRACE_S = 30  # after a failure nothing is saved: frozen peers are killed this soon at the latest
 
 
-def _recorded(failure) -> str:
-    """The one-line message a worker recorded (veomni.trainer.lifecycle), or ''. torchrun makes up a plain-string
-    message ("Signal 15 (SIGTERM) received by PID ...") for a rank without a record: that is not one."""
-    message = failure.message
-    return str(message.get("message", "")) if isinstance(message, dict) else ""
-
-
-def _is_echo(failure) -> bool:
-    """A rank that failed because another one had already failed (it lost the race to report)."""
-    message = failure.message
-    return isinstance(message, dict) and bool(message.get("extraInfo", {}).get("veomni_secondary"))
+def _record(failure) -> dict:
+    """The record a worker wrote (veomni.trainer.lifecycle), or {}. torchrun makes up a plain-string message ("Signal
+    15 (SIGTERM) received by PID ...") for a rank without a record: that is not one."""
+    return failure.message if isinstance(failure.message, dict) else {}
 
 
 def _root_cause(err) -> str:
     """The first rank's own record, else any record, else how a rank died. torchrun's own choice (the earliest
     failure, at 1-s resolution, ties to the lowest rank) often names a rank it SIGTERMed itself while tearing down."""
     failures = sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    recorded = [(r, f) for r, f in failures if _recorded(f)]
-    primary = [(r, f) for r, f in recorded if not _is_echo(f)] or recorded
+    recorded = [(r, f) for r, f in failures if _record(f).get("message")]
+    # not the echoes: ranks that failed because another one had already failed (they lost the race to report)
+    primary = [(r, f) for r, f in recorded if not _record(f).get("extraInfo", {}).get("veomni_secondary")] or recorded
     # deaths by a signal other than the launcher's own SIGTERM (kill -9, OOM killer, a segfault) are news
     killed = [
         f"rank {r} was killed by {f.signal_name()} (exit code {f.exitcode})"
@@ -51,22 +45,11 @@ def _root_cause(err) -> str:
         if f.exitcode < 0 and -f.exitcode != int(signal.SIGTERM)
     ]
     if primary:
-        return "; ".join([_recorded(primary[0][1]), *killed])
+        return "; ".join([str(_record(primary[0][1])["message"]), *killed])
     if killed:
         return "; ".join(killed)
     rank, failure = failures[0]
     return f"rank {rank} exited with code {failure.exitcode} (no error record: see its output)"
-
-
-def _bound_failure_teardown() -> None:
-    """When one worker fails, torchrun stops the others with `close()` and a fixed 30 s grace before SIGKILL, so a
-    frozen worker (SIGSTOP, a stuck driver) outlives the job by 30 s whatever `--shutdown-timeout` says. Make that
-    grace TORCH_ELASTIC_SHUTDOWN_TIMEOUT where it is shorter (a failure saves nothing: no reason to wait longer)."""
-    from .compat.torch_runtime import bound_worker_close_grace
-
-    bound_worker_close_grace(
-        min(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", FAILURE_GRACE_S)), FAILURE_GRACE_S)
-    )
 
 
 def main(argv=None) -> int:
@@ -74,13 +57,20 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from .compat.torch_runtime import bound_worker_close_grace
+
     os.environ["VEOMNI_LAUNCHER"] = "1"
     # torchrun's shutdown notes ("Sending process N closing signal SIGTERM") would bury the cause; its loggers
     # each carry their own level, so quiet them one by one
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    _bound_failure_teardown()
+    # when one worker fails, torchrun stops the others with a fixed 30 s grace before SIGKILL, so a frozen worker
+    # (SIGSTOP, a stuck driver) would outlive the job by 30 s whatever --shutdown-timeout says: a failure saves
+    # nothing, so that grace is TORCH_ELASTIC_SHUTDOWN_TIMEOUT where it is shorter
+    bound_worker_close_grace(
+        min(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", FAILURE_GRACE_S)), FAILURE_GRACE_S)
+    )
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.shutdown_timeout is None and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
         args.shutdown_timeout = DEFAULT_STOP_GRACE_S  # torchrun's 30 s would SIGKILL a save of a big model

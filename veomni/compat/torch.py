@@ -7,6 +7,7 @@ with torch's ImportError / AttributeError naming it (and tests/test_compat.py na
 """
 
 import contextlib
+import functools
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -76,13 +77,10 @@ PRIVATE_SYMBOLS: List[Tuple[str, str, str]] = [
     ("torch._C", "_current_graph_task_id", "MoE metrics skip checkpoint recomputes"),
 ]
 
-_said: set = set()
 
-
-def _log_once(key: str, message: str) -> None:
-    if key not in _said:
-        _said.add(key)
-        logger.info(message)
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logger.info(message)
 
 
 # ------------------------------------------------------------------------------------------- meshes
@@ -139,7 +137,7 @@ def fused_kernel_devices() -> List[str]:
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
     except ImportError:
-        _log_once("fused", f"torch {torch.__version__}: no fused-kernel device list; AdamW runs foreach (slower)")
+        _log_once(f"torch {torch.__version__}: no fused-kernel device list; AdamW runs foreach (slower)")
         return []
     return list(_get_fused_kernels_supported_devices())
 
@@ -164,11 +162,9 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16):
         return False
     if _GROUPED_MM is None:
-        _log_once(
-            "grouped_mm", f"torch {torch.__version__} has no torch._grouped_mm: MoE experts run per-expert matmuls"
-        )
+        _log_once(f"torch {torch.__version__} has no torch._grouped_mm: MoE experts run per-expert matmuls")
     else:
-        _log_once("grouped_mm", "MoE experts: torch._grouped_mm (CUDA bf16)")
+        _log_once("MoE experts: torch._grouped_mm (CUDA bf16)")
     return _GROUPED_MM is not None
 
 

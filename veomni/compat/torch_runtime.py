@@ -5,6 +5,7 @@ the heartbeat thread runs before the task has imported torch (a second thread im
 raises), so each adapter imports what it needs when called.
 """
 
+import contextlib
 import sys
 from typing import List, Tuple
 
@@ -77,11 +78,7 @@ def default_store():
     """The default process group's TCPStore (c10d's private `_get_default_store`), or None: no torch imported
     yet, no group, or the private function gone (the heartbeat then runs without the store)."""
     dist = sys.modules.get("torch.distributed")
-    if dist is None:
-        return None
-    try:
-        if not dist.is_available() or not dist.is_initialized():
-            return None
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+    with contextlib.suppress(Exception):
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    return None

@@ -98,25 +98,22 @@ def modeling_global(module: nn.Module, name: str):
     """A global of the modeling file that defines `module`'s class (`rotate_half`, `eager_attention_forward`):
     each file has its own copy, and veomni must use the one the model was written against."""
     source = sys.modules[type(module).__module__]
-    try:
-        return getattr(source, name)
-    except AttributeError:
-        raise AttributeError(
-            f"{source.__name__} (transformers {_version()}) has no `{name}`, which veomni takes from "
-            f"{type(module).__name__}'s modeling file: see veomni/compat/transformers.py"
-        ) from None
+    if not hasattr(source, name):
+        raise _moved(
+            f"{source.__name__} has no `{name}`, which veomni takes from {type(module).__name__}'s modeling file"
+        )
+    return getattr(source, name)
 
 
 def experts_gate(experts: nn.Module) -> Callable:
     """The experts' `_apply_gate` (act(gate) * up, or the model's own) that transformers' `use_experts_implementation`
     installs; the fused experts call it so each model's gating is transformers' own."""
-    try:
-        return experts._apply_gate
-    except AttributeError:
-        raise AttributeError(
-            f"{type(experts).__name__} has no `_apply_gate` (transformers {_version()}): the fused MoE experts need "
-            "transformers' experts gating hook; run moe_implementation=eager or see veomni/compat/transformers.py"
-        ) from None
+    if not hasattr(experts, "_apply_gate"):
+        raise _moved(
+            f"{type(experts).__name__} has no `_apply_gate`, transformers' experts gating hook the fused MoE experts need",
+            "run moe_implementation=eager or ",
+        )
+    return experts._apply_gate
 
 
 def undecorated_forward(unit: nn.Module) -> Callable:
@@ -135,9 +132,7 @@ def bind_instance_method(module: nn.Module, name: str, function: Callable) -> No
     `get_audio_features`, the async Ulysses attention's and a compiled layer's `forward`). Each use relies on the
     forward still calling that method by name: tests/test_compat.py checks every one."""
     if not callable(getattr(module, name, None)):
-        raise AttributeError(
-            f"{type(module).__name__} has no method {name!r} (transformers {_version()}): see veomni/compat/transformers.py"
-        )
+        raise _moved(f"{type(module).__name__} has no method {name!r}")
     setattr(module, name, function)
 
 
@@ -157,15 +152,11 @@ def keys_to_ignore_on_load_unexpected(model) -> List[str]:
     return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
 
 
-def _plain_forward(cls) -> Callable:
-    """The class's forward without its decorators (`deprecate_kwarg`'s wrapper: the model's own layers already
-    call the forward with the current argument names)."""
-    return inspect.unwrap(cls.forward)
-
-
 def forward_calls_global(cls, name: str) -> bool:
-    """Whether `cls.forward` looks up the modeling-file global `name` (e.g. `apply_rotary_pos_emb`) when it runs."""
-    forward = _plain_forward(cls)
+    """Whether `cls.forward` looks up the modeling-file global `name` (e.g. `apply_rotary_pos_emb`) when it runs.
+    The forward is read without its decorators (`deprecate_kwarg`'s wrapper: the model's own layers already call
+    the forward with the current argument names)."""
+    forward = inspect.unwrap(cls.forward)
     return name in forward.__code__.co_names and name in forward.__globals__
 
 
@@ -183,12 +174,11 @@ def bind_forward_with_global(module: nn.Module, name: str, replacement: Callable
     moved the function): binding would then silently do nothing."""
     cls = type(module)
     if not forward_calls_global(cls, name):
-        raise AttributeError(
-            f"{cls.__name__}.forward (transformers {_version()}) no longer calls the global `{name}` that veomni binds "
-            "a fused kernel in place of: see veomni/compat/transformers.py (or run model.ops_implementation.kernels "
-            "eager)"
+        raise _moved(
+            f"{cls.__name__}.forward no longer calls the global `{name}` that veomni binds a fused kernel in place of",
+            "run model.ops_implementation.kernels eager or ",
         )
-    forward = _plain_forward(cls)
+    forward = inspect.unwrap(cls.forward)  # as forward_calls_global reads it
     key = (forward, name, replacement)
     if key not in _REBOUND:
         namespace = dict(forward.__globals__)
@@ -267,10 +257,14 @@ def feat_extract_output_lengths(processor) -> Optional[Callable]:
     return getattr(sys.modules.get(type(processor).__module__), "_get_feat_extract_output_lengths", None)
 
 
-def _version() -> str:
+def _moved(what: str, remedy: str = "") -> AttributeError:
+    """The error for a transformers symbol veomni needs that this version lacks: what is missing, the version, and
+    where its adapter lives."""
     import transformers
 
-    return transformers.__version__
+    return AttributeError(
+        f"{what} (transformers {transformers.__version__}): {remedy}see veomni/compat/transformers.py"
+    )
 
 
 _MASK_PREPROCESSING_SKIPS_PACKING: set = set()

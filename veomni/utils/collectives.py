@@ -60,10 +60,8 @@ class HostGroup:
 
     def get(self) -> dist.ProcessGroup:
         if self.group is None:
-            if self.reuse_gloo_world and dist.get_backend() == "gloo":
-                self.group = dist.group.WORLD
-            else:
-                self.group = dist.new_group(backend="gloo", timeout=self.timeout)
+            reuse = self.reuse_gloo_world and dist.get_backend() == "gloo"
+            self.group = dist.group.WORLD if reuse else dist.new_group(backend="gloo", timeout=self.timeout)
         return self.group
 
     def close(self) -> None:
@@ -74,13 +72,13 @@ class HostGroup:
 
 
 @contextlib.contextmanager
-def host_group(timeout_minutes: Optional[float] = None) -> Iterator[Optional[dist.ProcessGroup]]:
+def host_group() -> Iterator[Optional[dist.ProcessGroup]]:
     """A gloo group of every rank for the `with` block (None in a world of one). Collective to create: enter it on
     every rank alike. The timeout (`VEOMNI_HOST_TIMEOUT_MINUTES`, default 12 hours) bounds each wait in it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield None
         return
-    group = HostGroup(timeout_minutes)
+    group = HostGroup()
     try:
         yield group.get()
     finally:

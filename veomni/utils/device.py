@@ -18,10 +18,6 @@ logger = get_logger(__name__)
 FORCE_ENV = "VEOMNI_DEVICE"  # `cpu` forces CPU/gloo even where GPUs are present
 
 
-def _cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 @functools.lru_cache(maxsize=None)
 def _log_fallback(local_world_size: int, cuda_count: int) -> None:
     logger.warning(
@@ -36,7 +32,8 @@ def select_device_type(local_world_size: Optional[int] = None, cuda_count: Optio
     Every rank of a node sees the same counts, so all of them choose the same backend."""
     if os.environ.get(FORCE_ENV, "").lower() == "cpu":
         return "cpu"
-    cuda_count = _cuda_count() if cuda_count is None else cuda_count
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if cuda_count == 0:

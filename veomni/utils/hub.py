@@ -114,31 +114,28 @@ def download(
     if ref is None:
         return path
     repo, revision, sub = ref
-    if data and dataset_reference(path) is not None:
-        return _prepare(prepare_dataset, dataset_reference(path), key, path, data)
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    dataset = dataset_reference(path) if data else None
+    if dataset is None:
+        import huggingface_hub
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    patterns = [sub, f"{sub.rstrip('/')}/*"] if sub else None
-    try:
-        folder = huggingface_hub.snapshot_download(
-            repo, revision=revision, repo_type="dataset" if data else "model", allow_patterns=patterns
-        )
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
-        raise HubNameError(explain(key, path, err)) from None
-    local = os.path.join(folder, sub) if sub else folder
-    if not os.path.exists(local) and data and "/" not in sub.strip("/"):  # not a file of the repo: a config
-        return _prepare(prepare_dataset, HubData(repo, revision, sub.strip("/"), DEFAULT_SPLIT), key, path, data)
-    if not os.path.exists(local):
-        raise HubNameError(f"{key}: {path}: the hub snapshot {folder} holds no {sub}")
-    _resolved_names[os.path.abspath(local)] = path if data else repo
-    return local
-
-
-def _prepare(prepare_dataset: Optional[PrepareDataset], ref: HubData, key: str, path: str, data) -> str:
+        patterns = [sub, f"{sub.rstrip('/')}/*"] if sub else None
+        try:
+            folder = huggingface_hub.snapshot_download(
+                repo, revision=revision, repo_type="dataset" if data else "model", allow_patterns=patterns
+            )
+        except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
+            raise HubNameError(explain(key, path, err)) from None
+        local = os.path.join(folder, sub) if sub else folder
+        if os.path.exists(local):
+            _resolved_names[os.path.abspath(local)] = path if data else repo
+            return local
+        if not (data and "/" not in sub.strip("/")):
+            raise HubNameError(f"{key}: {path}: the hub snapshot {folder} holds no {sub}")
+        dataset = HubData(repo, revision, sub.strip("/"), DEFAULT_SPLIT)  # not a file of the repo: a config
     if prepare_dataset is None:
         raise TypeError(f"{key}: {path} is read through `datasets`: download() needs prepare_dataset")
-    return prepare_dataset(ref, key, path, data)
+    return prepare_dataset(dataset, key, path, data)
 
 
 def first_line(err: BaseException) -> str:
