@@ -10,7 +10,7 @@ from ..trainer.base import build_model_from_args
 from .analytic import Layout, ShapeModel
 from .comm import Collective, step_collectives
 from .cost import GPUS, Hardware, StepTime, step_time
-from .measured import measured_mfu, model_billions
+from .measured import measured_mfu
 from .memory import Memory, predict_memory
 from .model_shape import ModelShape
 from .real_plan import (
@@ -83,7 +83,7 @@ def plan(argv: List[str], options: argparse.Namespace) -> PlanResult:
     args, global_tokens = _parse(argv, world, notes)
     shape = model_shape(args)
     if mfu is None:  # measured on this GPU for the nearest benchmarked size, said beside the throughputs
-        mfu, source = measured_mfu(options.gpu, model_billions(shape), gpu.tflops)
+        mfu, source = measured_mfu(options.gpu, shape.billions, gpu.tflops)
         notes.append(f"MFU {mfu:.2f} ({source}; --mfu to assume another)")
     hardware = Hardware(gpu, options.nproc_per_node, mfu, options.intra_node_gbps, options.inter_node_gbps)
     layout = layout_of(args, world)
