@@ -267,11 +267,6 @@ class DistributedMuon(torch.optim.Optimizer):
     def path_of(self, param: torch.Tensor) -> str:
         return self._plans[param].path
 
-    def _dtype_for(self, update: torch.Tensor) -> torch.dtype:
-        if self.ns_dtype is not None:
-            return self.ns_dtype
-        return update.dtype if update.device.type == "cpu" else torch.bfloat16
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure_loss(closure)
@@ -294,7 +289,9 @@ class DistributedMuon(torch.optim.Optimizer):
             updates.append(grad.lerp(buf, momentum) if nesterov else buf)
         if not params:
             return
-        dtype = self._dtype_for(updates[0])
+        dtype = self.ns_dtype
+        if dtype is None:  # see the class docstring
+            dtype = updates[0].dtype if updates[0].device.type == "cpu" else torch.bfloat16
 
         def ns(x):
             return zeropower_via_newtonschulz(x, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)

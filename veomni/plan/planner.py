@@ -1,7 +1,6 @@
 """`plan(...)`: the configured layout under the real plan on a fake world, and the layouts that fit, ranked."""
 
 import argparse
-import math
 from dataclasses import dataclass, field, replace
 from typing import Dict, List
 
@@ -23,7 +22,7 @@ from .real_plan import (
     reshard_after_forward,
     step_shape,
 )
-from .search import Budget, Candidate, changes, evaluate, layouts
+from .search import Budget, Candidate, changes, evaluate, layouts, step_work
 
 HEADROOM = 0.95  # of the GPU's memory: the caching allocator's fragmentation needs some
 
@@ -89,12 +88,9 @@ def plan(argv: List[str], options: argparse.Namespace) -> PlanResult:
     layout = layout_of(args, world)
     if options.tokens:
         layout = replace(layout, mb_tokens=options.tokens)
-    micro_batches = max(1, math.ceil(global_tokens / (layout.dims.dp * layout.mb_tokens)))
+    micro_batches, flops = step_work(shape, layout, global_tokens, args.data.max_seq_len)
     # rank 0 holds the largest shards (torch.chunk gives the remainder to the last ranks), the last rank the smallest
     reports = [_rank_report(args, layout, world, r, micro_batches, shape) for r in sorted({0, world - 1})]
-    context = args.data.max_seq_len  # documents as long as allowed (the search assumes the same)
-    local = layout.mb_tokens // layout.ulysses
-    flops = micro_batches * local * shape.flops_per_token(context, layout.checkpointing) / layout.tp
     time = step_time(flops, reports[0].collectives, hardware, layout.strides())
     result = PlanResult(shape, layout, hardware, micro_batches, reports, time, gpu.memory * HEADROOM, notes=notes)
     _search(result, args, global_tokens, options.top)
