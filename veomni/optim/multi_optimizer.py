@@ -58,10 +58,7 @@ class MultiOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self):
-        merged = {}
-        for opt in self.optimizers_dict.values():
-            merged.update(opt.state)
-        return merged
+        return {p: p_state for opt in self.optimizers_dict.values() for p, p_state in opt.state.items()}
 
     def named_lrs(self) -> Dict[str, float]:
         """Current lr of each inner optimizer (its first group), for logging: {"adamw": ..., "muon": ...}."""

@@ -145,10 +145,6 @@ def _ns_batched(mats: List[torch.Tensor], ns) -> List[torch.Tensor]:
     return out
 
 
-def _assemble(pieces: List[torch.Tensor], m: _Matrix) -> torch.Tensor:
-    return torch.cat([p.view(m.shard_shape(r)) for r, p in enumerate(pieces)], dim=m.dim)
-
-
 def _own_piece(full: torch.Tensor, m: _Matrix, rank: int) -> torch.Tensor:
     return full.narrow(m.dim, sum(m.sizes[:rank]), m.sizes[rank])
 
@@ -163,25 +159,25 @@ def _pack(rows: List[List[torch.Tensor]], width: int, dtype, device) -> torch.Te
     return out
 
 
+def _split(row: torch.Tensor, mats: List[_Matrix], rank: int) -> List[torch.Tensor]:
+    """The pieces `row` holds one after another: rank `rank`'s shard of each of `mats`, in order."""
+    sizes = [m.numel_of(rank) for m in mats]
+    return [piece.view(m.shard_shape(rank)) for piece, m in zip(row[: sum(sizes)].split(sizes), mats)]
+
+
 def _unpack(received: torch.Tensor, mats: List[_Matrix]) -> List[torch.Tensor]:
     """The whole matrices `mats`, each assembled from its pieces: rank r's piece of each, in order, in row r."""
-    offsets, whole = [0] * received.shape[0], []
-    for m in mats:
-        pieces = []
-        for r in range(received.shape[0]):
-            pieces.append(received[r, offsets[r] : offsets[r] + m.numel_of(r)])
-            offsets[r] += m.numel_of(r)
-        whole.append(_assemble(pieces, m))
-    return whole
+    per_rank = [_split(row, mats, r) for r, row in enumerate(received)]
+    return [torch.cat([pieces[k] for pieces in per_rank], dim=m.dim) for k, m in enumerate(mats)]
 
 
 def _exchange_owner(mats: List[_Matrix], group, size: int, rank: int, ns, dtype) -> None:
     """Deal whole-matrix NS out to the ranks: shards -> owner (all-to-all), NS, results -> shards (all-to-all)."""
-    load = [0.0] * size
-    owner = [0] * len(mats)
-    for k in sorted(range(len(mats)), key=lambda k: -math.prod(mats[k].shape) * min(mats[k].shape)):
+    cost = [math.prod(m.shape) * min(m.shape) for m in mats]
+    load, owner = [0.0] * size, [0] * len(mats)
+    for k in sorted(range(len(mats)), key=lambda k: -cost[k]):
         owner[k] = min(range(size), key=lambda r: load[r])  # deterministic: the same deal on every rank
-        load[owner[k]] += math.prod(mats[k].shape) * min(mats[k].shape)
+        load[owner[k]] += cost[k]
     owned = [[k for k in range(len(mats)) if owner[k] == j] for j in range(size)]
     # the longest payload any rank sends to any rank: everyone pads to it (equal splits work on gloo)
     width = max(sum(mats[k].numel_of(r) for k in owned[j]) for j in range(size) for r in range(size))
@@ -197,11 +193,8 @@ def _exchange_owner(mats: List[_Matrix], group, size: int, rank: int, ns, dtype)
     recv_back = torch.empty_like(back)
     dist.all_to_all_single(recv_back, back, group=group)
     for j in range(size):  # recv_back[j]: my shards of the matrices rank j owns
-        offset = 0
-        for k in owned[j]:
-            n = mats[k].numel_of(rank)
-            mats[k].result = recv_back[j, offset : offset + n].view(mats[k].shard_shape(rank))
-            offset += n
+        for k, result in zip(owned[j], _split(recv_back[j], [mats[k] for k in owned[j]], rank)):
+            mats[k].result = result
 
 
 def _exchange_all_gather(mats: List[_Matrix], group, size: int, rank: int, ns, dtype) -> None:
@@ -274,11 +267,6 @@ class DistributedMuon(torch.optim.Optimizer):
     def path_of(self, param: torch.Tensor) -> str:
         return self._plans[param].path
 
-    def _dtype_for(self, update: torch.Tensor) -> torch.dtype:
-        if self.ns_dtype is not None:
-            return self.ns_dtype
-        return update.dtype if update.device.type == "cpu" else torch.bfloat16
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure_loss(closure)
@@ -301,7 +289,9 @@ class DistributedMuon(torch.optim.Optimizer):
             updates.append(grad.lerp(buf, momentum) if nesterov else buf)
         if not params:
             return
-        dtype = self._dtype_for(updates[0])
+        dtype = self.ns_dtype
+        if dtype is None:  # see the class docstring
+            dtype = updates[0].dtype if updates[0].device.type == "cpu" else torch.bfloat16
 
         def ns(x):
             return zeropower_via_newtonschulz(x, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)

@@ -11,7 +11,7 @@ from ..utils.logging import get_logger
 from .anyprecision_adamw import AnyPrecisionAdamW
 from .local_shards import LocalShardAdamW
 from .multi_optimizer import MultiOptimizer
-from .muon import DEFAULT_NS_COEFFICIENTS, PATHS, DistributedMuon
+from .muon import PATHS, DistributedMuon
 
 logger = get_logger(__name__)
 
@@ -96,30 +96,22 @@ def muon_params(model: nn.Module) -> List[torch.Tensor]:
     ]
 
 
-def _muon(
-    model,
-    lr,
-    weight_decay,
-    betas,
-    eps,
-    muon_lr: float = 2e-2,
-    muon_momentum: float = 0.95,
-    muon_nesterov: bool = True,
-    muon_weight_decay: float = 0.0,
-    muon_ns_steps: int = 5,
-    muon_ns_coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS,
-    muon_eps: float = 1e-7,
-    muon_adjust_lr_fn: str = "match_rms_adamw",
-    muon_expert_zero_comm: bool = False,
-    fused: Optional[bool] = None,
-    **muon_options,
-):
-    """MultiOptimizer {"adamw": AdamW(lr, weight_decay, betas, eps), "muon": DistributedMuon(muon_*)}.
+# build_optimizer's Muon keywords -> DistributedMuon's arguments (whose defaults are the config's)
+_MUON_KEYS = {f"muon_{name}": name for name in ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "eps")}
+_MUON_KEYS.update(muon_ns_coefficients="ns_coefficients", muon_adjust_lr_fn="adjust_lr_fn")
+_MUON_KEYS.update(ns_dtype="ns_dtype", strategy="strategy", bucket_numel="bucket_numel")
 
+
+def _muon(model, lr, weight_decay, betas, eps, muon_expert_zero_comm: bool = False, fused=None, **muon_kwargs):
+    """MultiOptimizer {"adamw": AdamW(lr, weight_decay, betas, eps), "muon": DistributedMuon(...)}.
+
+    `muon_kwargs` (the keys of `_MUON_KEYS`) are DistributedMuon's arguments: `muon_<name>` is its `<name>`.
     `muon_expert_zero_comm` is honoured where the model is sharded (build_parallelize_model's expert_zero_comm):
-    here it only reports expert stacks that still need communication. `muon_options` go to DistributedMuon
-    (ns_dtype, strategy, bucket_numel).
+    here it only reports expert stacks that still need communication.
     """
+    unknown = sorted(set(muon_kwargs) - set(_MUON_KEYS))
+    if unknown:
+        raise TypeError(f"unknown Muon options {unknown}; choose from {sorted(_MUON_KEYS)}")
     matrices = muon_params(model)
     taken = {id(p) for p in matrices}
     optimizers = {}
@@ -127,18 +119,7 @@ def _muon(
     if rest:
         optimizers["adamw"] = _local_adamw(rest, lr, betas, eps, fused)
     if matrices:
-        muon = DistributedMuon(
-            matrices,
-            lr=muon_lr,
-            weight_decay=muon_weight_decay,
-            momentum=muon_momentum,
-            nesterov=muon_nesterov,
-            ns_coefficients=tuple(muon_ns_coefficients),
-            eps=muon_eps,
-            ns_steps=muon_ns_steps,
-            adjust_lr_fn=muon_adjust_lr_fn,
-            **muon_options,
-        )
+        muon = DistributedMuon(matrices, **{_MUON_KEYS[k]: v for k, v in muon_kwargs.items()})
         counts = {path: sum(muon.path_of(p) == path for p in matrices) for path in PATHS}
         logger.info(f"Muon on {len(matrices)} matrices/expert stacks ({counts}); AdamW on the other parameters")
         if muon_expert_zero_comm and counts["moe_gather_3d"]:

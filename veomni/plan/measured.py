@@ -48,12 +48,3 @@ def measured_mfu(gpu: str, billions: float, peak_tflops: float, results: str = R
         return MEASURED_FLOOR, f"no step record in {os.path.basename(files[-1])}: assumed {MEASURED_FLOOR}"
     _, _, mfu, model, tokens = min(records)  # the nearest size, then the newest record
     return mfu, f"measured: {model}, {tokens:,} tokens a step, in benchmarks/results/{os.path.basename(files[-1])}"
-
-
-def model_billions(shape) -> float:
-    """Total parameters of a planned model (ModelShape), in billions."""
-    attention = shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads)
-    dense = 3 * shape.hidden * shape.intermediate
-    moe = shape.experts * 3 * shape.hidden * shape.moe_intermediate
-    layers = shape.moe_layers * (attention + moe) + (shape.layers - shape.moe_layers) * (attention + dense)
-    return (layers + shape.vocab * shape.hidden * (1 if shape.tied else 2)) / 1e9

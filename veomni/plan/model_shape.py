@@ -90,19 +90,25 @@ class ModelShape:
         )
 
     # ------------------------------------------------------------------------------------------- FLOPs
-    def matmul_params_per_token(self) -> int:
-        """Weights each token multiplies by (top-k experts only, the output head included)."""
+    def matmul_params(self, experts: int) -> int:
+        """Weights of the layers (with `experts` experts of each MoE layer) and of the output head: top_k gives what
+        each token multiplies by, all experts the model's size."""
         h, attn = self.hidden, self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         dense_mlp = 3 * h * self.intermediate
-        moe_mlp = self.top_k * 3 * h * self.moe_intermediate + h * self.experts
+        moe_mlp = experts * 3 * h * self.moe_intermediate + h * self.experts
         mlps = (self.layers - self.moe_layers) * dense_mlp + self.moe_layers * moe_mlp
         return self.layers * attn + mlps + self.vocab * h
+
+    @property
+    def billions(self) -> float:
+        """Total parameters in billions (the input embedding too, unless tied to the head)."""
+        return (self.matmul_params(self.experts) + (0 if self.tied else self.vocab * self.hidden)) / 1e9
 
     def flops_per_token(self, context: int, checkpointing: bool) -> float:
         """Training FLOPs of one token: 2 per weight in forward, 4 in backward (6N), plus causal attention over a
         document of `context` tokens (QK^T and PV: 4*nh*dh*context/2 forward); recomputation adds a forward."""
         passes = 4 if checkpointing else 3  # forward counted as 1, backward as 2
-        linear = 2 * self.matmul_params_per_token()
+        linear = 2 * self.matmul_params(self.top_k)
         attention = 4 * self.heads * self.head_dim * (context / 2) * self.layers
         return passes * (linear + attention)
 

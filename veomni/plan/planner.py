@@ -1,7 +1,6 @@
 """`plan(...)`: the configured layout under the real plan on a fake world, and the layouts that fit, ranked."""
 
 import argparse
-import math
 from dataclasses import dataclass, field, replace
 from typing import Dict, List
 
@@ -10,7 +9,7 @@ from ..trainer.base import build_model_from_args
 from .analytic import Layout, ShapeModel
 from .comm import Collective, step_collectives
 from .cost import GPUS, Hardware, StepTime, step_time
-from .measured import measured_mfu, model_billions
+from .measured import measured_mfu
 from .memory import Memory, predict_memory
 from .model_shape import ModelShape
 from .real_plan import (
@@ -23,7 +22,7 @@ from .real_plan import (
     reshard_after_forward,
     step_shape,
 )
-from .search import Budget, Candidate, changes, evaluate, layouts
+from .search import Budget, Candidate, changes, evaluate, layouts, step_work
 
 HEADROOM = 0.95  # of the GPU's memory: the caching allocator's fragmentation needs some
 
@@ -83,18 +82,15 @@ def plan(argv: List[str], options: argparse.Namespace) -> PlanResult:
     args, global_tokens = _parse(argv, world, notes)
     shape = model_shape(args)
     if mfu is None:  # measured on this GPU for the nearest benchmarked size, said beside the throughputs
-        mfu, source = measured_mfu(options.gpu, model_billions(shape), gpu.tflops)
+        mfu, source = measured_mfu(options.gpu, shape.billions, gpu.tflops)
         notes.append(f"MFU {mfu:.2f} ({source}; --mfu to assume another)")
     hardware = Hardware(gpu, options.nproc_per_node, mfu, options.intra_node_gbps, options.inter_node_gbps)
     layout = layout_of(args, world)
     if options.tokens:
         layout = replace(layout, mb_tokens=options.tokens)
-    micro_batches = max(1, math.ceil(global_tokens / (layout.dims.dp * layout.mb_tokens)))
+    micro_batches, flops = step_work(shape, layout, global_tokens, args.data.max_seq_len)
     # rank 0 holds the largest shards (torch.chunk gives the remainder to the last ranks), the last rank the smallest
     reports = [_rank_report(args, layout, world, r, micro_batches, shape) for r in sorted({0, world - 1})]
-    context = args.data.max_seq_len  # documents as long as allowed (the search assumes the same)
-    local = layout.mb_tokens // layout.ulysses
-    flops = micro_batches * local * shape.flops_per_token(context, layout.checkpointing) / layout.tp
     time = step_time(flops, reports[0].collectives, hardware, layout.strides())
     result = PlanResult(shape, layout, hardware, micro_batches, reports, time, gpu.memory * HEADROOM, notes=notes)
     _search(result, args, global_tokens, options.top)

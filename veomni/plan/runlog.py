@@ -36,11 +36,10 @@ def predict_for_trainer(trainer):
 
 
 def _tensor_bytes(trainer) -> int:
+    from ..optim.multi_optimizer import named_optimizers
     from .shards import nbytes
 
-    optimizer = trainer.optimizer
-    inner = getattr(optimizer, "optimizers", None)
-    optimizers = inner.values() if isinstance(inner, dict) else [optimizer]
+    optimizers = named_optimizers(trainer.optimizer).values()
     states = [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     return sum(nbytes(p) for p in trainer.model.parameters()) + sum(nbytes(v) for v in states)
 

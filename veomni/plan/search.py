@@ -6,7 +6,7 @@ max_seq_len tokens); planner.search_layouts ranks them by predicted step time.
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Tuple
 
 from .analytic import Layout, ShapeModel
 from .comm import StepShape, step_collectives
@@ -78,6 +78,14 @@ def layouts(shape: ModelShape, world: int, gpus_per_node: int, mb_tokens: int, m
                                 yield Layout(world, replicate, dp // replicate, sp, tp, ep, ckpt, tokens)
 
 
+def step_work(shape: ModelShape, layout: Layout, global_tokens: int, max_seq_len: int) -> Tuple[int, float]:
+    """(micro-batches of a step, at least one per rank; this rank's FLOPs in them), documents taken as long as
+    allowed whatever the packing."""
+    micro_batches = max(1, math.ceil(global_tokens / (layout.dims.dp * layout.mb_tokens)))
+    local = layout.mb_tokens // layout.ulysses
+    return micro_batches, micro_batches * local * shape.flops_per_token(max_seq_len, layout.checkpointing) / layout.tp
+
+
 def evaluate(
     model: ShapeModel, shape: ModelShape, layout: Layout, budget: Budget, hardware: Hardware, cache: Dict
 ) -> Candidate:
@@ -85,7 +93,7 @@ def evaluate(
     if key not in cache:  # checkpointing and micro-batch size do not change the shards
         cache[key] = model.rank_plan(replace(layout, checkpointing=False, mb_tokens=0), budget.reshard)
     plan = cache[key]
-    micro_batches = max(1, math.ceil(budget.global_tokens / (layout.dims.dp * layout.mb_tokens)))
+    micro_batches, flops = step_work(shape, layout, budget.global_tokens, budget.max_seq_len)
     local = layout.mb_tokens // layout.ulysses
     step = replace(  # one micro-batch; every collective of the step scales with their number
         budget.step,
@@ -96,8 +104,6 @@ def evaluate(
         ep=layout.ep,
     )
     memory = predict_memory(plan, shape, step, budget.param_bytes)
-    context = budget.max_seq_len  # documents as long as allowed, whatever the packing
-    flops = micro_batches * local * shape.flops_per_token(context, layout.checkpointing) / layout.tp
     collectives = step_collectives(plan, shape, step)
     for item in collectives:
         item.nbytes *= micro_batches

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..compat.torch import DTENSOR_REDISTRIBUTE_LOGGER, fsdp_param_group
+from ..compat.torch import DTENSOR_REDISTRIBUTE_LOGGER, fsdp_param_group, local_tensor
 
 Ranks = Optional[Tuple[int, ...]]
 
@@ -49,12 +49,8 @@ class RankPlan:
     sizes: Dict[str, int] = field(default_factory=dict)  # dp_sp, tp, ulysses, ep -> group size
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def nbytes(t: torch.Tensor) -> int:
-    t = local(t)
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
@@ -74,7 +70,7 @@ def optimizer_state_bytes(model: nn.Module, optimizer_type: str) -> int:
         muon = {id(p) for p in muon_params(model)}
         return sum(nbytes(p) if id(p) in muon else 2 * nbytes(p) + 4 for p in params)
     if optimizer_type == "anyprecision_adamw":
-        return sum(2 * local(p).numel() * 4 + 4 for p in params)
+        return sum(2 * local_tensor(p).numel() * 4 + 4 for p in params)
     return sum(2 * nbytes(p) + 4 for p in params)
 
 

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 import veomni.trainer.text_trainer as text_trainer_module
-from veomni.plan.shards import local
+from veomni.compat.torch import local_tensor
 from veomni.trainer import TextTrainer
 from veomni.trainer.vlm_trainer import VLMTrainer
 
@@ -88,7 +88,7 @@ class GradProbe:
             if main:
                 torch.save(weights, self._path("weights", step))
         else:
-            own = {n: local(p.detach()).clone() for n, p in params.items()}
+            own = {n: local_tensor(p.detach()).clone() for n, p in params.items()}
             reference = torch.load(self._path("weights", step), map_location=trainer.device, weights_only=True)
             set_model_state_dict(model, reference, options=StateDictOptions(full_state_dict=True, strict=False))
         trainer.accumulate_gradients(micro_batches, totals)
@@ -100,7 +100,7 @@ class GradProbe:
             return
         with torch.no_grad():
             for n, p in params.items():
-                local(p).copy_(own[n])
+                local_tensor(p).copy_(own[n])
         if main:
             self.diffs[step] = relative_differences(grads, torch.load(self._path("grads", step), weights_only=True))
 
@@ -148,9 +148,7 @@ class ProbedTrainer(SameGlobalBatches):
         self.accumulate_gradients(micro_batches, totals)
         if dist.get_rank() == 0:
             open(os.path.join(self.output_dir, KILL_MARKER), "w").close()
-        deadline = time.monotonic() + patience
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
+        time.sleep(patience)  # the SIGKILL ends the process while it sleeps
         raise RuntimeError(f"verify: no SIGKILL came within {patience:.0f} s of step {self.stall_at + 1}")
 
 
