@@ -188,10 +188,8 @@ class RecordFiles:
 
     # ---------------------------------------------------------------------------------------- random access
     def location(self, key: Key):
-        """Where a record lives, for messages: `file:line` (1-based) for jsonl, `file:row N` otherwise.
-
-        Readers keep byte offsets, not line numbers; an error is rare, so a jsonl line is counted only when the
-        location is shown (`LineOf`)."""
+        """Where a record lives, for messages: `file:line` (1-based; readers keep byte offsets, and an error is rare,
+        so the line is counted only when shown: `LineOf`) for jsonl, `file:row N` otherwise."""
         path = self.files[key[0]]
         if not path.endswith(".jsonl"):
             return f"{path}:row {key[1]}"
@@ -269,12 +267,8 @@ class _ParquetRows:
 
 def _line_at(path: str, offset: int) -> int:
     """1-based number of the line that starts at byte `offset` (counted in 1 MiB blocks)."""
-    newlines, left = 0, offset
+    newlines = 0
     with open(path, "rb") as f:
-        while left > 0:
-            block = f.read(min(left, 1 << 20))
-            if not block:
-                break
-            newlines += block.count(b"\n")
-            left -= len(block)
+        for done in range(0, offset, 1 << 20):
+            newlines += f.read(min(offset - done, 1 << 20)).count(b"\n")
     return newlines + 1
