@@ -262,9 +262,9 @@ def build_share(dataset, folder: str, rank: int, units: Sequence[Unit], show: bo
     bar = tqdm(total=total, unit=unit, unit_scale=True, desc="building the data cache", disable=not show, mininterval=2)
     names = [f"{rank:05d}" + (f"-{w:03d}" if w else "") for w in range(processes)]
     if processes == 1:
-        done = [build_part(dataset, folder, names[0], pieces[0])]
-        bar.update(bar.total - bar.n)
-        bar.close()
+        with bar:
+            done = [build_part(dataset, folder, names[0], pieces[0])]
+            bar.update(total)
         return done
     # forked: the dataset (its transform and tokenizer) reaches the processes without being pickled
     ctx = multiprocessing.get_context("fork")
@@ -290,16 +290,12 @@ _CHILD: Dict[str, Any] = {}  # a build process's dataset and progress counter, i
 
 
 def _start_child(dataset, progress) -> None:
-    _die_with_parent()
+    """A build process outlives no killed parent (Linux's PR_SET_PDEATHSIG): nobody would publish its part, and it
+    would keep holding the build folder's lock (inherited through the fork)."""
+    with contextlib.suppress(OSError, AttributeError):  # (no prctl: not Linux)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     _CHILD.update(dataset=dataset, progress=progress)
 
 
 def _build_child(folder: str, part: str, units) -> Dict[str, Any]:
     return build_part(_CHILD["dataset"], folder, part, units, _CHILD["progress"])
-
-
-def _die_with_parent() -> None:
-    """A build process outlives no killed parent (Linux's PR_SET_PDEATHSIG): nobody would publish its part, and it
-    would keep holding the build folder's lock (inherited through the fork)."""
-    with contextlib.suppress(OSError, AttributeError):  # (no prctl: not Linux)
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)

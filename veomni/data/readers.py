@@ -70,16 +70,6 @@ def _json_items(path: str) -> List[Any]:
     return data if isinstance(data, list) else [data]
 
 
-def _arrow_table(path: str):
-    import pyarrow as pa
-
-    source = pa.memory_map(path)
-    try:
-        return pa.ipc.open_file(source).read_all()
-    except pa.ArrowInvalid:
-        return pa.ipc.open_stream(pa.memory_map(path)).read_all()
-
-
 class LineOf:
     """`file:line` of the record at byte `offset` of a jsonl file, as text; the line is counted when first shown."""
 
@@ -235,7 +225,12 @@ class RecordList:
 
 class _ArrowRows:
     def __init__(self, path: str):
-        self.table = _arrow_table(path)
+        import pyarrow as pa
+
+        try:  # the file format, else the stream format
+            self.table = pa.ipc.open_file(pa.memory_map(path)).read_all()
+        except pa.ArrowInvalid:
+            self.table = pa.ipc.open_stream(pa.memory_map(path)).read_all()
 
     def __len__(self) -> int:
         return self.table.num_rows
