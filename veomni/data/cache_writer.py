@@ -27,6 +27,7 @@ _FLUSH_BYTES = 16 << 20  # a field's tokens go to disk in blocks of this size
 _BATCH = 512  # records per (batched) transform call
 _INT32 = (-(2**31), 2**31 - 1)
 Unit = Tuple[int, int, int]
+_ALIAS = {"alias": "input_ids"}  # a field noted as equal to input_ids (as the manifest describes it)
 
 
 def part_path(folder: str, part: str, suffix: str) -> str:
@@ -100,7 +101,7 @@ class PartWriter:
         self.folder, self.part = folder, part
         self.records, self.lengths = array("q"), array("i")
         self.fields: Optional[List[str]] = None  # None until the first sample; [] in length mode
-        self.kind: Dict[str, Any] = {}  # field -> "alias" (equal to input_ids), ("const", c), or a _FieldFile
+        self.kind: Dict[str, Any] = {}  # field -> _ALIAS (equal to input_ids), {"const": c}, or its _FieldFile
         self.tokens = 0
 
     def add(self, key: Tuple[int, int], samples: List[Dict[str, Any]]) -> None:
@@ -120,9 +121,9 @@ class PartWriter:
             return False
         for name in self.fields:
             value, kind = sample[name], self.kind.get(name)
-            if kind == "alias" and (value is ids or _same(value, ids)):
+            if kind == _ALIAS and (value is ids or _same(value, ids)):
                 continue
-            if isinstance(kind, tuple) and _constant(value, n, kind[1]):
+            if isinstance(kind, dict) and "const" in kind and _constant(value, n, kind["const"]):
                 continue
             if not isinstance(kind, _FieldFile):
                 kind = self.kind[name] = self._kind_from_now(name, value, ids, n, kind)
@@ -136,15 +137,15 @@ class PartWriter:
 
     def _kind_from_now(self, name: str, value, ids, n: int, before):
         """A new field, or one that stops being an alias or a constant. While no token is kept, it may be noted as
-        "alias" or ("const", c); else its file, holding what it was so far."""
+        an alias or a constant; else its file, holding what it was so far."""
         if not self.tokens and name != "input_ids":
             if value is ids or _same(value, ids):
-                return "alias"
+                return _ALIAS
             if n and isinstance(value, (list, tuple)) and type(value[0]) is int and _constant(value, n, value[0]):
-                return ("const", value[0])
+                return {"const": value[0]}
         field = _FieldFile(part_path(self.folder, self.part, f"{name}.bin"))
-        if self.tokens and isinstance(before, tuple):
-            field.write(np.full(self.tokens, before[1], dtype=np.int32).tobytes())
+        if self.tokens and before != _ALIAS:
+            field.write(np.full(self.tokens, before["const"], dtype=np.int32).tobytes())
         elif self.tokens:  # an alias of input_ids so far: a copy of its tokens so far
             source = self.kind["input_ids"]
             source.flush()
@@ -162,12 +163,9 @@ class PartWriter:
         """Write the index arrays; returns this part's description."""
         np.save(part_path(self.folder, self.part, "records.npy"), np.frombuffer(self.records, np.int64).reshape(-1, 3))
         np.save(part_path(self.folder, self.part, "lengths.npy"), np.frombuffer(self.lengths, dtype=np.int32))
-        fields = {}
-        for name in self.fields or []:
-            kind = self.kind[name]
-            fields[name] = kind.close() if isinstance(kind, _FieldFile) else (
-                {"alias": "input_ids"} if kind == "alias" else {"const": kind[1]}
-            )  # fmt: skip
+        fields = {
+            name: kind.close() if isinstance(kind, _FieldFile) else dict(kind) for name, kind in self.kind.items()
+        }
         index = {s: whole_file_crc(part_path(self.folder, self.part, s)) for s in ("records.npy", "lengths.npy")}
         return {
             "part": self.part,
@@ -248,10 +246,7 @@ def build_processes(files: Sequence[str], units: Sequence[Unit]) -> int:
         return max(1, min(int(wanted), len(units)))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     per_rank = cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
-    if files:
-        small = sum(os.path.getsize(f) for f in files) < (8 << 20)
-    else:
-        small = sum(end - start for _, start, end in units) < 20_000
+    small = sum(map(os.path.getsize, files)) < 8 << 20 if files else sum(e - s for _, s, e in units) < 20_000
     return 1 if small else max(1, min(per_rank, len(units)))
 
 
@@ -262,15 +257,14 @@ def build_share(dataset, folder: str, rank: int, units: Sequence[Unit], show: bo
 
     processes = build_processes(dataset.files, units)
     pieces = shares(units, processes)
-    bar = tqdm(
-        total=sum(e - s for _, s, e in units), unit="B" if dataset.files and dataset.files[0].endswith(".jsonl")
-        else " rows", unit_scale=True, desc="building the data cache", disable=not show, mininterval=2.0,
-    )  # fmt: skip
+    unit = "B" if dataset.files and dataset.files[0].endswith(".jsonl") else " rows"
+    total = sum(e - s for _, s, e in units)
+    bar = tqdm(total=total, unit=unit, unit_scale=True, desc="building the data cache", disable=not show, mininterval=2)
     names = [f"{rank:05d}" + (f"-{w:03d}" if w else "") for w in range(processes)]
     if processes == 1:
-        done = [build_part(dataset, folder, names[0], pieces[0])]
-        bar.update(bar.total - bar.n)
-        bar.close()
+        with bar:
+            done = [build_part(dataset, folder, names[0], pieces[0])]
+            bar.update(total)
         return done
     # forked: the dataset (its transform and tokenizer) reaches the processes without being pickled
     ctx = multiprocessing.get_context("fork")
@@ -285,7 +279,10 @@ def build_share(dataset, folder: str, rank: int, units: Sequence[Unit], show: bo
         return [part.result() for part in parts]  # (a failed process's own error)
     finally:  # a stop signal is not held up by the building: the processes end with their part or with this one
         pool.shutdown(wait=False, cancel_futures=True)
-        _restore("TOKENIZERS_PARALLELISM", parallelism)
+        if parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
         bar.close()
 
 
@@ -293,23 +290,12 @@ _CHILD: Dict[str, Any] = {}  # a build process's dataset and progress counter, i
 
 
 def _start_child(dataset, progress) -> None:
-    _die_with_parent()
+    """A build process outlives no killed parent (Linux's PR_SET_PDEATHSIG): nobody would publish its part, and it
+    would keep holding the build folder's lock (inherited through the fork)."""
+    with contextlib.suppress(OSError, AttributeError):  # (no prctl: not Linux)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     _CHILD.update(dataset=dataset, progress=progress)
 
 
 def _build_child(folder: str, part: str, units) -> Dict[str, Any]:
     return build_part(_CHILD["dataset"], folder, part, units, _CHILD["progress"])
-
-
-def _die_with_parent() -> None:
-    """A build process outlives no killed parent (Linux's PR_SET_PDEATHSIG): nobody would publish its part, and it
-    would keep holding the build folder's lock (inherited through the fork)."""
-    with contextlib.suppress(OSError, AttributeError):  # (no prctl: not Linux)
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-
-
-def _restore(name: str, value: Optional[str]) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value

@@ -186,11 +186,12 @@ class GlobalBatchStream(BatchingStream):
         key = (epoch, first, self.batching.warmup_steps)
         if key not in self._plans:
             path = self._plan_path(epoch, first)
-            plan = _load_plan(path, self.slots)
+            plan = _load_plan(path, self.slots) if path else None
             if plan is None:
                 lengths, budget = self.order(epoch)[1].tolist(), lambda s: self._token_budget(first + s)
                 plan = plan_micro_batches(lengths, self.slots, self.batching, budget, self.buffer_size)
-                _save_plan(path, plan)
+                if path:
+                    _save_plan(path, plan)
             self._plans = {key: plan}
         return self._plans[key]
 
@@ -229,20 +230,16 @@ class GlobalBatchStream(BatchingStream):
 _PLAN_FORMAT = 1
 
 
-def _load_plan(path: Optional[str], per_step: int) -> Optional[Plan]:
-    if path is None or not os.path.isfile(path):
-        return None
+def _load_plan(path: str, per_step: int) -> Optional[Plan]:
     try:
         with np.load(path) as stored:
             return Plan(stored["positions"], stored["bounds"], per_step, int(stored["dropped"]))
-    except (OSError, ValueError, KeyError):  # unreadable: computed again (and written again)
+    except (OSError, ValueError, KeyError):  # none yet, or unreadable: computed again (and written again)
         return None
 
 
-def _save_plan(path: Optional[str], plan: Plan) -> None:
+def _save_plan(path: str, plan: Plan) -> None:
     """Kept for later runs (atomically: ranks write the same plan); a cache on read-only storage keeps none."""
-    if path is None:
-        return
     tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp.npz"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)

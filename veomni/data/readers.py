@@ -70,16 +70,6 @@ def _json_items(path: str) -> List[Any]:
     return data if isinstance(data, list) else [data]
 
 
-def _arrow_table(path: str):
-    import pyarrow as pa
-
-    source = pa.memory_map(path)
-    try:
-        return pa.ipc.open_file(source).read_all()
-    except pa.ArrowInvalid:
-        return pa.ipc.open_stream(pa.memory_map(path)).read_all()
-
-
 class LineOf:
     """`file:line` of the record at byte `offset` of a jsonl file, as text; the line is counted when first shown."""
 
@@ -188,10 +178,8 @@ class RecordFiles:
 
     # ---------------------------------------------------------------------------------------- random access
     def location(self, key: Key):
-        """Where a record lives, for messages: `file:line` (1-based) for jsonl, `file:row N` otherwise.
-
-        Readers keep byte offsets, not line numbers; an error is rare, so a jsonl line is counted only when the
-        location is shown (`LineOf`)."""
+        """Where a record lives, for messages: `file:line` (1-based; readers keep byte offsets, and an error is rare,
+        so the line is counted only when shown: `LineOf`) for jsonl, `file:row N` otherwise."""
         path = self.files[key[0]]
         if not path.endswith(".jsonl"):
             return f"{path}:row {key[1]}"
@@ -237,7 +225,12 @@ class RecordList:
 
 class _ArrowRows:
     def __init__(self, path: str):
-        self.table = _arrow_table(path)
+        import pyarrow as pa
+
+        try:  # the file format, else the stream format
+            self.table = pa.ipc.open_file(pa.memory_map(path)).read_all()
+        except pa.ArrowInvalid:
+            self.table = pa.ipc.open_stream(pa.memory_map(path)).read_all()
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -269,12 +262,8 @@ class _ParquetRows:
 
 def _line_at(path: str, offset: int) -> int:
     """1-based number of the line that starts at byte `offset` (counted in 1 MiB blocks)."""
-    newlines, left = 0, offset
+    newlines = 0
     with open(path, "rb") as f:
-        while left > 0:
-            block = f.read(min(left, 1 << 20))
-            if not block:
-                break
-            newlines += block.count(b"\n")
-            left -= len(block)
+        for done in range(0, offset, 1 << 20):
+            newlines += f.read(min(offset - done, 1 << 20)).count(b"\n")
     return newlines + 1

@@ -270,10 +270,9 @@ def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict
             )
         with open(path) as f:
             parts += json.load(f)
-    token_mode = all(p["token_mode"] or p["samples"] == 0 for p in parts)
     fields = [list(p["fields"]) for p in parts if p["samples"]]
-    if token_mode and any(f != fields[0] for f in fields):
-        token_mode = False  # parts disagree on the sample fields: keep lengths, transform on access
+    # a part in length mode, or parts that disagree on the sample fields: keep lengths, transform on access
+    token_mode = all(p["token_mode"] for p in parts if p["samples"]) and all(f == fields[0] for f in fields)
     if token_mode:  # a part without samples has no fields: give it the others', for `sample()` never reaches it
         for p in parts:
             p["fields"] = p["fields"] or {name: {"const": 0} for name in (fields[0] if fields else ["input_ids"])}
