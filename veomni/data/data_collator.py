@@ -83,15 +83,14 @@ class MainCollator:
             batch["labels"] = shift_labels(batch["labels"])
         if self.pad_to_length and self.max_seq_len is not None:
             self._pad(batch, lengths)
-        if self.sp_size > 1:
+        if self.sp_size > 1:  # padded, then this rank's slice of each sequence-parallel field
             self._pad_for_sp(batch, lengths)
-        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
-        batch["max_length_q"] = batch["max_length_k"] = max(lengths)
-        if self.sp_size > 1:  # this rank's slice of each sequence-parallel field
             for key, info in self.collate_infos.items():
                 if key in batch and info.sp_slice:
                     batch[key] = batch[key].chunk(self.sp_size, dim=info.pack_dim)[self.sp_rank].contiguous()
+        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
+        batch["max_length_q"] = batch["max_length_k"] = max(lengths)
         if "labels" in batch and not self.seq_classification:
             batch["shift_labels"] = batch["labels"]
         return batch

@@ -124,11 +124,7 @@ class HubStreamRecords:
             entry["source"], ref.config, split=ref.split, revision=entry["revision"], streaming=True
         )
 
-    def reshard(self) -> None:
-        """One shard per parquet row group (not per file), where the format allows (datasets' reshard)."""
-        self.dataset = self.dataset.reshard()
-
-    def units(self, unit_bytes: Optional[int] = None) -> List[Tuple[int, int, int]]:
+    def units(self) -> List[Tuple[int, int, int]]:
         return [(s, 0, 1) for s in range(self.dataset.num_shards)]
 
     def _shard(self, shard: int, start: int = 0):
@@ -180,7 +176,7 @@ class HubIterativeDataset(IterativeDataset):
         stride when there are still too few (each such reader decodes the whole shard)."""
         if len(self.units) >= at_least:
             return
-        self.reader.reshard()
+        self.reader.dataset = self.reader.dataset.reshard()  # a shard per parquet row group, where the format allows
         self.units = self.reader.units()
         if self.units and len(self.units) < at_least:
             pieces = -(-at_least // len(self.units))

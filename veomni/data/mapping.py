@@ -96,10 +96,9 @@ class MappingDataset(Dataset, Transforming):
 
     def record_order(self, epoch: int) -> np.ndarray:
         """Record indices in this epoch's order."""
-        n = len(self)
         if not self.shuffle:
-            return np.arange(n, dtype=np.int64)
-        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).numpy()
+            return np.arange(len(self), dtype=np.int64)
+        return torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + epoch)).numpy()
 
     def epoch_order(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
         cache = self.prepare()

@@ -180,8 +180,7 @@ class SlotStream(BatchingStream):
 
 
 def worker_states(loader_state: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
-    """worker id -> the dataset state in a StatefulDataLoader state (the main process's as worker 0 without
-    workers)."""
+    """worker id -> its dataset state in a StatefulDataLoader state (without workers: the main process's, as 0)."""
     if "dataset_state" in loader_state:
         return {0: loader_state["dataset_state"] or {}}
     snapshots = worker_snapshots(loader_state)
