@@ -24,6 +24,7 @@ import shutil
 import time
 import uuid
 import zlib
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -187,13 +188,6 @@ def _save_failure(err: BaseException, folder: str) -> CheckpointError:
         if nxt is not None:
             pending.append(nxt)
     text = " ".join(str(c) for c in chain)
-    existing = os.path.dirname(os.path.abspath(folder))
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    try:
-        free = shutil.disk_usage(existing).free
-    except OSError:
-        free = None
     full = any(getattr(c, "errno", None) == errno.ENOSPC for c in chain) or "No space left" in text
     # torch's zip writer reports a short write (a full disk, a quota) only as `unexpected pos N vs M`
     if full or "unexpected pos" in text:
@@ -201,8 +195,11 @@ def _save_failure(err: BaseException, folder: str) -> CheckpointError:
         why = "the disk is full (ENOSPC" + (f" writing {where}" if where else "") + ")"
         if not full:
             why = "a write was cut short, most likely a full disk or quota (torch: 'unexpected pos')"
-        if free is not None:
-            why += f"; {free / 2**20:.1f} MiB free there" + _last_checkpoint_size(folder)
+        existing = os.path.dirname(os.path.abspath(folder))
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        with contextlib.suppress(OSError):  # the free space is a hint: a failure to read it loses only that
+            why += f"; {shutil.disk_usage(existing).free / 2**20:.1f} MiB free there" + _last_checkpoint_size(folder)
     else:  # the first failure that is not DCP's wrapper, which names only the ranks
         cause = next((c for c in chain if type(c).__name__ != "CheckpointException"), err)
         why = f"{type(cause).__name__}: {first_line(cause)}"
@@ -215,9 +212,7 @@ def _last_checkpoint_size(folder: str) -> str:
     steps = list_checkpoints(root)
     if not steps:
         return ""
-    total = 0
-    for dirpath, _, files in os.walk(os.path.join(root, f"global_step_{steps[-1]}")):
-        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+    total = sum(p.stat().st_size for p in Path(root, f"global_step_{steps[-1]}").rglob("*") if p.is_file())
     return f", a checkpoint takes {total / 2**20:.1f} MiB"
 
 
