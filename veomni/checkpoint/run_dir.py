@@ -88,14 +88,10 @@ def plan_run(output_dir: str, load_path: Optional[str], overwrite: bool = False)
     what = f"checkpoints up to step {steps[-1]}" if steps else ", ".join(found)
     aside = "the old run is moved to <output_dir>.old-<time>, nothing is deleted"
     if overwrite:
-        start = load_path if explicit else None
-        if not found:
-            return RunPlan(start, False, "train.checkpoint.overwrite: nothing to move")
-        return RunPlan(
-            start,
-            True,
-            f"train.checkpoint.overwrite: starting over; the previous run in {output_dir} ({what}) is moved aside",
+        message = (
+            f"starting over; the previous run in {output_dir} ({what}) is moved aside" if found else "nothing to move"
         )
+        return RunPlan(load_path if explicit else None, bool(found), f"train.checkpoint.overwrite: {message}")
     if explicit:
         if found and not is_inside(load_path, output_dir):
             raise RunDirError(

@@ -156,8 +156,9 @@ def draw_loss_plot(history: List[Dict[str, Any]], path: str) -> List[str]:
     ax = axes[0][0]
     ax.plot(steps, [m["loss"] for m in history], label="train loss")
     evaluated = [m for m in history if "eval_loss" in m]
+    eval_steps = [m["step"] for m in evaluated]
     if evaluated:
-        ax.plot([m["step"] for m in evaluated], [m["eval_loss"] for m in evaluated], "o-", label="eval loss")
+        ax.plot(eval_steps, [m["eval_loss"] for m in evaluated], "o-", label="eval loss")
     for m in history:
         if "resumed_from" in m:
             ax.axvline(m["resumed_from"], color="gray", linestyle=":", label=f"resumed at step {m['resumed_from']}")
@@ -174,8 +175,9 @@ def draw_loss_plot(history: List[Dict[str, Any]], path: str) -> List[str]:
         below = axes[1][0]
         below.plot(steps, [m["rewards/accuracies"] for m in history], ":", label="reward accuracy")
         if evaluated:
-            below.plot([m["step"] for m in evaluated], [m["eval_rewards/accuracies"] for m in evaluated], "s-",
-                       label="eval reward accuracy")  # fmt: skip
+            below.plot(
+                eval_steps, [m["eval_rewards/accuracies"] for m in evaluated], "s-", label="eval reward accuracy"
+            )
         below.set_xlabel("step")
         below.set_ylabel("reward accuracy")
         below.set_ylim(0, 1)
