@@ -102,11 +102,9 @@ def check_shared_storage(folder: str, patience_s: float = 10.0) -> None:
     dist.barrier()
 
     def sees_token() -> bool:
-        try:
-            with open(probe) as f:
-                return f.read() == token[0]
-        except OSError:
-            return False
+        with contextlib.suppress(OSError), open(probe) as f:  # not there yet: False
+            return f.read() == token[0]
+        return False
 
     deadline = time.monotonic() + patience_s
     while not (seen := sees_token()) and time.monotonic() <= deadline:
