@@ -73,14 +73,9 @@ class ProgressCallback(Callback):
             + (f"; set-up took {setup:.1f} s (imports, data check, step count, model)" if setup else "")
         )
         self.start, self.first_step = time.perf_counter(), trainer.global_step
-        # in a log file (CI, nohup) a redrawn bar is noise: keep only the periodic lines
+        quiet = not sys.stderr.isatty()  # in a log file (CI, nohup) a redrawn bar is noise: only the periodic lines
         self.bar = tqdm(
-            total=total,
-            initial=trainer.global_step,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            disable=not sys.stderr.isatty(),
+            total=total, initial=trainer.global_step, desc="train", unit="step", dynamic_ncols=True, disable=quiet
         )
 
     def on_step_end(self, trainer, metrics):
