@@ -60,9 +60,7 @@ def frozen_copy(trainer):
     with torch.no_grad():
         for name, param in model.named_parameters():
             _local(param).copy_(_local(policy[name]))
-    model.requires_grad_(False)
-    model.eval()
-    return model
+    return model.requires_grad_(False).eval()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
