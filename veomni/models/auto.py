@@ -152,16 +152,12 @@ def build_foundation_model(
         "dtype": dtype,
         "trust_remote_code": trust_remote_code,
     }
-    if init_device == "meta":
-        with init_empty_weights():
-            model = auto_class.from_config(config, **kwargs)
-    else:
-        with torch.device(init_device):
-            model = auto_class.from_config(config, **kwargs)
-        if weights_path is not None:
-            weights_path = download(weights_path)
-            load_weights(model, weights_path)
-            logger.info(f"loaded weights from {weights_path}")
+    with init_empty_weights() if init_device == "meta" else torch.device(init_device):
+        model = auto_class.from_config(config, **kwargs)
+    if init_device != "meta" and weights_path is not None:
+        weights_path = download(weights_path)
+        load_weights(model, weights_path)
+        logger.info(f"loaded weights from {weights_path}")
     if is_multimodal(config):
         adapt_multimodal_model(model)
     return model
