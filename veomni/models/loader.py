@@ -348,11 +348,9 @@ class ModelWeights:
         (hub,) = plan_save(self.model, [name])
         where = self.files.neighbours(hub.target)
         place = f"expected beside its module's other tensors in {', '.join(where)}" if where else "its module has none"
-        more = (
-            f" ({len(missing) - 1} more missing: {missing[1:4]}{' ...' if len(missing) > 4 else ''})"
-            if len(missing) > 1
-            else ""
-        )
+        more = ""
+        if len(missing) > 1:
+            more = f" ({len(missing) - 1} more missing: {missing[1:4]}{' ...' if len(missing) > 4 else ''})"
         return f"{self.path}: no tensor for the model's '{name}' (checkpoint name '{hub.target}'; {place}){more}"
 
     def _check(self, name: str, shape: Sequence[int], is_float: bool, source: str) -> None:
