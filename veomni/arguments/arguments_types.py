@@ -388,11 +388,9 @@ class TrainingArguments:
         """Optimizer steps per epoch, stored in `train_steps` (the seed's `args.train.compute_train_steps`).
 
         `dataset_length` is the number of samples one data-parallel rank sees (for mapping data, divide the
-        dataset length by dp_size first, as the seed shows). With dyn_bsz and a token budget
-        (`data.train_size`) a step consumes `global_batch_size * max_seq_len` tokens; otherwise a rank consumes
-        `micro_batch_size * dataloader_batch_size` samples a step; without a length, `data.train_sample` samples
-        make `train_sample / global_batch_size` steps. `max_steps` caps the result. `data` defaults to the data
-        group of the `VeOmniArguments` this group belongs to.
+        dataset length by dp_size first, as the seed shows). The first that is set counts: dyn_bsz's token budget
+        (`data.train_size`), `dataset_length`, `data.train_sample`, `max_steps`; `max_steps` also caps the result.
+        `data` defaults to the data group of the `VeOmniArguments` this group belongs to.
         """
         data = data if data is not None else getattr(self, "_data", None)
         if data is None:

@@ -23,12 +23,7 @@ logger = get_logger(__name__)
 def no_split_module_names(model: nn.Module) -> List[str]:
     """`_no_split_modules` of the model and of every sub-model in it (a VL model's vision tower and audio tower
     name their own blocks), so encoder blocks become FSDP units as decoder layers do."""
-    names = []
-    for module in model.modules():
-        for name in no_split_modules(type(module)):
-            if name not in names:
-                names.append(name)
-    return names
+    return list(dict.fromkeys(name for module in model.modules() for name in no_split_modules(type(module))))
 
 
 def basic_module_instances(model: nn.Module, basic_modules: Sequence[str]) -> List[nn.Module]:
@@ -45,11 +40,9 @@ def basic_module_instances(model: nn.Module, basic_modules: Sequence[str]) -> Li
 def _fully_shard_kwargs(state: ParallelState, fsdp) -> Dict[str, Any]:
     """`fully_shard`'s keywords for `train.accelerator.fsdp_config` (an FSDPConfig)."""
     mesh = state.fsdp_mesh
-    reshard = fsdp.reshard_after_forward
     # None: reshard, except over a single rank, where keeping the gathered (cast) copies costs 2 bytes per
     # parameter and spares backward a second gather and cast of every unit, the bulk of FSDP's host time there
-    if reshard is None:
-        reshard = mesh.size() > 1
+    reshard = mesh.size() > 1 if fsdp.reshard_after_forward is None else fsdp.reshard_after_forward
     mp_policy = resolve_precision(fsdp.mixed_precision, get_device_type(), state.mode).policy or MixedPrecisionPolicy()
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard and fsdp.full_shard, "mp_policy": mp_policy}
     if fsdp.offload:

@@ -7,11 +7,13 @@ parameters, so their gradients must be summed too). Each extra dimension (expert
 """
 
 import os
+import socket
 import sys
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Literal, Optional, Sequence, Tuple, Union
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -34,18 +36,13 @@ def init_distributed(timeout_minutes: float = 10) -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            import socket
-
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     kwargs = {"backend": get_dist_backend(), "timeout": timedelta(minutes=timeout_minutes)}
     if get_device_type() == "cuda":
-        import torch
-
         # a failed or timed-out collective ends the process (3: without waiting on the communicator's teardown)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-
         torch.cuda.set_device(get_device())
         kwargs["device_id"] = get_device()
     dist.init_process_group(**kwargs)

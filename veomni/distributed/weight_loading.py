@@ -26,7 +26,6 @@ from ..utils.device import get_device
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
-_FAILED = "__veomni_read_failed__"
 
 
 def _chunks(read: Callable[[], Iterable[Tuple[str, torch.Tensor]]], max_bytes: int) -> Iterator[list]:
@@ -55,15 +54,15 @@ def _broadcast_chunks(read: Callable[[], Iterable[Tuple[str, torch.Tensor]]], ma
                 chunk = next(chunks, None)
             except Exception as err:  # told to every rank before it is raised here
                 error = err
-        if error is not None:
-            meta = [(_FAILED, isinstance(error, WeightsMismatchError), str(error))]
+        if error is not None:  # a tuple, told apart from a chunk's list of metadata (None: the stream is done)
+            meta = [(isinstance(error, WeightsMismatchError), str(error))]
         else:
             meta = [[(n, tuple(t.shape), t.dtype) for n, t in chunk] if chunk is not None else None]
         dist.broadcast_object_list(meta, src=0)
-        if error is not None:
-            raise error
-        if isinstance(meta[0], tuple) and meta[0][0] == _FAILED:
-            _, mismatch, message = meta[0]
+        if isinstance(meta[0], tuple):
+            if error is not None:
+                raise error
+            mismatch, message = meta[0]
             raise (WeightsMismatchError if mismatch else RuntimeError)(f"(read on rank 0) {message}")
         if meta[0] is None:
             return

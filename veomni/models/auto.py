@@ -144,24 +144,16 @@ def build_foundation_model(
             sub.use_cache = False  # with a cache, transformers ignores packed position_ids and attends across documents
             if is_moe:
                 set_config_experts_implementation(sub, experts_implementation(moe_implementation))
-    dtype = to_dtype(torch_dtype)
-    auto_class = model_class_for(config)
     # veomni_varlen (default): packed documents attend only within themselves, with no (S x S) mask
-    kwargs = {
-        "attn_implementation": attn_implementation_for(config, resolve_attn_implementation(attn_implementation)),
-        "dtype": dtype,
-        "trust_remote_code": trust_remote_code,
-    }
-    if init_device == "meta":
-        with init_empty_weights():
-            model = auto_class.from_config(config, **kwargs)
-    else:
-        with torch.device(init_device):
-            model = auto_class.from_config(config, **kwargs)
-        if weights_path is not None:
-            weights_path = download(weights_path)
-            load_weights(model, weights_path)
-            logger.info(f"loaded weights from {weights_path}")
+    attn = attn_implementation_for(config, resolve_attn_implementation(attn_implementation))
+    with init_empty_weights() if init_device == "meta" else torch.device(init_device):
+        model = model_class_for(config).from_config(
+            config, attn_implementation=attn, dtype=to_dtype(torch_dtype), trust_remote_code=trust_remote_code
+        )
+    if init_device != "meta" and weights_path is not None:
+        weights_path = download(weights_path)
+        load_weights(model, weights_path)
+        logger.info(f"loaded weights from {weights_path}")
     if is_multimodal(config):
         adapt_multimodal_model(model)
     return model

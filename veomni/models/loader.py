@@ -144,8 +144,7 @@ class CheckpointFiles:
             for key, shape, dtype, is_float in self._header(path):
                 if key in self.file_of:
                     raise WeightsMismatchError(f"{path}: key '{key}' is also in {self.file_of[key]}")
-                self.file_of[key], self.shape[key], self.is_float[key] = path, shape, is_float
-                self.dtype[key] = dtype
+                self.file_of[key], self.shape[key], self.dtype[key], self.is_float[key] = path, shape, dtype, is_float
         self._check_index()
 
     def _header(self, path: str):
@@ -156,13 +155,9 @@ class CheckpointFiles:
         handle = self._handle(path)
         for key in handle.keys():
             view = handle.get_slice(key)
-            name = view.get_dtype()
-            yield (
-                key,
-                tuple(view.get_shape()),
-                SAFETENSORS_DTYPES.get(name),
-                not name.startswith(_NON_FLOAT_SAFETENSORS),
-            )
+            kind = view.get_dtype()  # safetensors' name, e.g. "BF16"
+            shape = tuple(view.get_shape())
+            yield key, shape, SAFETENSORS_DTYPES.get(kind), not kind.startswith(_NON_FLOAT_SAFETENSORS)
 
     def _check_index(self) -> None:
         for index in (INDEX_FILE, BIN_INDEX_FILE):
@@ -353,11 +348,9 @@ class ModelWeights:
         (hub,) = plan_save(self.model, [name])
         where = self.files.neighbours(hub.target)
         place = f"expected beside its module's other tensors in {', '.join(where)}" if where else "its module has none"
-        more = (
-            f" ({len(missing) - 1} more missing: {missing[1:4]}{' ...' if len(missing) > 4 else ''})"
-            if len(missing) > 1
-            else ""
-        )
+        more = ""
+        if len(missing) > 1:
+            more = f" ({len(missing) - 1} more missing: {missing[1:4]}{' ...' if len(missing) > 4 else ''})"
         return f"{self.path}: no tensor for the model's '{name}' (checkpoint name '{hub.target}'; {place}){more}"
 
     def _check(self, name: str, shape: Sequence[int], is_float: bool, source: str) -> None:
