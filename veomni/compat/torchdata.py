@@ -5,6 +5,7 @@ IteratorSlotLoader stops loader workers as soon as their iterator is abandoned, 
 states between layouts: both need internals torchdata does not expose (tests/test_compat.py checks them).
 """
 
+import os
 import weakref
 from typing import Any, Dict, List, Tuple
 
@@ -55,7 +56,7 @@ class IteratorSlotLoader(StatefulDataLoader):
         # the box keeps the iterator out of the cyclic garbage, so its queues still work when the loader goes: the
         # finalizer only lets go of it, and torch stops its workers at once unless someone still iterates it (as in
         # `for batch in build_dataloader(...)`, where nothing else holds the loader)
-        weakref.finalize(self, _release, self._live).atexit = False  # at exit torch's own handling applies
+        weakref.finalize(self, _release, self._live, os.getpid()).atexit = False  # at exit torch's own handling
 
     @property
     def _iterator(self):
@@ -86,8 +87,11 @@ class IteratorSlotLoader(StatefulDataLoader):
         shutdown_iterator_workers(self._live[0])  # (they are idle or prefetching: they exit promptly)
 
 
-def _release(box: List[Any]) -> None:
-    box[0] = None  # the last reference gone, torch's __del__ stops the workers; otherwise its holder still iterates
+def _release(box: List[Any], owner_pid: int) -> None:
+    # A DataLoader worker forked while this loader lived holds a copy of it, which its garbage collector may finalize:
+    # there the iterator's shutdown would tear down another process's queues and threads (a C++ abort in the worker)
+    if os.getpid() == owner_pid:
+        box[0] = None  # the last reference gone, torch's __del__ stops the workers; otherwise its holder still iterates
 
 
 def iterator_shut_down(iterator) -> bool:
