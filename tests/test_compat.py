@@ -390,3 +390,39 @@ def test_fused_adamw_skips_its_whole_update_on_found_inf():
     fused.step()
     assert not torch.equal(param.detach(), before[0]) and fused.state[param]["step"].item() == 2
     compat_torch.set_found_inf(fused, None)
+
+
+class _Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.full((4,), i)
+
+
+def test_a_loader_copied_into_a_forked_process_is_not_shut_down_there():
+    """A DataLoader worker forked while another loader iterates holds a copy of it; when that copy is collected
+    there, the iterator's shutdown must not run (it would tear down the owner's queues and threads: an abort seen
+    in CI). The owner still stops its workers as before."""
+    import gc
+
+    loader = compat_data.IteratorSlotLoader(_Numbers(), batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    kind = type(iterator)
+    del iterator
+    pid = os.fork()
+    if pid == 0:  # the child: count shutdowns of the copied iterator when the copied loader goes
+        calls = []
+        kind._shutdown_workers = lambda self: calls.append(1)
+        del loader
+        gc.collect()
+        os._exit(3 if calls else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked copy's iterator was shut down in the child"
+    workers = list(loader._live[0]._workers)
+    del loader
+    gc.collect()
+    for w in workers:
+        w.join(timeout=10)
+    assert not any(w.is_alive() for w in workers), "the owner no longer stops its workers"

@@ -88,10 +88,13 @@ class IteratorSlotLoader(StatefulDataLoader):
 
 
 def _release(box: List[Any], owner_pid: int) -> None:
-    # A DataLoader worker forked while this loader lived holds a copy of it, which its garbage collector may finalize:
-    # there the iterator's shutdown would tear down another process's queues and threads (a C++ abort in the worker)
     if os.getpid() == owner_pid:
         box[0] = None  # the last reference gone, torch's __del__ stops the workers; otherwise its holder still iterates
+    else:  # a copy in a DataLoader worker forked while the loader lived: its iterator's shutdown there would tear
+        _FOREIGN.append(box)  # down the owner's queues and threads (a C++ abort in the worker), so it is never freed
+
+
+_FOREIGN: List[List[Any]] = []  # iterator boxes copied into a forked process: kept, never shut down there
 
 
 def iterator_shut_down(iterator) -> bool:
