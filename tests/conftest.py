@@ -30,7 +30,38 @@ os.environ["TMPDIR"] = tempfile.tempdir = SCRATCH
 # the data caches of mapping datasets (veomni/data/sample_cache.py) go there too, not to the user's ~/.cache
 os.environ.setdefault("VEOMNI_DATA_CACHE", os.path.join(SCRATCH, "data-cache"))
 
+import faulthandler  # noqa: E402
+import glob  # noqa: E402
+
 import pytest  # noqa: E402
+
+# A process forked from this one (a DataLoader worker) that dies of a fatal signal dumps its Python stack into its
+# own file, and a failing test's report shows the dumps written while it ran: pytest's faulthandler writes them to
+# the worker's stderr, far from the failure, and CI's summary cuts it (an abort in a loader worker was seen there
+# twice with nothing but "killed by signal: Aborted" left to read).
+FAULTS = os.path.join(SCRATCH, "faults", str(os.getpid()))
+os.makedirs(FAULTS, exist_ok=True)
+_PYTEST_PID, _fault_file = os.getpid(), []
+
+
+def _dump_faults_to_a_file():
+    if os.getppid() == _PYTEST_PID:  # this process's own children only, not the processes they fork
+        _fault_file[:] = [open(os.path.join(FAULTS, f"{os.getpid()}.txt"), "w")]
+        faulthandler.enable(_fault_file[0], all_threads=True)
+
+
+os.register_at_fork(after_in_child=_dump_faults_to_a_file)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    for path in sorted(glob.glob(os.path.join(FAULTS, "*.txt"))):
+        if os.path.getsize(path):  # empty: a child that did not crash
+            with open(path) as f:
+                report.sections.append((f"fatal error in forked child {os.path.basename(path)[:-4]}", f.read()))
+            os.remove(path)
+
 
 # The longest files first: README's test command spreads files over two pytest workers (pytest-xdist, --dist
 # loadfile), and a long file dealt out last would leave one worker running it alone at the end. Rough order of
