@@ -141,13 +141,9 @@ def build_interleave_dataset(
         for i, s in enumerate(spec["sources"])
     ]
     kind = InterleavedMappingDataset if datasets_type == "mapping" else InterleavedIterableDataset
-    return kind(
-        sources,
-        [float(s.get("weight", 1.0)) for s in spec["sources"]],
-        seed=seed,
-        stopping_strategy=spec["stopping_strategy"],
-        names=[s.get("name", s["path"]) for s in spec["sources"]],
-    )
+    weights = [float(s.get("weight", 1.0)) for s in spec["sources"]]
+    names = [s.get("name", s["path"]) for s in spec["sources"]]
+    return kind(sources, weights, seed=seed, stopping_strategy=spec["stopping_strategy"], names=names)
 
 
 def build_dataset(
