@@ -109,8 +109,7 @@ def load_interleave_spec(path: str) -> Dict[str, Any]:
     for i, src in enumerate(sources):
         if not isinstance(src, dict) or "path" not in src:
             raise ValueError(f"{path}: sources[{i}] needs a 'path' (or list paths with VeOmni's names/schedule)")
-        unknown = set(src) - {"path", "weight", "name"}
-        if unknown:
+        if unknown := set(src) - {"path", "weight", "name"}:
             raise ValueError(f"{path}: sources[{i}] has unknown keys {sorted(unknown)}; allowed: path, weight, name")
         src["path"] = src["path"] if os.path.isabs(src["path"]) else os.path.normpath(os.path.join(base, src["path"]))
     return {"sources": sources, "stopping_strategy": spec.get("stopping_strategy", "all_exhausted")}

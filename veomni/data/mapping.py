@@ -65,8 +65,7 @@ class MappingDataset(Dataset, Transforming):
         """Where batch plans over this data are kept (its cache folder) and what else they depend on; None for a
         cache of one run's own."""
         cache = self.prepare()
-        fingerprinted = cache.manifest.get("fingerprint") is not None
-        return (cache.folder, ("mapping", self.seed, self.shuffle)) if fingerprinted else None
+        return (cache.folder, ("mapping", self.seed, self.shuffle)) if self.data_fingerprint() is not None else None
 
     def counts(self) -> Dict[str, int]:
         manifest = self.prepare().manifest
