@@ -109,8 +109,7 @@ def load_interleave_spec(path: str) -> Dict[str, Any]:
     for i, src in enumerate(sources):
         if not isinstance(src, dict) or "path" not in src:
             raise ValueError(f"{path}: sources[{i}] needs a 'path' (or list paths with VeOmni's names/schedule)")
-        unknown = set(src) - {"path", "weight", "name"}
-        if unknown:
+        if unknown := set(src) - {"path", "weight", "name"}:
             raise ValueError(f"{path}: sources[{i}] has unknown keys {sorted(unknown)}; allowed: path, weight, name")
         src["path"] = src["path"] if os.path.isabs(src["path"]) else os.path.normpath(os.path.join(base, src["path"]))
     return {"sources": sources, "stopping_strategy": spec.get("stopping_strategy", "all_exhausted")}
@@ -141,13 +140,9 @@ def build_interleave_dataset(
         for i, s in enumerate(spec["sources"])
     ]
     kind = InterleavedMappingDataset if datasets_type == "mapping" else InterleavedIterableDataset
-    return kind(
-        sources,
-        [float(s.get("weight", 1.0)) for s in spec["sources"]],
-        seed=seed,
-        stopping_strategy=spec["stopping_strategy"],
-        names=[s.get("name", s["path"]) for s in spec["sources"]],
-    )
+    weights = [float(s.get("weight", 1.0)) for s in spec["sources"]]
+    names = [s.get("name", s["path"]) for s in spec["sources"]]
+    return kind(sources, weights, seed=seed, stopping_strategy=spec["stopping_strategy"], names=names)
 
 
 def build_dataset(

@@ -65,14 +65,13 @@ class MappingDataset(Dataset, Transforming):
         """Where batch plans over this data are kept (its cache folder) and what else they depend on; None for a
         cache of one run's own."""
         cache = self.prepare()
-        fingerprinted = cache.manifest.get("fingerprint") is not None
-        return (cache.folder, ("mapping", self.seed, self.shuffle)) if fingerprinted else None
+        return (cache.folder, ("mapping", self.seed, self.shuffle)) if self.data_fingerprint() is not None else None
 
     def counts(self) -> Dict[str, int]:
         manifest = self.prepare().manifest
         return {name: manifest.get(name, 0) for name in ("skipped", "empty", "blank")}
 
-    def record_samples(self, record: int) -> List[Dict[str, Any]]:
+    def __getitem__(self, record: int) -> List[Dict[str, Any]]:
         """The samples of record `record`: from the cache, or transformed again from the record (length mode)."""
         if self._last[0] == record:
             return self._last[1]
@@ -92,8 +91,6 @@ class MappingDataset(Dataset, Transforming):
         self._last = (record, samples)
         return samples
 
-    __getitem__ = record_samples
-
     def record_order(self, epoch: int) -> np.ndarray:
         """Record indices in this epoch's order."""
         if not self.shuffle:
@@ -110,7 +107,7 @@ class MappingDataset(Dataset, Transforming):
         if cache.token_mode:
             return cache.sample(int(i))
         record, piece = cache.record_of(int(i))
-        return self.record_samples(record)[piece]
+        return self[record][piece]
 
     def iter_keys(self, epoch: int, shard: int, num_shards: int, state: Dict[str, Any]) -> Iterator[Key]:
         """`(record,)` in this epoch's order, this shard's stride: an interleave's draw, made whole, never resumed

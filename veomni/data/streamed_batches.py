@@ -46,8 +46,7 @@ class PlainIterable:
         self._expected |= set(keys)
 
     def iter_keys(self, epoch, shard, num_shards, state):
-        state.setdefault("count", 0)
-        resume_at, i = state["count"], -1
+        resume_at, i = state.setdefault("count", 0), -1
         for i, item in enumerate(self.dataset):
             if i % num_shards != shard:
                 continue
@@ -118,13 +117,19 @@ def _fresh() -> Dict[str, Any]:
     return {"source": {}, "buffer": [], **{c: 0 for c in _COUNTERS}}
 
 
+def _sum_counters(state: Dict[str, Any]) -> None:
+    """The worker's totals (what data_report reads) over its sub-streams."""
+    for c in _COUNTERS:
+        state[c] = sum(s[c] for s in state["streams"].values())
+    state["blank"] = sum(s["source"].get("blank", 0) for s in state["streams"].values())
+
+
 class SlotStream(BatchingStream):
     """Yields this rank's collated micro-batches of each global step (see the module doc)."""
 
     def __init__(self, source, collate_fn: Callable, batching: Batching, dp_rank: int, dp_size: int, num_workers: int):
-        super().__init__(
-            source if hasattr(source, "iter_keys") else PlainIterable(source), collate_fn, batching, dp_rank, dp_size
-        )
+        dataset = source if hasattr(source, "iter_keys") else PlainIterable(source)
+        super().__init__(dataset, collate_fn, batching, dp_rank, dp_size)
         self.workers = max(num_workers, 1)
         if hasattr(source, "cut_units"):  # >= 16 units per sub-stream: one running out early ends the epoch
             source.cut_units(_UNITS_PER_SUB_STREAM * self.slots * self.workers)
@@ -151,20 +156,13 @@ class SlotStream(BatchingStream):
                     for earlier, n in handed:
                         earlier.state["samples"] -= n
                         earlier.state["dropped"] += n
-                    self._sum_counters(state)
+                    _sum_counters(state)
                     for _ in subs[i:]:
                         yield {END_OF_EPOCH: True}
                     return
                 handed.append((sub, len(samples)))
-                self._sum_counters(state)
+                _sum_counters(state)
                 yield self.collate_fn(samples)
-
-    @staticmethod
-    def _sum_counters(state: Dict[str, Any]) -> None:
-        """The worker's totals (what data_report reads) over its sub-streams."""
-        for c in _COUNTERS:
-            state[c] = sum(s[c] for s in state["streams"].values())
-        state["blank"] = sum(s["source"].get("blank", 0) for s in state["streams"].values())
 
     def unread(self, states: Dict[int, Dict[str, Any]]) -> int:
         """Records of this rank's sub-streams not reached when the epoch stopped (their buffers included)."""
@@ -202,5 +200,5 @@ def reshard_slot_states(states: List[Dict[str, Any]], dp_rank: int, dp_size: int
         per_rank = len(streams) // dp_size
         ids = sorted(int(v) for v in streams)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         dataset_state["streams"] = {str(v): copy.deepcopy(streams[str(v)]) for v in ids}
-        SlotStream._sum_counters(dataset_state)
+        _sum_counters(dataset_state)
     return new
