@@ -6,16 +6,16 @@ run stops in seconds); `TrainCheckpointer` is built once the model, optimizer an
 """
 
 import os
-import re
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch.distributed as dist
 import yaml
 
 from ..arguments.parser import save_args
 from ..checkpoint import Checkpointer, RunDirError, move_run_aside, plan_run, rng_state, set_rng_state
+from ..checkpoint.checkpointer import checkpoint_step
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
 from ..checkpoint.rng import reseed
 from ..checkpoint.run_dir import is_inside, lock_run_dir, remap_into
@@ -187,12 +187,6 @@ def report_config_changes(args, resume_path: str) -> None:
             "the learning-rate schedule follows this run's settings from the resume step on, as if they had held "
             "from step 0 (the saved schedule is not continued)"
         )
-
-
-def checkpoint_step(path: str) -> Optional[int]:
-    """N of a `global_step_N` checkpoint folder (None for another name)."""
-    match = re.match(r"^global_step_(\d+)$", os.path.basename(os.path.normpath(path)))
-    return int(match.group(1)) if match else None
 
 
 def _flat(tree: Any, prefix: str = "") -> Dict[str, Any]:
