@@ -8,7 +8,7 @@ run stops in seconds); `TrainCheckpointer` is built once the model, optimizer an
 import os
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Dict
+from typing import Dict
 
 import torch.distributed as dist
 import yaml
@@ -17,6 +17,7 @@ from ..arguments.parser import save_args
 from ..checkpoint import Checkpointer, RunDirError, move_run_aside, plan_run, rng_state, set_rng_state
 from ..checkpoint.checkpointer import checkpoint_step
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
+from ..checkpoint.integrity import flat_dict
 from ..checkpoint.rng import reseed
 from ..checkpoint.run_dir import is_inside, lock_run_dir, remap_into
 from ..data.data_loader import reshard_loader_state
@@ -175,8 +176,8 @@ def report_config_changes(args, resume_path: str) -> None:
     if not os.path.isfile(saved):
         return
     with open(saved) as f:
-        before = _flat(yaml.safe_load(f) or {})
-    now = _flat(asdict(args))
+        before = flat_dict(yaml.safe_load(f) or {})
+    now = flat_dict(asdict(args))
     changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k) and k not in _RUN_ONLY_KEYS]
     if not changed:
         return
@@ -187,15 +188,6 @@ def report_config_changes(args, resume_path: str) -> None:
             "the learning-rate schedule follows this run's settings from the resume step on, as if they had held "
             "from step 0 (the saved schedule is not continued)"
         )
-
-
-def _flat(tree: Any, prefix: str = "") -> Dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
-    out: Dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}{key}."))
-    return out
 
 
 def restore_rank_rng(extras, rank: int, seed: int, step: int) -> None:
