@@ -72,7 +72,6 @@ class RunDir:
                 path = remap_into(path, self.output_dir, moved)
             return path, moved, plan.message
 
-        # every rank gets the same answer (the checkpoint to resume from, if any), or rank 0's error
         self.resume_path, moved, message = on_rank0(decide)
         # what happens to the folder (resume, fresh start, previous run moved aside): said once the run goes ahead
         self.message = message + (f"; previous run moved to {moved}" if moved else "")
