@@ -122,6 +122,3 @@ class ModelArguments:
     def __post_init__(self):
         self.config_path = self.config_path or self.model_path
         self.tokenizer_path = self.tokenizer_path or self.model_path or self.config_path
-
-
-# ---------------------------------------------------------------------------------------------------- data

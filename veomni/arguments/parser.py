@@ -203,11 +203,6 @@ def _parse_cli(tokens: List[str]) -> List[Tuple[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------- help
-def _group_doc(cls) -> str:
-    doc = (cls.__doc__ or "").strip()
-    return "" if doc.startswith(cls.__name__ + "(") else doc.split("\n\n")[0].replace("\n", " ")  # dataclass's own
-
-
 def _help_lines(cls, prefix: str, only: str) -> List[str]:
     leaves, groups = [], []
     for f, tp in _user_fields(cls):
@@ -224,7 +219,8 @@ def _help_lines(cls, prefix: str, only: str) -> List[str]:
             leaves.extend([head, *body])
     lines = []
     if leaves:
-        doc = _group_doc(cls)
+        doc = (cls.__doc__ or "").strip()
+        doc = "" if doc.startswith(cls.__name__ + "(") else doc.split("\n\n")[0].replace("\n", " ")  # dataclass's own
         lines += ["", prefix.rstrip(".") + ":" + (f"  {doc}" if doc else ""), *leaves]
     for path, sub in groups:
         inside = only == path or only.startswith(path + ".")  # the request is this group or below it

@@ -1,11 +1,6 @@
 """Checkpoints: DCP save/load with atomic publish, resume-by-default planning of output_dir, HF (and LoRA) export."""
 
-from .checkpointer import (
-    Checkpointer,
-    CheckpointError,
-    list_checkpoints,
-    resolve_checkpoint,
-)
+from .checkpointer import Checkpointer, CheckpointError, list_checkpoints, resolve_checkpoint
 from .hf_export import dcp_to_hf, save_hf_model
 from .lora_export import save_lora_model
 from .rng import rng_state, set_rng_state

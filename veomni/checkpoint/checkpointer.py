@@ -57,12 +57,14 @@ def list_checkpoints(root: str) -> List[int]:
     """Steps of the complete checkpoints under `root` (a folder with meta.json), ascending."""
     if not os.path.isdir(root):
         return []
-    steps = []
-    for name in os.listdir(root):
-        match = _STEP_DIR.match(name)
-        if match and os.path.isfile(os.path.join(root, name, "meta.json")):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    names = [name for name in os.listdir(root) if os.path.isfile(os.path.join(root, name, "meta.json"))]
+    return sorted(step for step in map(checkpoint_step, names) if step is not None)
+
+
+def checkpoint_step(path: str) -> Optional[int]:
+    """N of a `global_step_N` checkpoint folder (None for another name)."""
+    match = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
 
 
 def resolve_checkpoint(load_path: Optional[str], output_dir: str) -> Optional[str]:
@@ -129,9 +131,8 @@ class CheckpointError(RuntimeError):
 
 def _previous_good(path: str) -> str:
     """How to fall back from the checkpoint at `path`: the newest complete one before it, if any."""
-    root, name = os.path.split(os.path.normpath(path))
-    match = _STEP_DIR.match(name)
-    older = [s for s in list_checkpoints(root) if match is None or s < int(match.group(1))]
+    root, step = os.path.dirname(os.path.normpath(path)), checkpoint_step(path)
+    older = [s for s in list_checkpoints(root) if step is None or s < step]
     if not older:
         return "there is no earlier complete checkpoint"
     previous = os.path.join(root, f"global_step_{older[-1]}")

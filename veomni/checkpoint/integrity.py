@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -166,21 +166,19 @@ def verify_checksums(folder: str, required: bool = False) -> None:
         raise ChecksumsError(f"{os.path.join(folder, damaged[0])} does not match its checksum{more}")
 
 
-def _flat(state: Dict[str, Any], prefix: str = "") -> Dict[str, Tuple[int, ...]]:
-    """DCP's flattened names (nested dict keys joined by '.') -> tensor shapes (global shapes of DTensors)."""
-    out: Dict[str, Tuple[int, ...]] = {}
-    for key, value in state.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flat(value, name + "."))
-        elif isinstance(value, torch.Tensor):
-            out[name] = tuple(value.shape)
+def flat_dict(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    """The leaves of nested dicts under their keys joined by '.' (DCP's flattened names, a config's dotted keys)."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: Dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flat_dict(value, f"{prefix}{key}."))
     return out
 
 
 def misfit(state: Dict[str, Any], saved: Dict[str, Any]) -> Optional[str]:
     """Why `saved` (DCP metadata's state_dict_metadata) cannot fill `state`, in words, or None if it can."""
-    ours = _flat(state)
+    ours = {k: tuple(v.shape) for k, v in flat_dict(state).items() if isinstance(v, torch.Tensor)}  # global shapes
     missing = [k for k in ours if k not in saved]
     shapes = [
         (k, tuple(saved[k].size), ours[k])

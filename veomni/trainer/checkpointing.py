@@ -6,17 +6,18 @@ run stops in seconds); `TrainCheckpointer` is built once the model, optimizer an
 """
 
 import os
-import re
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Dict
 
 import torch.distributed as dist
 import yaml
 
 from ..arguments.parser import save_args
 from ..checkpoint import Checkpointer, RunDirError, move_run_aside, plan_run, rng_state, set_rng_state
+from ..checkpoint.checkpointer import checkpoint_step
 from ..checkpoint.hf_export import architecture_of, copy_tokenizer, export_config
+from ..checkpoint.integrity import flat_dict
 from ..checkpoint.rng import reseed
 from ..checkpoint.run_dir import is_inside, lock_run_dir, remap_into
 from ..data.data_loader import reshard_loader_state
@@ -71,7 +72,6 @@ class RunDir:
                 path = remap_into(path, self.output_dir, moved)
             return path, moved, plan.message
 
-        # every rank gets the same answer (the checkpoint to resume from, if any), or rank 0's error
         self.resume_path, moved, message = on_rank0(decide)
         # what happens to the folder (resume, fresh start, previous run moved aside): said once the run goes ahead
         self.message = message + (f"; previous run moved to {moved}" if moved else "")
@@ -175,8 +175,8 @@ def report_config_changes(args, resume_path: str) -> None:
     if not os.path.isfile(saved):
         return
     with open(saved) as f:
-        before = _flat(yaml.safe_load(f) or {})
-    now = _flat(asdict(args))
+        before = flat_dict(yaml.safe_load(f) or {})
+    now = flat_dict(asdict(args))
     changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k) and k not in _RUN_ONLY_KEYS]
     if not changed:
         return
@@ -187,21 +187,6 @@ def report_config_changes(args, resume_path: str) -> None:
             "the learning-rate schedule follows this run's settings from the resume step on, as if they had held "
             "from step 0 (the saved schedule is not continued)"
         )
-
-
-def checkpoint_step(path: str) -> Optional[int]:
-    """N of a `global_step_N` checkpoint folder (None for another name)."""
-    match = re.match(r"^global_step_(\d+)$", os.path.basename(os.path.normpath(path)))
-    return int(match.group(1)) if match else None
-
-
-def _flat(tree: Any, prefix: str = "") -> Dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
-    out: Dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}{key}."))
-    return out
 
 
 def restore_rank_rng(extras, rank: int, seed: int, step: int) -> None:

@@ -76,7 +76,7 @@ def _shorten(text: str, limit: int) -> str:
 # ------------------------------------------------------------------------------------------- packed batches
 def documents(micro_batch: Dict[str, Any]) -> List[Tuple[int, int]]:
     """(start, end) of each document packed in a collated micro-batch (where its position ids restart at 0)."""
-    pos = micro_batch["position_ids"].reshape(-1, micro_batch["position_ids"].shape[-1])[0].tolist()
+    pos = _row(micro_batch, "position_ids")
     starts = [i for i, p in enumerate(pos) if p == 0] or [0]
     return list(zip(starts, starts[1:] + [len(pos)]))
 

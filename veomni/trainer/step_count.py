@@ -98,9 +98,8 @@ def set_epoch(loader, epoch: int, first_step: int) -> None:
 def close_loader(loader) -> None:
     """Stop the worker processes of the loader's current iterator now (loaders without `close()` keep theirs until
     their iterator is collected)."""
-    close = getattr(loader, "close", None)
-    if close is not None:
-        close()
+    if hasattr(loader, "close"):
+        loader.close()
 
 
 def batch_description(args, dataset, steps_per_epoch: Optional[int]) -> str:
