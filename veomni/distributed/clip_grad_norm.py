@@ -58,12 +58,10 @@ def _group_norm(grads, norm_type: float) -> torch.Tensor:
         raise ValueError(f"gradient with partial placement {first.placements}: reduce it before taking its norm")
     # the local norm of a sharded gradient is a partial norm: combine it over exactly the sharded mesh dimensions
     inf = math.isinf(norm_type)
-    value = norm if inf else norm**norm_type
+    value, op = (norm, dist.ReduceOp.MAX) if inf else (norm**norm_type, dist.ReduceOp.SUM)
     for dim, placement in enumerate(first.placements):
         if placement.is_shard():
-            dist.all_reduce(
-                value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=first.device_mesh.get_group(dim)
-            )
+            dist.all_reduce(value, op=op, group=first.device_mesh.get_group(dim))
     return value if inf else value ** (1.0 / norm_type)
 
 

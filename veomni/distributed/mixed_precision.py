@@ -21,7 +21,6 @@ autocast of the same dtype changes nothing.
 """
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -47,13 +46,12 @@ def default_compute_dtype(device_type: str, mode: str = "fsdp2") -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_pure(dtype: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        logger.warning(
-            f"pure {dtype} training: parameters and optimizer state are {dtype}, so updates smaller than about "
-            f"1/256 of a weight are lost. Set train.accelerator.fsdp_config.mixed_precision.enable true for fp32 "
-            "master weights."
-        )
+def _warn_pure(dtype: str) -> None:  # (said by rank 0 alone: veomni's loggers warn on rank 0 unless told otherwise)
+    logger.warning(
+        f"pure {dtype} training: parameters and optimizer state are {dtype}, so updates smaller than about "
+        f"1/256 of a weight are lost. Set train.accelerator.fsdp_config.mixed_precision.enable true for fp32 "
+        "master weights."
+    )
 
 
 def resolve_precision(mixed_precision: Any, device_type: str, mode: str = "fsdp2") -> Precision:

@@ -13,9 +13,7 @@ The adapter (`adapt_multimodal_model`) changes no modeling code; hooks around th
 * keep the language model's packing kwargs (cu_seq_lens_q, max_length_q, ...) out of the encoders, whose own
   attention is per image / per audio window (HF's, with `sdpa` by default).
 * under Ulysses sequence parallelism (`MultimodalAdapter.shard_visual_outputs`), hand HF's forward only the visual
-  embeddings whose placeholders lie in this rank's shard of the packed row: every rank runs the vision tower on all
-  patches, counts the placeholders before its shard in the (gathered) full input ids, and keeps that slice, so
-  HF's own `masked_scatter` on the local input ids puts each embedding at its local position.
+  embeddings whose placeholders lie in this rank's shard of the packed row (veomni.distributed.sequence_parallel).
 """
 
 import weakref

@@ -29,14 +29,13 @@ ROPE_INDEX_CLASSES = {
     "qwen3_omni_moe_thinker": "Qwen3OmniMoeThinkerForConditionalGeneration",
 }
 # full Omni configs (thinker + talker + vocoder): training uses the thinker only
-_THINKER_OF = {"qwen2_5_omni": "thinker_config", "qwen3_omni_moe": "thinker_config"}
+_OMNI_MODEL_TYPES = ("qwen2_5_omni", "qwen3_omni_moe")
 
 
 def thinker_config(config):
     """A full Omni config trains its thinker (which owns the M-RoPE): return that sub-config (other configs
     unchanged)."""
-    sub = _THINKER_OF.get(getattr(config, "model_type", ""))
-    return getattr(config, sub) if sub else config
+    return config.thinker_config if getattr(config, "model_type", "") in _OMNI_MODEL_TYPES else config
 
 
 class _RopeIndex:

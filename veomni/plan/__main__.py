@@ -35,11 +35,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _bad_flag(options: argparse.Namespace) -> Optional[str]:
     """What is wrong with the planner's own flags, naming the flag (None when nothing is)."""
-    for flag, value in (
-        ("--nnodes", options.nnodes),
-        ("--nproc-per-node", options.nproc_per_node),
-        ("--top", options.top),
-    ):
+    counts = {"--nnodes": options.nnodes, "--nproc-per-node": options.nproc_per_node, "--top": options.top}
+    for flag, value in counts.items():
         if value < 1:
             return f"{flag} takes a count >= 1, got {value}"
     if options.mfu is not None and not 0 < options.mfu <= 1:

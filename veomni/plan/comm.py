@@ -73,9 +73,8 @@ def _fsdp(book: _Book, step: StepShape) -> None:
     for unit in book.plan.units:
         for _ in step.micro_batches:
             if unit.shard_size > 1:
-                gathers = 2 if book.plan.reshard else 1
                 gathered = unit.shard_size * unit.padded_numel * step.compute_bytes
-                for _ in range(gathers):
+                for _ in range(2 if book.plan.reshard else 1):
                     book.add("all_gather", unit.label, gathered, unit.shard_ranks, unit.shard_size, True)
                 scattered = unit.shard_size * unit.padded_numel * step.reduce_bytes
                 book.add("reduce_scatter", unit.label, scattered, unit.shard_ranks, unit.shard_size, True)

@@ -72,13 +72,6 @@ def fitting_layouts(args, world: int, capacity: float, top: int = 3) -> List[str
     return [describe(c.layout) for c in found if c.fits(capacity)][:top]
 
 
-def _largest_peak(trainer, peak: float) -> float:
-    """The largest predicted peak over the ranks (every rank calls this: one all-reduce in host memory)."""
-    value = torch.tensor([peak], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=trainer.host_group.get())
-    return float(value.item())
-
-
 def _size(nbytes: float) -> str:
     for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale / 10:
@@ -121,7 +114,9 @@ class PlanCheckCallback(Callback):
             logger.warning(f"plan: no memory prediction for this run ({type(err).__name__}: {err})")
             self.predicted, peak = None, 0.0
         if budget is not None:  # every rank alike: the verdict is the same everywhere
-            peak = _largest_peak(trainer, peak)
+            largest = torch.tensor([peak], dtype=torch.float64)  # over the ranks: one all-reduce in host memory
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=trainer.host_group.get())
+            peak = float(largest.item())
             if peak > budget:
                 message = refusal(trainer, self.predicted, peak, budget)
                 if mode == "refuse":

@@ -50,8 +50,7 @@ class RankPlan:
 
 
 def nbytes(t: torch.Tensor) -> int:
-    t = local_tensor(t)
-    return t.numel() * t.element_size()
+    return local_tensor(t).nbytes
 
 
 def _ranks(group) -> Ranks:

@@ -62,6 +62,5 @@ def shard_visual_outputs(config, ran: Dict[str, Any], input_ids: Optional[torch.
         if kind in ran:
             is_placeholder = full == _placeholder_id(config, kind)
             start = int(is_placeholder[..., :begin].sum())
-            ran[kind] = _keep_local_tokens(
-                ran[kind], start, start + int(is_placeholder[..., begin : begin + local].sum())
-            )
+            end = start + int(is_placeholder[..., begin : begin + local].sum())
+            ran[kind] = _keep_local_tokens(ran[kind], start, end)
