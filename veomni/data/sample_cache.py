@@ -248,7 +248,7 @@ def _build(dataset, folder: str, parts: Optional[Dict[str, str]], rank: int, wor
     on_rank0(lambda: _publish(tmp, folder, world, parts), group)  # rank 0's failure ends every rank at once
 
 
-def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict[str, str]]) -> None:
+def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict[str, str]] = None) -> None:
     """Rank 0: the manifest from every rank's part descriptions, then the folder renamed into place (a cache of
     this run's own, `-unshared-`, keeps its lock: it is in use until the run ends)."""
     parts = []
