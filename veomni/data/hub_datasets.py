@@ -23,9 +23,8 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..utils import hub
+from ..utils.hub import HubData  # the reference and its grammar live with the hub names
 from .streaming import IterativeDataset
-
-HubData = hub.HubData  # the reference and its grammar live with the hub names
 
 
 def _datasets():
