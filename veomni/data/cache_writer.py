@@ -20,13 +20,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .readers import BLANK
+from .readers import BLANK, Unit
 
 CHUNK_BYTES = 4 << 20  # a token file is checksummed per chunk, each verified when it is first read
 _FLUSH_BYTES = 16 << 20  # a field's tokens go to disk in blocks of this size
 _BATCH = 512  # records per (batched) transform call
 _INT32 = (-(2**31), 2**31 - 1)
-Unit = Tuple[int, int, int]
 _ALIAS = {"alias": "input_ids"}  # a field noted as equal to input_ids (as the manifest describes it)
 
 

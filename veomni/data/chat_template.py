@@ -46,9 +46,7 @@ class ChatTemplate(ABC):
     def __init__(self, tokenizer, last_turn_only: bool = False, think_loss: str = "train"):
         if think_loss not in THINK_LOSS:
             raise ChatTemplateError(f"think_loss={think_loss!r}; expected one of {list(THINK_LOSS)}")
-        self.tokenizer = tokenizer
-        self.last_turn_only = last_turn_only
-        self.think_loss = think_loss
+        self.tokenizer, self.last_turn_only, self.think_loss = tokenizer, last_turn_only, think_loss
 
     @abstractmethod
     def encode_messages(self, messages: Sequence[Dict[str, str]], max_seq_len: int = 8192) -> Dict[str, List[int]]:
@@ -278,17 +276,6 @@ class DefaultTemplate(TokenizerTemplate):
         return "Assistant:\n", self.tokenizer.eos_token
 
 
-def _custom_jinja(name: str) -> Optional[str]:
-    """The jinja of a `data.chat_template` that is a template itself or a `.jinja` file, else None."""
-    if "{%" in name or "{{" in name:
-        return name
-    if name.endswith((".jinja", ".j2")):
-        if not os.path.isfile(name):
-            raise ChatTemplateError(f"data.chat_template: {name} does not exist")
-        return Path(name).read_text(encoding="utf-8")
-    return None
-
-
 def build_chat_template(
     name: str, tokenizer, last_turn_only: bool = False, think_loss: str = "train", **kwargs
 ) -> ChatTemplate:
@@ -296,10 +283,12 @@ def build_chat_template(
     `default`, one added with `@CHAT_TEMPLATE_REGISTRY.register(name)`, or a custom jinja template (the text itself
     or a `.jinja` file: it becomes the tokenizer's chat_template and is used as `tokenizer`). `last_turn_only`
     and `think_loss` (see the module doc) apply to every built-in template; other keywords go to the constructor."""
-    jinja = _custom_jinja(name)
-    if jinja is not None:
-        tokenizer.chat_template = jinja
-        name = "tokenizer"
+    if "{%" in name or "{{" in name:
+        tokenizer.chat_template, name = name, "tokenizer"
+    elif name.endswith((".jinja", ".j2")):
+        if not os.path.isfile(name):
+            raise ChatTemplateError(f"data.chat_template: {name} does not exist")
+        tokenizer.chat_template, name = Path(name).read_text(encoding="utf-8"), "tokenizer"
     if name == "auto":
         name = "tokenizer" if getattr(tokenizer, "chat_template", None) else "default"
     cls = CHAT_TEMPLATE_REGISTRY.get(name)

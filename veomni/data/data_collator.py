@@ -8,7 +8,7 @@ loss without shifting a second time. `position_ids` restart at every document, w
 (varlen) attention keys on; `cu_seq_lens_*` / `max_length_*` serve flash-attention varlen kernels.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -26,18 +26,9 @@ class DataCollateInfo:
     # (merge_size**2 for vision patches: each rank then holds whole merged tokens)
 
 
-def default_collate_infos() -> Dict[str, DataCollateInfo]:
-    return {
-        "input_ids": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=0),
-        "labels": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=IGNORE_INDEX),
-        "position_ids": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=0),
-        "attention_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0),
-    }
-
-
 @dataclass
 class MainCollator:
-    collate_infos: Dict[str, DataCollateInfo] = field(default_factory=default_collate_infos)
+    collate_infos: Optional[Dict[str, DataCollateInfo]] = None  # added to (or overriding) the text fields' own
     seq_classification: bool = False
     pad_to_length: bool = False
     max_seq_len: Optional[int] = None
@@ -46,7 +37,13 @@ class MainCollator:
     sp_rank: Optional[int] = None  # collator (build_dataloader, the trainers); None: no sequence parallel
 
     def __post_init__(self):
-        self.collate_infos = {**default_collate_infos(), **(self.collate_infos or {})}
+        self.collate_infos = {
+            "input_ids": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=0),
+            "labels": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=IGNORE_INDEX),
+            "position_ids": DataCollateInfo(pack_dim=-1, sp_slice=True, sp_pad_value=0),
+            "attention_mask": DataCollateInfo(pack_dim=-1, sp_slice=False, sp_pad_value=0),
+            **(self.collate_infos or {}),
+        }
         if self.sp_size is None:  # left to guess, it would pack whole rows on every rank of a Ulysses group: refuse
             from ..distributed.parallel_state import parallel_state_or_none
 

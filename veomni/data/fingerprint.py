@@ -26,13 +26,11 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 _MAX_DEPTH = 12
+_WHOLE_FILE, _BLOCKS, _BLOCK = 1 << 20, 32, 16 << 10
 
 
 class Unfingerprintable(TypeError):
     """No stable fingerprint for this object: its results are not cached."""
-
-
-_WHOLE_FILE, _BLOCKS, _BLOCK = 1 << 20, 32, 16 << 10
 
 
 def fingerprint(*objects: Any, package: bool = True, exclude: Any = None) -> str:
@@ -179,9 +177,8 @@ def _describe(obj: Any, depth: int, seen: set) -> str:
         return _tokenizer(obj)
     if callable(getattr(type(obj), "get_attributes", None)):  # an HF processor
         parts = {name: getattr(obj, name, None) for name in type(obj).get_attributes()}  # tokenizer, image, audio
-        return (
-            f"processor:{type(obj).__name__}:{_describe(parts, depth + 1, seen)}:{getattr(obj, 'chat_template', None)}"
-        )
+        template = getattr(obj, "chat_template", None)
+        return f"processor:{type(obj).__name__}:{_describe(parts, depth + 1, seen)}:{template}"
     if hasattr(obj, "to_json_string") and callable(obj.to_json_string):  # configs, image processors, extractors
         with contextlib.suppress(Exception):  # some processors cannot serialise every attribute: then their state
             return f"json:{type(obj).__name__}:{obj.to_json_string()}"

@@ -19,12 +19,12 @@ such a path is used (`pip install veomni[hub]`).
 """
 
 import os
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..utils import hub
+from ..utils.hub import HubData  # the reference and its grammar live with the hub names
 from .streaming import IterativeDataset
-
-HubData = hub.HubData  # the reference and its grammar live with the hub names
 
 
 def _datasets():
@@ -47,12 +47,11 @@ def _source(ref: HubData, key: str, path: str) -> Tuple[HubData, str, Optional[s
     try:
         if hub.offline():
             folder = huggingface_hub.snapshot_download(ref.repo, revision=ref.revision, repo_type="dataset")
-            pinned = HubData(ref.repo, os.path.basename(folder), ref.config, ref.split)
-            return pinned, folder, None
+            return replace(ref, revision=os.path.basename(folder)), folder, None
         commit = huggingface_hub.HfApi().dataset_info(ref.repo, revision=ref.revision).sha
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
         raise hub.HubNameError(hub.explain(key, path, err)) from None
-    return HubData(ref.repo, commit, ref.config, ref.split), ref.repo, commit
+    return replace(ref, revision=commit), ref.repo, commit
 
 
 def _check_config_and_split(ref: HubData, source: str, revision: Optional[str], key: str, path: str) -> None:

@@ -143,8 +143,7 @@ def expand_runs(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def _problem(folder: str) -> Optional[str]:
-    """Why the cache in `folder` cannot be used (None if it can): its manifest, every file's size, and the
-    checksums of the index arrays (read in full on opening anyway). Token files are checked as they are read."""
+    """Why the cache in `folder` cannot be used (None if it can): what is checked on opening (the module doc)."""
     path = os.path.join(folder, "manifest.json")
     if not os.path.isfile(path):
         return "no manifest (not built, or its build did not finish)"
@@ -249,14 +248,6 @@ def _build(dataset, folder: str, parts: Optional[Dict[str, str]], rank: int, wor
     on_rank0(lambda: _publish(tmp, folder, world, parts), group)  # rank 0's failure ends every rank at once
 
 
-def _start_build(folder: str) -> str:
-    """Rank 0: a fresh `.building-*` folder, with the lock that says a live process is building it."""
-    tmp = f"{folder}.building-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
-    hold_lock(tmp)
-    return tmp
-
-
 def _publish(tmp: str, folder: str, world: int, parts_fingerprint: Optional[Dict[str, str]] = None) -> None:
     """Rank 0: the manifest from every rank's part descriptions, then the folder renamed into place (a cache of
     this run's own, `-unshared-`, keeps its lock: it is in use until the run ends)."""
@@ -308,13 +299,16 @@ _LOCK = ".lock"
 _SWEPT = re.compile(r"\.(building|stale)-[0-9a-f]+$|-unshared-[0-9a-f]+$")
 
 
-def hold_lock(folder: str) -> None:
-    """Hold `folder`'s lock for this process's life (or until `release_lock`): it names this host and process."""
-    path = os.path.join(folder, _LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _start_build(folder: str) -> str:
+    """Rank 0: a fresh `.building-*` folder, holding the lock that says a live process is building it (for this
+    process's life, or until `release_lock`): the lock names this host and process."""
+    tmp = f"{folder}.building-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
+    fd = os.open(os.path.join(tmp, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}).encode())
-    _HELD_LOCKS[folder] = fd
+    _HELD_LOCKS[tmp] = fd
+    return tmp
 
 
 def release_lock(folder: str) -> None:
