@@ -218,6 +218,42 @@ def test_loader_still_iterated_or_closed_keeps_its_data(files):
     assert sorted(r for step in persistent for mb in step for r in _record_ids(mb)) == list(range(257))
 
 
+def test_a_worker_never_collects_the_garbage_it_inherited(files):
+    """A loader worker is a fork of the training process: the parent's garbage -- here a gloo group still in a
+    reference cycle -- must not be finalized in it, where the group's threads do not exist (its destructor hung
+    there, or aborted: a worker killed by SIGABRT in CI). The collate function runs the worker's collector."""
+    import threading
+
+    import torch.distributed as dist
+
+    from veomni.data.data_collator import MainCollator
+
+    collator = MainCollator(max_seq_len=MAX_LEN)
+
+    def collate(samples):
+        gc.collect()
+        return collator(samples)
+
+    class Cycle:
+        pass
+
+    gc.disable()  # the garbage must outlive the fork
+    try:
+        garbage = Cycle()
+        garbage.me, garbage.group = garbage, dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+        del garbage
+        it = iter(_loader(_dataset(files[0], "mapping"), workers=1, collate_fn=collate))
+    finally:
+        gc.enable()
+    watchdog = threading.Timer(60, lambda: [w.kill() for w in it._workers])  # a hung worker fails the test
+    watchdog.start()
+    try:
+        assert sorted(r for step in it for mb in step for r in _record_ids(mb)) == list(range(257))
+    finally:
+        watchdog.cancel()
+    gc.collect()  # the group's own process finalizes it
+
+
 def test_dynamic_batching_fills_token_budget(files):
     folder, _ = files
     budget = 2 * MAX_LEN

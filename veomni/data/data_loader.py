@@ -8,6 +8,7 @@ Either way the global batches do not depend on the world size, and the loader st
 """
 
 import copy
+import gc
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional
@@ -62,8 +63,18 @@ def build_loader(
         num_workers=num_workers,
         drop_last=batching.drop_last,
         pin_memory=pin_memory and torch.cuda.is_available(),
+        worker_init_fn=_freeze_inherited_objects,
         **extra,
     )
+
+
+def _freeze_inherited_objects(worker_id: int) -> None:
+    """A loader worker is a fork of the training process: its garbage collector must leave what it inherited alone.
+    Garbage of the parent's (a destroyed process group still in a reference cycle, an old loader iterator) would be
+    finalized here, where the threads, queues and sockets it owns do not exist: a gloo group's destructor then waits
+    forever on, or aborts over, the parent's threads (a worker killed by SIGABRT, seen in CI). Frozen, the inherited
+    objects are never scanned either, so the collector does not copy the parent's heap into the worker page by page."""
+    gc.freeze()
 
 
 def build_dataloader(
