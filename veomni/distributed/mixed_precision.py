@@ -46,7 +46,8 @@ def default_compute_dtype(device_type: str, mode: str = "fsdp2") -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_pure(dtype: str) -> None:  # (said by rank 0 alone: veomni's loggers warn on rank 0 unless told otherwise)
+def _warn_pure(dtype: str) -> None:
+    """Said once, by rank 0 alone (veomni's loggers drop other ranks' records unless told otherwise)."""
     logger.warning(
         f"pure {dtype} training: parameters and optimizer state are {dtype}, so updates smaller than about "
         f"1/256 of a weight are lost. Set train.accelerator.fsdp_config.mixed_precision.enable true for fp32 "
