@@ -402,8 +402,8 @@ class _Numbers(torch.utils.data.Dataset):
 
 def test_a_loader_copied_into_a_forked_process_is_not_shut_down_there():
     """A DataLoader worker forked while another loader iterates holds a copy of it; when that copy is collected
-    there, the iterator's shutdown must not run (it would tear down the owner's queues and threads: an abort seen
-    in CI). The owner still stops its workers as before."""
+    there, the iterator's shutdown must not run (it would tell the owner's workers to exit: the owner then waits for
+    a batch that never comes). The owner still stops its workers as before."""
     import gc
 
     loader = compat_data.IteratorSlotLoader(_Numbers(), batch_size=2, num_workers=2)

@@ -90,8 +90,8 @@ class IteratorSlotLoader(StatefulDataLoader):
 def _release(box: List[Any], owner_pid: int) -> None:
     if os.getpid() == owner_pid:
         box[0] = None  # the last reference gone, torch's __del__ stops the workers; otherwise its holder still iterates
-    else:  # a copy in a DataLoader worker forked while the loader lived: its iterator's shutdown there would tear
-        _FOREIGN.append(box)  # down the owner's queues and threads (a C++ abort in the worker), so it is never freed
+    else:  # a copy in a process forked while the loader lived: its iterator's shutdown there would tell the owner's
+        _FOREIGN.append(box)  # workers to exit (the owner's next batch then never comes), so it is never freed
 
 
 _FOREIGN: List[List[Any]] = []  # iterator boxes copied into a forked process: kept, never shut down there
