@@ -108,18 +108,15 @@ def build_dataloader(
     `collate_fn` is given."""
     if dataloader_type != "native":
         raise ValueError(f"unknown dataloader type {dataloader_type!r}; only 'native' exists")
-    from ..distributed.parallel_state import get_parallel_state, parallel_state_or_none
-
     if dp_rank is None or dp_size is None:  # the seed's call gives neither: this rank's place in the parallel state
+        from ..distributed.parallel_state import get_parallel_state
+
         state = get_parallel_state()  # raises, naming init_parallel_state, when it was not initialised
         dp_rank, dp_size = state.dp_rank, state.dp_size
     if collate_fn is None:
         if not build_collate_fn:
             raise ValueError("build_collate_fn=False needs an explicit collate_fn")
-        kwargs, state = dict(collate_fn_kwargs or {}), parallel_state_or_none()
-        if "sp_size" not in kwargs and state is not None:  # unless the caller gave it: the state's Ulysses group
-            kwargs.update(sp_size=state.sp_size, sp_rank=state.sp_rank)
-        collate_fn = MainCollator(max_seq_len=max_seq_len, **kwargs)
+        collate_fn = MainCollator(max_seq_len=max_seq_len, **_with_sequence_parallel(collate_fn_kwargs or {}))
     batching = Batching(
         micro_batch_size=micro_batch_size,
         max_seq_len=max_seq_len,
@@ -243,3 +240,15 @@ def _slots_per_rank(global_batch_size: Optional[int], micro: int, per_rank: int,
             f"{slots} matches)"
         )
     return slots
+
+
+def _with_sequence_parallel(collate_fn_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The collator's sp_size / sp_rank, when the caller gave none: the parallel state's Ulysses group."""
+    if "sp_size" in collate_fn_kwargs:
+        return collate_fn_kwargs
+    from ..distributed.parallel_state import parallel_state_or_none
+
+    state = parallel_state_or_none()
+    if state is None:
+        return collate_fn_kwargs
+    return dict(collate_fn_kwargs, sp_size=state.sp_size, sp_rank=state.sp_rank)
